@@ -1,0 +1,2 @@
+class UniepOptions: pass
+def uniep_backend(*a, **k): pass

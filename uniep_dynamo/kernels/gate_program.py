@@ -1,0 +1,143 @@
+"""Gate programs: the element-wise step between the two expert projections, as data.
+
+HF families differ in what they do between ``gate_up_proj`` and ``down_proj``: SiLU- or GELU-gated
+halves of a concatenated projection (Mixtral, Qwen, OLMoE, DeepSeek), clamped interleaved halves with
+an ``alpha`` sigmoid (GPT-OSS), clamped SwiGLU (DeepSeek-V4, HY-V4), an fp32 upcast around the gate
+(Beam), or no gate at all (``relu(x)**2``). The pattern matcher does not hard-code these: it records
+whatever element-wise ops the graph applies, as a small expression tree over three leaves
+
+    ["gate"], ["up"]   the two halves of the up projection (split "chunk" or "interleave")
+    ["h"]              the whole up projection (split "none", models without a gate)
+
+with nodes ``["call", name, [args], {kwargs}]`` and constants ``["const", v]`` / ``["dtype", "float32"]``.
+The reference evaluates the same ops in the same order, so its result equals eager's bit for bit on
+the same device. Kernels accept the programs they recognise (``classify``) and fall back otherwise.
+"""
+from __future__ import annotations
+
+import json
+import operator
+
+import torch
+import torch.nn.functional as F
+
+SPLITS = ("chunk", "interleave", "none")
+
+
+def _to(x, dtype):
+    return x.to(dtype)
+
+
+# name -> (callable, allowed keyword names). Only element-wise, shape-preserving ops belong here:
+# the program maps each row of the up projection to one row of the down projection's input.
+ELEMENTWISE_OPS = {
+    "add": (operator.add, ()),
+    "sub": (operator.sub, ()),
+    "mul": (operator.mul, ()),
+    "truediv": (operator.truediv, ()),
+    "pow": (operator.pow, ()),
+    "neg": (operator.neg, ()),
+    "sigmoid": (torch.sigmoid, ()),
+    "tanh": (torch.tanh, ()),
+    "exp": (torch.exp, ()),
+    "erf": (torch.erf, ()),
+    "square": (torch.square, ()),
+    "silu": (F.silu, ()),
+    "relu": (F.relu, ()),
+    "gelu": (F.gelu, ("approximate",)),
+    "softplus": (F.softplus, ("beta", "threshold")),
+    "clamp": (torch.clamp, ("min", "max")),
+    "to": (_to, ()),
+}
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def dtype_const(dtype: torch.dtype) -> list:
+    return ["dtype", str(dtype).replace("torch.", "")]
+
+
+def encode(split: str, expr) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"unknown gate split {split!r}")
+    return json.dumps({"split": split, "expr": expr}, separators=(",", ":"), sort_keys=True)
+
+
+def decode(program: str) -> tuple[str, list]:
+    data = json.loads(program)
+    return data["split"], data["expr"]
+
+
+def split_halves(h: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+    if split == "none":
+        return {"h": h}
+    if split == "chunk":
+        gate, up = h.chunk(2, dim=-1)
+    elif split == "interleave":
+        gate, up = h[..., ::2], h[..., 1::2]
+    else:
+        raise ValueError(f"unknown gate split {split!r}")
+    return {"gate": gate, "up": up}
+
+
+def _eval(expr, leaves):
+    kind = expr[0]
+    if kind in ("gate", "up", "h"):
+        return leaves[kind]
+    if kind == "const":
+        return expr[1]
+    if kind == "dtype":
+        return _DTYPES[expr[1]]
+    if kind == "call":
+        _, name, args, kwargs = expr
+        fn, _allowed = ELEMENTWISE_OPS[name]
+        return fn(*[_eval(a, leaves) for a in args], **{k: _eval(v, leaves) for k, v in kwargs.items()})
+    raise ValueError(f"malformed gate program node {expr!r}")
+
+
+def apply_gate(program: str, h: torch.Tensor) -> torch.Tensor:
+    """Evaluate a gate program on the up projection ``h`` ([rows, N]) -> [rows, N or N/2]."""
+    split, expr = decode(program)
+    out = _eval(expr, split_halves(h, split))
+    if not isinstance(out, torch.Tensor):
+        raise ValueError("uniep: a gate program must produce a tensor")
+    return out
+
+
+def describe(program: str) -> str:
+    """A short human-readable rendering, for logs: ``silu(gate) * up``."""
+    split, expr = decode(program)
+
+    def show(e):
+        if e[0] in ("gate", "up", "h"):
+            return e[0]
+        if e[0] == "const":
+            return repr(e[1])
+        if e[0] == "dtype":
+            return e[1]
+        _, name, args, kwargs = e
+        infix = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "pow": "**"}
+        parts = [show(a) for a in args]
+        if name in infix and len(parts) == 2 and not kwargs:
+            return f"({parts[0]} {infix[name]} {parts[1]})"
+        parts += [f"{k}={show(v)}" for k, v in kwargs.items()]
+        return f"{name}({', '.join(parts)})"
+
+    text = show(expr)
+    return text if split == "none" else f"{text} [{split}]"
+
+
+def classify(program: str) -> str | None:
+    """Name the standard activations a fused kernel implements, or None for a custom program."""
+    split, expr = decode(program)
+    silu_glu = ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}]
+    if split == "chunk" and expr == silu_glu:
+        return "silu_glu"
+    for approx in ("none", "tanh"):
+        kw = {} if approx == "none" else {"approximate": ["const", "tanh"]}
+        if split == "chunk" and expr == ["call", "mul", [["call", "gelu", [["gate"]], kw], ["up"]], {}]:
+            return "gelu_glu" if approx == "none" else "gelu_tanh_glu"
+    if split == "none" and expr in (["call", "square", [["call", "relu", [["h"]], {}]], {}],
+                                    ["call", "pow", [["call", "relu", [["h"]], {}], ["const", 2]], {}]):
+        return "relu2"
+    return None

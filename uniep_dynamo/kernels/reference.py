@@ -1,0 +1,168 @@
+"""Pure-PyTorch reference of the uniep experts op: the oracle for every test and the CPU path.
+
+Data flow (S = T*K routed slots, slot s = t*K + k):
+
+    routing plan   row_order[r]  = slot of expert-sorted row r, stable by (expert, token, k)
+                   slot_row[s]   = row of slot s (inverse permutation)
+                   expert_offsets[e] = end row of expert e (cumulative counts)
+    forward        x_rows = hidden[row_order // K]
+                   up     = x_rows @ W_up[e]   (+ b_up[e])        grouped GEMM over row blocks
+                   act    = gate_program(up)                       element-wise
+                   down   = act @ W_down[e] (+ b_down[e])          grouped GEMM
+                   out[t] = sum_k w[t,k] * down[slot_row[t*K+k]]   fp32, k in order 0..K-1
+    backward       the same plan; d_down rows from grad_out * w; d_w from <grad_out, down>;
+                   weight and bias gradients are per-expert GEMMs over each expert's rows in row order;
+                   d_hidden[t] = sum_k d_x_rows[slot_row[t*K+k]] in fp32, k in order.
+
+Numerics: GEMMs accumulate in fp32 (torch.mm / torch._grouped_mm); the combine and the token
+gradient sum the K partials in fp32 in k order. Nothing here uses index_add_, scatter_add or
+index_put(accumulate=True): every write has a unique destination, so results are bitwise
+reproducible run to run.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import gate_program
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def routing_plan(topk_ids: torch.Tensor, num_experts: int):
+    """(row_order, slot_row, expert_offsets) for a [T, K] tensor of expert ids."""
+    flat = topk_ids.reshape(-1)
+    # A stable sort of the expert id keeps (token, k) order inside each expert: slot s = t*K + k.
+    row_order = torch.argsort(flat, stable=True)
+    slot_row = torch.empty_like(row_order)
+    slot_row[row_order] = torch.arange(row_order.numel(), device=row_order.device)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    expert_offsets = torch.cumsum(counts, 0)
+    return row_order, slot_row, expert_offsets
+
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    if topk_ids.numel() == 0:
+        return
+    if topk_ids.device.type == "cuda":
+        # No host sync on GPU: a device-side assert fires if an id is out of range.
+        torch._assert_async(((topk_ids >= 0) & (topk_ids < num_experts)).all())
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"uniep: expert ids must lie in [0, {num_experts}), got ids from {lo} to {hi}")
+
+
+def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
+    return a.is_cuda and a.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def _host_bounds(expert_offsets: torch.Tensor) -> list[int]:
+    return [0] + expert_offsets.tolist()
+
+
+def grouped_mm(rows: torch.Tensor, w_eff: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """rows [R, in] sorted by expert; w_eff [E, in, out] (any strides) -> [R, out]."""
+    if rows.shape[0] > 0 and _use_grouped_mm(rows, w_eff):
+        return torch._grouped_mm(rows, w_eff, offs=expert_offsets.to(torch.int32))
+    out = rows.new_zeros(rows.shape[0], w_eff.shape[-1])
+    bounds = _host_bounds(expert_offsets)
+    for e in range(w_eff.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = rows[lo:hi] @ w_eff[e]
+    return out
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """Per expert e: a[rows of e]^T @ b[rows of e] -> [E, a.cols, b.cols]; zero for experts without rows."""
+    num_experts = expert_offsets.shape[0]
+    if a.shape[0] > 0 and _use_grouped_mm(a, b):
+        out = torch._grouped_mm(a.t(), b, offs=expert_offsets.to(torch.int32))
+        # Experts that received no rows must get an exact zero, whatever the kernel left there.
+        counts = torch.diff(expert_offsets, prepend=expert_offsets.new_zeros(1))
+        return torch.where((counts > 0).view(-1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    out = a.new_zeros(num_experts, a.shape[1], b.shape[1])
+    bounds = _host_bounds(expert_offsets)
+    for e in range(num_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[e] = a[lo:hi].t() @ b[lo:hi]
+    return out
+
+
+def effective_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """The [E, in, out] view of an expert weight stored as [E, out, in] ("oi") or [E, in, out] ("io")."""
+    return w.transpose(-2, -1) if layout == "oi" else w
+
+
+def combine_k_in_order(slot_values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """slot_values [T, K, H] -> [T, H] in fp32: sum over k in order 0..K-1, each term optionally weighted."""
+    acc = None
+    for k in range(slot_values.shape[1]):
+        term = slot_values[:, k].float()
+        if weights is not None:
+            term = term * weights[:, k : k + 1].float()
+        acc = term if acc is None else acc + term
+    if acc is None:
+        return slot_values.new_zeros(slot_values.shape[0], slot_values.shape[2], dtype=torch.float32)
+    return acc
+
+
+def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
+    """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for backward."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w_up.shape[0]
+    check_expert_ids(topk_ids, num_experts)
+    row_order, slot_row, expert_offsets = routing_plan(topk_ids, num_experts)
+    x_rows = hidden[row_order // top_k]
+    up = grouped_mm(x_rows, effective_weight(w_up, spec.up_layout), expert_offsets)
+    if b_up is not None:
+        up = up + b_up[topk_ids.reshape(-1)[row_order]]
+    act = gate_program.apply_gate(spec.gate, up)
+    down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
+    if b_down is not None:
+        down = down + b_down[topk_ids.reshape(-1)[row_order]]
+    slot_values = down[slot_row].view(num_tokens, top_k, -1)
+    out = combine_k_in_order(slot_values, topk_weights).to(spec.out_dtype)
+    return out, row_order, slot_row, expert_offsets, up, down
+
+
+def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                     row_order, slot_row, expert_offsets, up, down, spec):
+    """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down); bias grads None if no bias."""
+    num_tokens, top_k = topk_ids.shape
+    hidden_size = down.shape[-1]
+    g = grad_out.float()
+    slot_down = down[slot_row].view(num_tokens, top_k, hidden_size).float()
+    # d w[t,k] = <grad_out[t], down[t,k]>, one fp32 reduction over H per slot.
+    d_weights = (g.unsqueeze(1) * slot_down).sum(-1).to(topk_weights.dtype)
+    d_down_slots = (g.unsqueeze(1) * topk_weights.float().unsqueeze(-1)).to(down.dtype)
+    d_down = d_down_slots.reshape(-1, hidden_size)[row_order]
+
+    w_down_eff = effective_weight(w_down, spec.down_layout)
+    # The gate program is arbitrary element-wise torch code: its vector-Jacobian product comes from
+    # torch.func (autograd's own dispatch is below us inside a custom op). Element-wise, so deterministic.
+    act, gate_vjp = torch.func.vjp(lambda h: gate_program.apply_gate(spec.gate, h), up)
+    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets).to(act.dtype)
+    (d_up,) = gate_vjp(d_act)
+    act = act.detach().to(w_down.dtype)
+    d_w_down_eff = grouped_weight_grad(act, d_down, expert_offsets)
+    d_w_down = effective_weight(d_w_down_eff, spec.down_layout).contiguous()
+
+    d_up = d_up.to(w_up.dtype)
+    x_rows = hidden[row_order // top_k].to(w_up.dtype)
+    w_up_eff = effective_weight(w_up, spec.up_layout)
+    d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets)
+    d_w_up = effective_weight(grouped_weight_grad(x_rows, d_up, expert_offsets), spec.up_layout).contiguous()
+    d_hidden = combine_k_in_order(d_x_rows[slot_row].view(num_tokens, top_k, -1), None).to(hidden.dtype)
+
+    d_b_up = d_b_down = None
+    if b_up is not None or b_down is not None:
+        # Bias gradients are per-expert column sums, done as GEMMs against ones so the row order is
+        # fixed; 8 columns keep the ones matrix 16-byte aligned for torch._grouped_mm (only column 0 is used).
+        ones = d_up.new_ones(d_up.shape[0], 8)
+        if b_up is not None:
+            d_b_up = grouped_weight_grad(d_up, ones, expert_offsets)[..., 0].to(b_up.dtype)
+        if b_down is not None:
+            d_b_down = grouped_weight_grad(d_down, ones.to(d_down.dtype), expert_offsets)[..., 0].to(b_down.dtype)
+    return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down

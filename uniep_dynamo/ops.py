@@ -1,0 +1,88 @@
+"""The uniep custom ops (torch.library), their fake implementations and autograd.
+
+``uniep::moe_experts`` is what a matched experts region becomes in the forward graph. Its backward
+formula calls ``uniep::moe_experts_backward``, so AOTAutograd's backward graph holds one opaque node
+as well. Besides the output the forward returns the routing plan (row_order, slot_row,
+expert_offsets) and the two projections, which setup_context saves: backward reuses the forward's
+token order instead of recomputing it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kernels import reference
+from .spec import decode_spec
+
+_FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
+               "Tensor? b_up, Tensor? b_down, str spec) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
+               "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor row_order, Tensor slot_row, "
+               "Tensor expert_offsets, Tensor up, Tensor down, str spec) "
+               "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
+def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
+    return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, decode_spec(spec))
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
+    s = decode_spec(spec)
+    num_tokens, top_k = topk_ids.shape
+    rows = num_tokens * top_k
+    up_width = w_up.shape[1] if s.up_layout == "oi" else w_up.shape[2]
+    hidden_size = w_down.shape[1] if s.down_layout == "oi" else w_down.shape[2]
+    out = hidden.new_empty(num_tokens, hidden_size, dtype=s.out_dtype)
+    row_order = topk_ids.new_empty(rows, dtype=torch.int64)
+    slot_row = topk_ids.new_empty(rows, dtype=torch.int64)
+    offsets = topk_ids.new_empty(w_up.shape[0], dtype=torch.int64)
+    up_dtype = torch.promote_types(w_up.dtype, b_up.dtype) if b_up is not None else w_up.dtype
+    down_dtype = torch.promote_types(w_down.dtype, b_down.dtype) if b_down is not None else w_down.dtype
+    up = hidden.new_empty(rows, up_width, dtype=up_dtype)
+    down = hidden.new_empty(rows, hidden_size, dtype=down_dtype)
+    return out, row_order, slot_row, offsets, up, down
+
+
+@torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
+def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                         row_order, slot_row, expert_offsets, up, down, spec):
+    grads = reference.experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                       row_order, slot_row, expert_offsets, up, down, decode_spec(spec))
+    # A schema cannot return None: absent bias gradients travel as empty tensors.
+    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+
+
+@moe_experts_backward.register_fake
+def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                               row_order, slot_row, expert_offsets, up, down, spec):
+    return (torch.empty_like(hidden), torch.empty_like(topk_weights), torch.empty_like(w_up),
+            torch.empty_like(w_down),
+            torch.empty_like(b_up) if b_up is not None else hidden.new_empty(0),
+            torch.empty_like(b_down) if b_down is not None else hidden.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec = inputs
+    _, row_order, slot_row, expert_offsets, up, down = output
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                          row_order, slot_row, expert_offsets, up, down)
+    ctx.spec = spec
+    ctx.has_bias = (b_up is not None, b_down is not None)
+
+
+def _backward(ctx, grad_out, *_unused_grads):
+    saved = ctx.saved_tensors
+    grad_out = grad_out if grad_out is not None else torch.zeros_like(saved[0])
+    d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward(
+        grad_out, *saved, ctx.spec)
+    return (d_hidden, None, d_weights, d_w_up, d_w_down,
+            d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, None)
+
+
+moe_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts_out(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str) -> torch.Tensor:
+    """Eager convenience: the op's output alone."""
+    return torch.ops.uniep.moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec)[0]

@@ -1,0 +1,39 @@
+"""The static attributes of one matched experts region, carried into the op as one string."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import gate_program
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    up_layout: str  # "oi": weight stored [E, out, in] (HF default); "io": [E, in, out] (is_transposed)
+    down_layout: str
+    gate: str  # a gate program (kernels/gate_program.py)
+    out_dtype: torch.dtype
+
+    def encode(self) -> str:
+        return json.dumps({"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
+                           "out_dtype": str(self.out_dtype).replace("torch.", "")}, sort_keys=True,
+                          separators=(",", ":"))
+
+    def describe(self) -> str:
+        return (f"gate={gate_program.describe(self.gate)}, weights up={self.up_layout} down={self.down_layout}, "
+                f"out={str(self.out_dtype).replace('torch.', '')}")
+
+
+@functools.lru_cache(maxsize=256)
+def decode_spec(text: str) -> ExpertsSpec:
+    data = json.loads(text)
+    for key in ("up", "down"):
+        if data[key] not in ("oi", "io"):
+            raise ValueError(f"uniep: unknown weight layout {data[key]!r}")
+    gate_program.decode(data["gate"])
+    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]])
