@@ -1,0 +1,31 @@
+"""Replace a proven experts region by one call of torch.ops.uniep.moe_experts."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule
+
+from ..patterns.values import ExpertsMatch
+
+
+def lower_experts(gm: GraphModule, match: ExpertsMatch) -> torch.fx.Node:
+    graph = gm.graph
+    spec_text = match.spec.encode()
+    root = match.root
+    with graph.inserting_before(root):
+        call = graph.call_function(
+            torch.ops.uniep.moe_experts.default,
+            (match.hidden, match.topk_ids, match.topk_weights, match.w_up, match.w_down, match.b_up, match.b_down,
+             spec_text))
+        out = graph.call_function(operator.getitem, (call, 0))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in root.meta:
+            call.meta[key] = root.meta[key]
+            out.meta[key] = root.meta[key]
+    if "example_value" in root.meta:
+        out.meta["example_value"] = root.meta["example_value"]
+    root.replace_all_uses_with(out)
+    for node in reversed(match.nodes):
+        graph.erase_node(node)
+    return call

@@ -1,0 +1,4 @@
+"""Structural patterns over Dynamo graphs (one module per subgraph family)."""
+from .experts import find_experts_regions
+
+__all__ = ["find_experts_regions"]

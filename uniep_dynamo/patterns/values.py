@@ -1,0 +1,157 @@
+"""Abstract values for the experts pattern: what a graph node *means* in MoE terms.
+
+The matcher interprets a Dynamo graph node by node and gives each node one of these values (or none,
+when it is ordinary model code). Values describe tensors over the S = T*K routed slots:
+
+    Rows(order, expr, shape)  one row per routed slot, in `order`; `expr` says what every row holds
+    Order("flat", ids, K)     slot order t*K + k, as top_k_index.reshape(-1) has it
+    Order("sorted", ids, K, sort)  the order of a sort of the flat expert ids (rows grouped by expert)
+
+Row expressions are nested tuples:
+    ("x", hidden)            the token's hidden state
+    ("eid",)                 the slot's expert id          ("w", weights) the slot's routing weight
+    ("W", param) ("B", param)  the slot's expert weight matrix / bias row (batched_mm gathers)
+    ("lin", e, param, layout)  e @ W[expert] with W stored [E,out,in] ("oi") or [E,in,out] ("io")
+    ("bias", e, param)       e + B[expert]
+    ("half", i, split, e)    half i of e, split "chunk" or "interleave"
+    ("ew", name, args, kwargs) an element-wise op (kernels/gate_program.ELEMENTWISE_OPS)
+    ("weighted", e, weights) e * routing weight
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+
+class Mismatch(Exception):
+    """A node consumes MoE values in a way the experts op does not compute; the text says why."""
+
+
+@dataclass(frozen=True)
+class Order:
+    kind: str  # "flat" | "sorted"
+    ids: Node | None  # the [T, K] expert-id tensor; None while unknown (rows from repeat_interleave)
+    top_k: object  # K, an int or SymInt
+    sort: Node | None = None  # the sort node, for "sorted"
+
+    def describe(self) -> str:
+        return "slot order (t*K+k)" if self.kind == "flat" else f"expert-sorted order of {self.sort.name}"
+
+
+@dataclass(frozen=True)
+class Rows:
+    order: Order
+    expr: tuple
+    shape: str  # "row" [S,N] | "vec" [S] | "vec_col" [S,1] | "col3" [S,N,1] | "row3" [S,1,N]
+    #             | "mat" [S,a,b] | "bmm_col" [S,out,1] | "bmm_row" [S,1,out]
+    dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class SortPair:
+    ids: Node
+    top_k: object
+    sort: Node
+
+
+@dataclass(frozen=True)
+class Perm:
+    """The permutation returned by the sort: expert-sorted row r holds slot perm[r]."""
+    ids: Node
+    top_k: object
+    sort: Node
+
+
+@dataclass(frozen=True)
+class SlotToken:
+    """perm // K: the token of each expert-sorted row."""
+    order: Order
+
+
+@dataclass(frozen=True)
+class Counts:
+    ids: Node
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class Offsets:
+    ids: Node
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class WeightT:
+    """param.transpose(-2, -1) of a 3-D expert weight."""
+    param: Node
+
+
+@dataclass(frozen=True)
+class Halves:
+    order: Order
+    expr: tuple
+    dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class InvPermBlank:
+    sort: Node  # torch.empty_like(perm), about to become the inverse permutation
+
+
+@dataclass(frozen=True)
+class InvPerm:
+    sort: Node
+
+
+@dataclass(frozen=True)
+class BlankRows:
+    """torch.empty_like(rows): about to receive rows scattered back to slot order."""
+
+
+@dataclass(frozen=True)
+class Arange:
+    end: object
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Slot-order rows viewed as [T, K, H]."""
+    expr: tuple
+    ids: Node | None
+    top_k: object
+
+
+@dataclass(frozen=True)
+class Combined:
+    """sum over k of a Stacked: the experts region's [T, H] result."""
+    expr: tuple
+    ids: Node | None
+    top_k: object
+    dtype: torch.dtype | None = None
+
+
+@dataclass
+class NearMiss:
+    node: Node
+    reason: str
+    module: str = ""
+
+
+@dataclass
+class ExpertsMatch:
+    """One experts region proven equal to torch.ops.uniep.moe_experts."""
+    root: Node
+    nodes: list
+    hidden: Node
+    topk_ids: Node
+    topk_weights: Node
+    w_up: Node
+    w_down: Node
+    b_up: Node | None
+    b_down: Node | None
+    spec: object  # ExpertsSpec
+    module: str
+    spelling: str  # "grouped_mm" | "batched_mm"
+    anchors: list = field(default_factory=list)
