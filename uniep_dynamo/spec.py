@@ -9,7 +9,8 @@ import torch
 
 from .kernels import gate_program
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# float64 is accepted by the op (tests use it as an oracle); the pattern never emits it.
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)

@@ -95,16 +95,22 @@ def effective_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
     return w.transpose(-2, -1) if layout == "oi" else w
 
 
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/fp16/bf16; fp64 stays fp64 (the tests' float64 oracle)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def combine_k_in_order(slot_values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """slot_values [T, K, H] -> [T, H] in fp32: sum over k in order 0..K-1, each term optionally weighted."""
+    acc_dtype = accumulation_dtype(slot_values)
     acc = None
     for k in range(slot_values.shape[1]):
-        term = slot_values[:, k].float()
+        term = slot_values[:, k].to(acc_dtype)
         if weights is not None:
-            term = term * weights[:, k : k + 1].float()
+            term = term * weights[:, k : k + 1].to(acc_dtype)
         acc = term if acc is None else acc + term
     if acc is None:
-        return slot_values.new_zeros(slot_values.shape[0], slot_values.shape[2], dtype=torch.float32)
+        return slot_values.new_zeros(slot_values.shape[0], slot_values.shape[2], dtype=acc_dtype)
     return acc
 
 
@@ -122,7 +128,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     if b_down is not None:
         down = down + b_down[topk_ids.reshape(-1)[row_order]]
-    slot_values = down[slot_row].view(num_tokens, top_k, -1)
+    slot_values = down[slot_row].view(num_tokens, top_k, down.shape[-1])
     out = combine_k_in_order(slot_values, topk_weights).to(spec.out_dtype)
     return out, row_order, slot_row, expert_offsets, up, down
 
@@ -132,11 +138,12 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down); bias grads None if no bias."""
     num_tokens, top_k = topk_ids.shape
     hidden_size = down.shape[-1]
-    g = grad_out.float()
-    slot_down = down[slot_row].view(num_tokens, top_k, hidden_size).float()
+    acc_dtype = accumulation_dtype(down)
+    g = grad_out.to(acc_dtype)
+    slot_down = down[slot_row].view(num_tokens, top_k, hidden_size).to(acc_dtype)
     # d w[t,k] = <grad_out[t], down[t,k]>, one fp32 reduction over H per slot.
     d_weights = (g.unsqueeze(1) * slot_down).sum(-1).to(topk_weights.dtype)
-    d_down_slots = (g.unsqueeze(1) * topk_weights.float().unsqueeze(-1)).to(down.dtype)
+    d_down_slots = (g.unsqueeze(1) * topk_weights.to(acc_dtype).unsqueeze(-1)).to(down.dtype)
     d_down = d_down_slots.reshape(-1, hidden_size)[row_order]
 
     w_down_eff = effective_weight(w_down, spec.down_layout)
@@ -154,7 +161,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     w_up_eff = effective_weight(w_up, spec.up_layout)
     d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets)
     d_w_up = effective_weight(grouped_weight_grad(x_rows, d_up, expert_offsets), spec.up_layout).contiguous()
-    d_hidden = combine_k_in_order(d_x_rows[slot_row].view(num_tokens, top_k, -1), None).to(hidden.dtype)
+    d_hidden = combine_k_in_order(d_x_rows[slot_row].view(num_tokens, top_k, d_x_rows.shape[-1]), None).to(hidden.dtype)
 
     d_b_up = d_b_down = None
     if b_up is not None or b_down is not None:

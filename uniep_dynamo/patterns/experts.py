@@ -657,28 +657,40 @@ def find_experts_regions(graph: Graph) -> tuple[list[ExpertsMatch], list[NearMis
 
 
 def _relevant_misses(graph, env, misses, taken) -> list[NearMiss]:
-    """The near misses worth telling a user about: those tied to a grouped GEMM or bmm anchor that did
-    not end up in a rewritten region (ordinary model code produces none)."""
-    anchors = [n for n in graph.nodes if gu.op_name(n) in ANCHOR_OPS and n not in taken]
-    if not anchors:
-        return []
-    related: set = set()
-    for anchor in anchors:
-        stack = [anchor]
-        while stack:  # forward cone
-            n = stack.pop()
-            if n not in related:
-                related.add(n)
-                stack.extend(n.users)
-        stack = list(anchor.all_input_nodes)
-        while stack:  # backward cone through MoE values
-            n = stack.pop()
-            if n not in related:
-                related.add(n)
-                stack.extend(a for a in n.all_input_nodes if a in env or gu.op_name(a) in ("sort", "argsort"))
-    out, seen = [], set()
+    """One near miss per grouped-GEMM/bmm anchor left unrewritten: the first failure downstream of it
+    (else upstream, through MoE values), named after the anchor's module. Ordinary model code
+    (attention bmm, say) touches no MoE value and yields none."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_node = {}
     for miss in misses:
-        if miss.node in related and miss.node not in taken and (miss.module, miss.reason) not in seen:
-            seen.add((miss.module, miss.reason))
-            out.append(miss)
+        by_node.setdefault(miss.node, miss)
+    out, seen = [], set()
+    for anchor in (n for n in graph.nodes if gu.op_name(n) in ANCHOR_OPS and n not in taken):
+        downstream, stack = [], [anchor]
+        visited = set()
+        while stack:
+            n = stack.pop()
+            if n in visited:
+                continue
+            visited.add(n)
+            if n in by_node:
+                downstream.append(n)
+            stack.extend(n.users)
+        upstream, stack = [], list(anchor.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in visited:
+                continue
+            visited.add(n)
+            if n in by_node:
+                upstream.append(n)
+            stack.extend(a for a in n.all_input_nodes if a in env or a in by_node)
+        candidates = sorted(downstream, key=order.get) or sorted(upstream, key=order.get)
+        if not candidates:
+            continue
+        module = gu.module_path(anchor)
+        if module in seen:
+            continue
+        seen.add(module)
+        out.append(NearMiss(anchor, by_node[candidates[0]].reason, module))
     return out

@@ -160,7 +160,7 @@ def module_path(node: Node) -> str:
     """`model.layers.3.mlp.experts` for a node inside that module, from Dynamo's nn_module_stack."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return "<top level>"
+        return "<root module>"
     key, _cls = list(stack.values())[-1]
     path = re.sub(r"^L\['(self|fn|mod|model)'\]\.?", "", key)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
