@@ -360,8 +360,8 @@ class _Interpreter:
             canonical, args, kwargs = "to", [args[0], _CASTS[name]], {}
         elif name in _INT_CASTS:
             v = self.val(args[0])
-            if isinstance(v, Rows) and v.expr == ("eid",):
-                return v  # expert ids cast for histc
+            if (isinstance(v, Rows) and v.expr == ("eid",)) or isinstance(v, (Counts, Offsets)):
+                return v  # expert ids cast for histc, counts or offsets cast to an integer type
             if v is not None:
                 raise Mismatch(f"{name}() of MoE values")
             return None
@@ -380,6 +380,10 @@ class _Interpreter:
             return None
         first = vals[0]
         if canonical == "to" and isinstance(first, Rows) and first.expr == ("eid",):
+            return first
+        if canonical == "to" and isinstance(first, (Counts, Offsets)):
+            if args[1] not in (torch.int32, torch.int64):
+                raise Mismatch(f"expert counts cast to {args[1]}")
             return first
         if canonical == "to" and isinstance(first, Combined):
             return Combined(first.expr, first.ids, first.top_k, args[1])
@@ -657,40 +661,36 @@ def find_experts_regions(graph: Graph) -> tuple[list[ExpertsMatch], list[NearMis
 
 
 def _relevant_misses(graph, env, misses, taken) -> list[NearMiss]:
-    """One near miss per grouped-GEMM/bmm anchor left unrewritten: the first failure downstream of it
-    (else upstream, through MoE values), named after the anchor's module. Ordinary model code
-    (attention bmm, say) touches no MoE value and yields none."""
+    """One near miss per grouped-GEMM/bmm anchor left unrewritten, named after the anchor's module:
+    the earliest failure upstream of it inside the same module (the root cause, e.g. a descending
+    sort), else the earliest downstream of it. Ordinary model code (attention bmm, say) touches no
+    MoE value and yields none."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_node = {}
     for miss in misses:
         by_node.setdefault(miss.node, miss)
+
+    def cone(start, step, keep):
+        found, visited, stack = [], set(), list(start)
+        while stack:
+            n = stack.pop()
+            if n in visited or not keep(n):
+                continue
+            visited.add(n)
+            if n in by_node:
+                found.append(n)
+            stack.extend(step(n))
+        return sorted(found, key=order.get)
+
     out, seen = [], set()
     for anchor in (n for n in graph.nodes if gu.op_name(n) in ANCHOR_OPS and n not in taken):
-        downstream, stack = [], [anchor]
-        visited = set()
-        while stack:
-            n = stack.pop()
-            if n in visited:
-                continue
-            visited.add(n)
-            if n in by_node:
-                downstream.append(n)
-            stack.extend(n.users)
-        upstream, stack = [], list(anchor.all_input_nodes)
-        while stack:
-            n = stack.pop()
-            if n in visited:
-                continue
-            visited.add(n)
-            if n in by_node:
-                upstream.append(n)
-            stack.extend(a for a in n.all_input_nodes if a in env or a in by_node)
-        candidates = sorted(downstream, key=order.get) or sorted(upstream, key=order.get)
-        if not candidates:
-            continue
         module = gu.module_path(anchor)
         if module in seen:
             continue
-        seen.add(module)
-        out.append(NearMiss(anchor, by_node[candidates[0]].reason, module))
+        upstream = cone([anchor], lambda n: n.all_input_nodes, lambda n: gu.module_path(n) == module)
+        downstream = cone([anchor], lambda n: n.users, lambda n: True)
+        candidates = upstream or downstream
+        if candidates:
+            seen.add(module)
+            out.append(NearMiss(anchor, by_node[candidates[0]].reason, module))
     return out

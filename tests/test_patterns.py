@@ -1,0 +1,225 @@
+"""Layer 2: rewrites. What matched, what the graph holds afterwards, and the cases that must NOT match."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+import uniep_dynamo  # noqa: F401
+from conftest import TOLERANCE, max_rel_err
+
+E, H, I, K = 4, 16, 8, 2
+
+
+class HandWrittenExperts(nn.Module):
+    """The HF grouped_mm experts forward written out by hand, with knobs that change one constant."""
+
+    def __init__(self, dtype=torch.float32, descending=False, histc_min=0, swap_halves=False, gate_scale=None,
+                 leak_offsets=False, weights_as_buffers=False, combine="sum"):
+        super().__init__()
+        up = torch.randn(E, 2 * I, H, dtype=dtype) * 0.2
+        down = torch.randn(E, H, I, dtype=dtype) * 0.2
+        if weights_as_buffers:
+            self.register_buffer("gate_up_proj", up)
+            self.register_buffer("down_proj", down)
+        else:
+            self.gate_up_proj = nn.Parameter(up)
+            self.down_proj = nn.Parameter(down)
+        self.descending, self.histc_min, self.swap_halves = descending, histc_min, swap_halves
+        self.gate_scale, self.leak_offsets, self.combine = gate_scale, leak_offsets, combine
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        k = top_k_index.size(-1)
+        tokens = hidden.size(0)
+        weights = top_k_weights.reshape(-1)
+        ids = top_k_index.reshape(-1)
+        ids_sorted, perm = torch.sort(ids, descending=self.descending)
+        x = hidden[perm // k]
+        w = weights[perm]
+        counts = torch.histc(ids_sorted.float(), bins=E, min=self.histc_min, max=E - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch.ops.transformers.grouped_mm_fallback(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        if self.swap_halves:
+            gate, up = up, gate
+        a = F.silu(gate) * up
+        if self.gate_scale is not None:
+            a = a * self.gate_scale
+        y = torch.ops.transformers.grouped_mm_fallback(a, self.down_proj.transpose(-2, -1), offs=offsets)
+        y = y * w.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        y = y[inv].view(tokens, k, -1)
+        out = y.sum(dim=1) if self.combine == "sum" else y.mean(dim=1)
+        if self.leak_offsets:
+            return out, offsets
+        return out
+
+
+class TitanStyleExperts(nn.Module):
+    """Plain PyTorch MoE written the torchtitan way: stable sort, histc of the unsorted ids, torch._grouped_mm with
+    [E, H, I] weights, scatter back by assignment. bf16: torch._grouped_mm's meta function takes no other dtype."""
+
+    def __init__(self, dtype=torch.bfloat16):
+        super().__init__()
+        self.w1 = nn.Parameter((torch.randn(E, H, 2 * I) * 0.2).to(dtype))
+        self.w2 = nn.Parameter((torch.randn(E, I, H) * 0.2).to(dtype))
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.sort(flat, stable=True)
+        perm = order[1]
+        offsets = torch.cumsum(torch.histc(flat.float(), bins=E, min=0, max=E - 1), 0).to(torch.int32)
+        x = hidden[perm // k]
+        h = torch._grouped_mm(x, self.w1, offs=offsets)
+        gate, up = h[..., :I], h[..., I:]
+        y = torch._grouped_mm(F.gelu(gate, approximate="tanh") * up, self.w2, offs=offsets)
+        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        back = torch.empty_like(y)
+        back[perm] = y
+        return back.view(hidden.shape[0], k, H).sum(dim=1)
+
+
+def routed(tokens=9, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g).to(dtype).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    w = torch.rand(tokens, K, generator=g).to(dtype).requires_grad_()
+    return x, ids, w
+
+
+class GraphCapture:
+    """An inner backend that keeps the graph uniep hands on."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self):
+        return [n.target for gm in self.graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def compile_and_compare(module, args, dtype=torch.float32, capture=None):
+    capture = capture or GraphCapture()
+    compiled = torch.compile(module, backend="uniep", options={"inner_backend": capture})
+    x, ids, w = args
+    eager = module(x, ids, w)
+    eager_out = eager[0] if isinstance(eager, tuple) else eager
+    eager_grads = torch.autograd.grad(eager_out.sum(), [x, w] + list(module.parameters()))
+    out = compiled(x, ids, w)
+    out = out[0] if isinstance(out, tuple) else out
+    grads = torch.autograd.grad(out.sum(), [x, w] + list(module.parameters()))
+    assert max_rel_err(out, eager_out) < TOLERANCE[dtype]
+    for got, want in zip(grads, eager_grads):
+        assert max_rel_err(got, want) < TOLERANCE[dtype]
+    return capture
+
+
+def test_hand_written_hf_spelling_rewrites_to_one_op():
+    torch.manual_seed(0)
+    capture = compile_and_compare(HandWrittenExperts(), routed())
+    targets = capture.targets()
+    assert targets.count(torch.ops.uniep.moe_experts.default) == 1
+    for gone in ("sort", torch.sort, torch.histc, torch.cumsum, torch.ops.transformers.grouped_mm_fallback):
+        assert gone not in targets, f"{gone} should have been rewritten away"
+    assert counters["uniep"]["moe_experts"] == 1
+
+
+def test_swapped_halves_and_a_scale_are_part_of_the_gate_program():
+    """Structure, not spelling: act(up) * gate * 0.5 is recorded as such and still equals eager."""
+    torch.manual_seed(0)
+    compile_and_compare(HandWrittenExperts(swap_halves=True, gate_scale=0.5), routed())
+    assert counters["uniep"]["moe_experts"] == 1
+
+
+def test_torchtitan_style_plain_pytorch_rewrites():
+    torch.manual_seed(0)
+    capture = compile_and_compare(TitanStyleExperts(), routed(dtype=torch.bfloat16), dtype=torch.bfloat16)
+    assert counters["uniep"]["moe_experts"] == 1
+    assert torch._grouped_mm not in capture.targets()
+
+
+@pytest.mark.parametrize("knobs, reason", [
+    ({"descending": True}, "sorted ascending"),                     # a constant that differs: sort order
+    ({"histc_min": 1}, "does not count experts"),                   # a constant that differs: histc range
+    ({"combine": "mean"}, "not part of the experts pattern"),        # mean over k is not the op's combine
+    ({"leak_offsets": True}, "also used by"),                        # an intermediate escapes the region
+    ({"weights_as_buffers": True}, "is not a module parameter"),     # weights are not parameters
+])
+def test_must_not_match(knobs, reason, caplog):
+    torch.manual_seed(0)
+    module = HandWrittenExperts(**knobs)
+    x, ids, w = routed()
+    capture = GraphCapture()
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        out = torch.compile(module, backend="uniep", options={"inner_backend": capture})(x, ids, w)
+    eager = module(x, ids, w)
+    out, eager = (out[0], eager[0]) if isinstance(out, tuple) else (out, eager)
+    assert torch.equal(out, eager), "the unfused graph must run unchanged"
+    assert counters["uniep"]["moe_experts"] == 0
+    assert torch.ops.uniep.moe_experts.default not in capture.targets()
+    messages = [r.getMessage() for r in caplog.records if r.name == "uniep"]
+    assert len(messages) == 1, messages
+    assert "runs unfused" in messages[0] and reason in messages[0]
+
+
+def test_float64_is_refused_with_a_clear_message(caplog):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = "batched_mm"  # HF's eager grouped_mm path has no float64 kernel on CPU
+    experts = MixtralExperts(cfg).double()
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.2)
+    x, ids, w = routed(dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        out = torch.compile(experts, backend="uniep", options={"inner_backend": "eager"})(x, ids, w)
+    assert torch.equal(out, experts(x, ids, w))
+    assert counters["uniep"]["moe_experts"] == 0
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "float64; supported dtypes are float32, float16, bfloat16" in text
+
+
+def test_rewrite_is_logged_with_module_path(caplog):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = "grouped_mm"  # what from_config/from_pretrained choose by default
+    block = MixtralSparseMoeBlock(cfg)
+    with caplog.at_level(logging.INFO, logger="uniep"):
+        torch.compile(block, backend="uniep", options={"inner_backend": "eager"})(torch.randn(1, 5, H))
+    lines = [r.getMessage() for r in caplog.records if r.name == "uniep"]
+    assert any(line.startswith("uniep: rewrote experts (grouped_mm spelling") for line in lines), lines
+    assert counters["uniep"]["moe_experts"] == 1
+
+
+def test_backward_graph_holds_the_backward_op():
+    """AOTAutograd sees one opaque node in the forward graph and one in the backward graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = [n.target for n in gm.graph.nodes]
+            return gm.forward
+        return compiler
+
+    inner = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    torch.manual_seed(0)
+    module = HandWrittenExperts()
+    x, ids, w = routed()
+    out = torch.compile(module, backend="uniep", options={"inner_backend": inner})(x, ids, w)
+    out.sum().backward()
+    assert graphs["forward"].count(torch.ops.uniep.moe_experts.default) == 1
+    assert graphs["backward"].count(torch.ops.uniep.moe_experts_backward.default) == 1
+    assert torch.ops.aten.sort.default not in graphs["forward"]
