@@ -56,7 +56,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         counters["uniep"]["unfused"] += 1
         log.warning("uniep: %s runs unfused: %s", miss.module, miss.reason)
     if matches:
-        gm.graph.eliminate_dead_code()
+        # No graph-wide eliminate_dead_code here: Dynamo graphs hold in-place ops without users
+        # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
         gm.graph.lint()
         gm.recompile()
     return matches, misses

@@ -49,17 +49,18 @@ def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down,
                          row_order, slot_row, expert_offsets, up, down, spec):
     grads = reference.experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                        row_order, slot_row, expert_offsets, up, down, decode_spec(spec))
-    # A schema cannot return None: absent bias gradients travel as empty tensors.
-    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+    # A schema cannot return None: absent bias gradients travel as empty tensors. Every output is
+    # contiguous, as the fake implementation promises.
+    return tuple(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                row_order, slot_row, expert_offsets, up, down, spec):
-    return (torch.empty_like(hidden), torch.empty_like(topk_weights), torch.empty_like(w_up),
-            torch.empty_like(w_down),
-            torch.empty_like(b_up) if b_up is not None else hidden.new_empty(0),
-            torch.empty_like(b_down) if b_down is not None else hidden.new_empty(0))
+    def like(t):
+        return t.new_empty(t.shape) if t is not None else hidden.new_empty(0)
+
+    return like(hidden), like(topk_weights), like(w_up), like(w_down), like(b_up), like(b_down)
 
 
 def _setup_context(ctx, inputs, output):

@@ -610,11 +610,43 @@ def check_region(root: Node, value: Combined, env: dict) -> ExpertsMatch:
         outside = [u for u in node.users if u not in members]
         if node is not root and outside:
             raise Mismatch(f"intermediate {node.name} is also used by {outside[0].name}, outside the experts region")
+    _require_no_writes_to_inputs(nodes, [hidden, ids, weights, w_up, w_down, b_up, b_down])
     spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype)
     anchors = [n for n in nodes if gu.op_name(n) in ANCHOR_OPS]
     spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in anchors) else "grouped_mm"
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
                         gu.module_path(root), spelling, anchors)
+
+
+_VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
+             "getitem", "detach", "to", "float", "type_as")
+
+
+def _is_in_place(node: Node) -> bool:
+    name = gu.op_name(node) or ""
+    return name == "setitem" or (name.endswith("_") and not name.startswith("_")) or \
+        node.kwargs.get("out") is not None
+
+
+def _require_no_writes_to_inputs(nodes: list, inputs: list) -> None:
+    """The op call replaces the region at its last node, so its inputs are read later than the region
+    read them. Refuse if anything outside the region writes in place to an input (or a tensor it views)
+    in between."""
+    aliases: set = set()
+    stack = [n for n in inputs if n is not None]
+    while stack:
+        node = stack.pop()
+        if node in aliases:
+            continue
+        aliases.add(node)
+        if gu.op_name(node) in _VIEW_OPS and node.args and isinstance(node.args[0], Node):
+            stack.append(node.args[0])
+    members = set(nodes)
+    graph_nodes = list(nodes[0].graph.nodes)
+    for node in graph_nodes[graph_nodes.index(nodes[0]):graph_nodes.index(nodes[-1])]:
+        if node not in members and _is_in_place(node) and node.args and node.args[0] in aliases:
+            raise Mismatch(f"{node.name} writes in place to {node.args[0].name}, an input of the experts region, "
+                           "while the region runs")
 
 
 def region_nodes(root: Node, env: dict) -> list:
