@@ -1,0 +1,204 @@
+"""One MoE experts layer, forward + backward, baselines and uniep side by side in one run.
+
+Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax-top-k router):
+  hf_grouped_mm            HF's default experts implementation, eager
+  hf_grouped_mm_inductor   the same module under torch.compile (inductor)
+  sort_grouped_mm_inductor the strongest PyTorch-native path: stable sort + torch._grouped_mm + gather combine,
+                           under inductor
+  liger_fused_moe          Liger-Kernel's Triton fused MoE (if liger_kernel is installed)
+  uniep                    the same HF module under torch.compile(backend="uniep")
+
+For each: median time of fwd+bwd over --iters runs (CUDA events), TFLOP/s (fwd 2*T*K*3*H*I, bwd twice
+that), peak memory above the inputs, and whether two runs give bitwise equal output and gradients.
+
+    python benchmarks/bench_moe_layer.py --shapes mixtral,qwen3-30b-a3b --tokens 8192 --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+SHAPES = {  # name: (hidden H, expert intermediate I, experts E, top-k K)
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "olmoe": (2048, 1024, 64, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+
+
+def make_inputs(H, I, E, K, T, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, device=device, dtype=dtype, generator=g)
+    router = torch.randn(E, H, device=device, dtype=dtype, generator=g) * 0.02
+    probs = torch.softmax((x @ router.t()).float(), -1)
+    w, ids = torch.topk(probs, K, -1)
+    w = (w / w.sum(-1, keepdim=True)).to(dtype)
+    grad_out = torch.randn(T, H, device=device, dtype=dtype, generator=g)
+    return x, ids, w, grad_out
+
+
+def hf_experts(H, I, E, K, dtype, device, implementation="grouped_mm"):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = implementation
+    torch.manual_seed(0)
+    experts = MixtralExperts(cfg).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.02)
+    return experts
+
+
+def sort_grouped_mm(x, ids, w, w13, w2):
+    """Stable sort + torch._grouped_mm + gather combine (fp32 sum over k)."""
+    T, K = ids.shape
+    E = w13.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.histc(flat.float(), bins=E, min=0, max=E - 1), 0).to(torch.int32)
+    xs = x[order // K]
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, -1)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    y = y[inv].view(T, K, -1)
+    return (y.float() * w.float().unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def providers(experts):
+    out = {}
+    out["hf_grouped_mm"] = lambda x, ids, w: experts(x, ids, w)
+    compiled = torch.compile(experts)
+    out["hf_grouped_mm_inductor"] = lambda x, ids, w: compiled(x, ids, w)
+    ref = torch.compile(sort_grouped_mm)
+    out["sort_grouped_mm_inductor"] = lambda x, ids, w: ref(x, ids, w, experts.gate_up_proj, experts.down_proj)
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        out["liger_fused_moe"] = lambda x, ids, w: LigerFusedMoEFunction.apply(
+            x, experts.gate_up_proj, experts.down_proj, ids.to(torch.int32), w)
+    except Exception as exc:  # noqa: BLE001
+        print(f"# liger_fused_moe unavailable: {exc!r}", file=sys.stderr)
+    import uniep_dynamo  # noqa: F401
+
+    uniep = torch.compile(experts, backend="uniep")
+    out["uniep"] = lambda x, ids, w: uniep(x, ids, w)
+    return out
+
+
+def step(fn, experts, x, ids, w, grad_out):
+    def run():
+        for p in experts.parameters():
+            p.grad = None
+        xx = x.detach().requires_grad_()
+        ww = w.detach().requires_grad_()
+        out = fn(xx, ids, ww)
+        out.backward(grad_out)
+        return out, xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+    return run
+
+
+def time_cuda(run, iters, warmup):
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_shape(name, T, iters, warmup, dtype, device):
+    H, I, E, K = SHAPES[name]
+    experts = hf_experts(H, I, E, K, dtype, device)
+    x, ids, w, grad_out = make_inputs(H, I, E, K, T, dtype, device)
+    flops = 3 * 2 * T * K * 3 * H * I
+    row = {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", "")}
+    reference = None
+    for pname, fn in providers(experts).items():
+        try:
+            run = step(fn, experts, x, ids, w, grad_out)
+            t0 = time.time()
+            run()  # compile
+            row[f"{pname}_first_call_s"] = round(time.time() - t0, 2)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ms = time_cuda(run, iters, warmup)
+            row[f"{pname}_peak_mb"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+            a = [t.detach().clone() for t in run()]
+            b = [t.detach().clone() for t in run()]
+            row[f"{pname}_ms"] = round(ms, 3)
+            row[f"{pname}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+            row[f"{pname}_bitwise"] = all(torch.equal(p, q) for p, q in zip(a, b))
+            if reference is None:
+                reference = a
+            else:
+                row[f"{pname}_max_rel_vs_hf"] = round(max(
+                    ((p.float() - q.float()).abs().max() / q.float().abs().max().clamp_min(1e-12)).item()
+                    for p, q in zip(a, reference)), 4)
+        except Exception as exc:  # noqa: BLE001
+            row[pname] = "ERR " + repr(exc)[:300]
+        torch.cuda.empty_cache()
+    return row
+
+
+def print_table(rows):
+    names = [k[:-3] for k in rows[0] if k.endswith("_ms")] if rows else []
+    print(f"{'shape':16s} " + " ".join(f"{n:>26s}" for n in names))
+    for row in rows:
+        cells = []
+        for n in names:
+            ms = row.get(f"{n}_ms")
+            cells.append(f"{ms:9.3f} ms {row.get(f'{n}_tflops', 0):6.1f} TF/s" if isinstance(ms, float) else "ERR")
+        print(f"{row['shape']:16s} " + " ".join(f"{c:>26s}" for c in cells))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_moe_layer.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe_layer: needs a CUDA GPU")
+    device, dtype = "cuda", torch.bfloat16
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    peak_ms = time_cuda(lambda: a @ a, 10, 3)
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "bf16_matmul_tflops": round(2 * 8192**3 / (peak_ms * 1e-3) / 1e12, 1)}
+    try:
+        import transformers
+        import triton
+        meta.update(transformers=transformers.__version__, triton=triton.__version__)
+    except ImportError:
+        pass
+    print(json.dumps(meta))
+    rows = []
+    for name in args.shapes.split(","):
+        row = bench_shape(name, args.tokens, args.iters, args.warmup, dtype, device)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print_table(rows)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

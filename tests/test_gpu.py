@@ -1,0 +1,58 @@
+"""GPU checks (marked `gpu`): the bf16 aten._grouped_mm spelling, the CUDA histc(.int()) spelling,
+tolerance against eager, and bitwise reproducibility. Run on the device machines."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import uniep_dynamo  # noqa: F401
+from conftest import TOLERANCE, max_rel_err
+from hf_families import build_experts, discover_experts_classes, routed_inputs
+from hf_models import build_model
+
+pytestmark = pytest.mark.gpu
+CLASSES = {c.__name__: c for _, c in discover_experts_classes()}
+
+
+def on_cuda(experts, dtype, tokens=300, top_k=2):
+    experts = experts.cuda()
+    x, ids, w = routed_inputs(experts, tokens=tokens, top_k=top_k, dtype=dtype)
+    return experts, x.detach().cuda().requires_grad_(), ids.cuda(), w.detach().cuda().requires_grad_()
+
+
+def fwd_bwd(fn, experts, x, ids, w):
+    out = fn(x, ids, w)
+    grads = torch.autograd.grad(out.float().sum(), [x, w] + list(experts.parameters()))
+    return [out] + list(grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", ["MixtralExperts", "GptOssExperts", "Qwen3MoeExperts", "DeepseekV3Experts"])
+def test_cuda_spellings_rewrite_and_match_eager(name, dtype):
+    experts, x, ids, w = on_cuda(build_experts(CLASSES[name], "grouped_mm", dtype), dtype)
+    eager = fwd_bwd(experts, experts, x, ids, w)
+    compiled = torch.compile(experts, backend="uniep")
+    got = fwd_bwd(compiled, experts, x, ids, w)
+    assert counters["uniep"]["moe_experts"] == 1
+    for a, b in zip(got, eager):
+        assert max_rel_err(a, b) <= TOLERANCE[dtype] * 2
+
+
+def test_bf16_twenty_runs_bitwise_identical():
+    experts, x, ids, w = on_cuda(build_experts(CLASSES["MixtralExperts"], "grouped_mm", torch.bfloat16),
+                                 torch.bfloat16, tokens=1000)
+    compiled = torch.compile(experts, backend="uniep")
+    first = fwd_bwd(compiled, experts, x, ids, w)
+    for _ in range(19):
+        again = fwd_bwd(compiled, experts, x, ids, w)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_whole_model_bf16_training_step():
+    model = build_model("mixtral", dtype=torch.bfloat16).cuda()
+    ids = torch.randint(0, 96, (2, 64), device="cuda")
+    eager = model(input_ids=ids, labels=ids).loss
+    compiled = torch.compile(model, backend="uniep")
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert counters["uniep"]["moe_experts"] == 2
+    assert max_rel_err(loss, eager) <= TOLERANCE[torch.bfloat16]
