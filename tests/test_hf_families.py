@@ -49,7 +49,7 @@ def run_case(cls, implementation, dtype, train=True, tokens=7, inner="eager", dy
 def test_every_family_rewrites_and_matches_eager_fp32(family, cls, implementation, caplog):
     with caplog.at_level(logging.WARNING, logger="uniep"):
         experts = run_case(cls, implementation, torch.float32)
-    if experts.has_post_expert_norm:
+    if getattr(experts, "has_post_expert_norm", False):  # transformers >= 5.23 only
         assert counters["uniep"]["moe_experts"] == 0
         assert any("runs unfused" in r.getMessage() for r in caplog.records), "an unfused layer must say why"
         return

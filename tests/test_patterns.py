@@ -204,6 +204,7 @@ def test_rewrite_is_logged_with_module_path(caplog):
 
 def test_backward_graph_holds_the_backward_op():
     """AOTAutograd sees one opaque node in the forward graph and one in the backward graph."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = {}
@@ -211,7 +212,7 @@ def test_backward_graph_holds_the_backward_op():
     def keep(name):
         def compiler(gm, example_inputs):
             graphs[name] = [n.target for n in gm.graph.nodes]
-            return gm.forward
+            return make_boxed_func(gm.forward)
         return compiler
 
     inner = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))

@@ -148,11 +148,24 @@ def test_non_contiguous_inputs():
     assert torch.equal(out, moe_experts_out(hidden, ids, weights, w_up, w_down, None, None, spec.encode()))
 
 
-def test_out_of_range_expert_id_is_a_clear_error():
-    hidden, ids, weights, w_up, w_down, _, _, spec = make(4, 8, 4, 4, 2)
-    ids[0, 0] = 9
-    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
-        moe_experts_out(hidden, ids, weights, w_up, w_down, None, None, spec.encode())
+def test_out_of_range_ids_are_dropped_or_clamped():
+    """HF's expert-parallel sentinels (id >= E): "drop" makes the slot contribute nothing, output and
+    gradients; "clamp" computes it with expert E-1, as HF's batched_mm spelling does."""
+    hidden, ids, weights, w_up, w_down, _, _, spec = make(5, 8, 4, 4, 2)
+    sentinel = ids.clone()
+    sentinel[0, 1] = 4
+    sentinel[3, 0] = 7
+    w = weights.clone().requires_grad_()
+    out = torch.ops.uniep.moe_experts(hidden, sentinel, w, w_up, w_down, None, None, spec.encode())[0]
+    dropped = weights.clone()
+    dropped[0, 1] = dropped[3, 0] = 0
+    assert max_rel_err(out, naive(hidden, ids, dropped, w_up, w_down, None, None, spec)) < 1e-6
+    out.sum().backward()
+    assert w.grad[0, 1] == 0 and w.grad[3, 0] == 0 and w.grad[1, 0] != 0
+
+    clamp = ExpertsSpec(spec.up_layout, spec.down_layout, spec.gate, spec.out_dtype, "clamp")
+    out = moe_experts_out(hidden, sentinel, weights, w_up, w_down, None, None, clamp.encode())
+    assert max_rel_err(out, naive(hidden, sentinel.clamp(0, 3), weights, w_up, w_down, None, None, clamp)) < 1e-6
 
 
 def test_two_runs_are_bitwise_equal():

@@ -19,11 +19,15 @@ class ExpertsSpec:
     down_layout: str
     gate: str  # a gate program (kernels/gate_program.py)
     out_dtype: torch.dtype
+    # Expert ids outside [0, E) (HF's expert-parallel sentinels): "drop" -- the slot contributes nothing
+    # (HF's grouped_mm spelling); "clamp" -- the slot uses expert clamp(id, 0, E-1) (HF's batched_mm
+    # spelling clamps before gathering weights).
+    out_of_range: str = "drop"
 
     def encode(self) -> str:
         return json.dumps({"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
-                           "out_dtype": str(self.out_dtype).replace("torch.", "")}, sort_keys=True,
-                          separators=(",", ":"))
+                           "out_dtype": str(self.out_dtype).replace("torch.", ""), "out_of_range": self.out_of_range},
+                          sort_keys=True, separators=(",", ":"))
 
     def describe(self) -> str:
         return (f"gate={gate_program.describe(self.gate)}, weights up={self.up_layout} down={self.down_layout}, "
@@ -37,4 +41,7 @@ def decode_spec(text: str) -> ExpertsSpec:
         if data[key] not in ("oi", "io"):
             raise ValueError(f"uniep: unknown weight layout {data[key]!r}")
     gate_program.decode(data["gate"])
-    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]])
+    out_of_range = data.get("out_of_range", "drop")
+    if out_of_range not in ("drop", "clamp"):
+        raise ValueError(f"uniep: unknown out_of_range mode {out_of_range!r}")
+    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range)

@@ -29,27 +29,26 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def routing_plan(topk_ids: torch.Tensor, num_experts: int):
-    """(row_order, slot_row, expert_offsets) for a [T, K] tensor of expert ids."""
+    """(row_order, slot_row, expert_offsets) for a [T, K] tensor of expert ids.
+
+    Slots whose id lies outside [0, E) sort after every expert's rows (past expert_offsets[-1]); the
+    grouped GEMMs never read them and the op zeroes them ("drop")."""
     flat = topk_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
     # A stable sort of the expert id keeps (token, k) order inside each expert: slot s = t*K + k.
-    row_order = torch.argsort(flat, stable=True)
+    row_order = torch.argsort(key, stable=True)
     slot_row = torch.empty_like(row_order)
     slot_row[row_order] = torch.arange(row_order.numel(), device=row_order.device)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
     expert_offsets = torch.cumsum(counts, 0)
     return row_order, slot_row, expert_offsets
 
 
-def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
-    if topk_ids.numel() == 0:
-        return
-    if topk_ids.device.type == "cuda":
-        # No host sync on GPU: a device-side assert fires if an id is out of range.
-        torch._assert_async(((topk_ids >= 0) & (topk_ids < num_experts)).all())
-        return
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"uniep: expert ids must lie in [0, {num_experts}), got ids from {lo} to {hi}")
+def _routed_rows_mask(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 1] bool: True for rows that belong to an expert (False for dropped out-of-range slots)."""
+    total = expert_offsets[-1:] if expert_offsets.numel() else expert_offsets.new_zeros(1)
+    return (torch.arange(rows, device=expert_offsets.device) < total).unsqueeze(-1)
 
 
 def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -118,16 +117,22 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for backward."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0]
-    check_expert_ids(topk_ids, num_experts)
+    if spec.out_of_range == "clamp":
+        topk_ids = topk_ids.clamp(0, num_experts - 1)
     row_order, slot_row, expert_offsets = routing_plan(topk_ids, num_experts)
+    routed = _routed_rows_mask(expert_offsets, row_order.numel())
+    row_expert = topk_ids.reshape(-1)[row_order].clamp(0, num_experts - 1)
     x_rows = hidden[row_order // top_k]
     up = grouped_mm(x_rows, effective_weight(w_up, spec.up_layout), expert_offsets)
     if b_up is not None:
-        up = up + b_up[topk_ids.reshape(-1)[row_order]]
+        up = up + b_up[row_expert]
+    # Rows of dropped slots were never computed (torch._grouped_mm leaves them uninitialised).
+    up = up.masked_fill(~routed, 0)
     act = gate_program.apply_gate(spec.gate, up)
     down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     if b_down is not None:
-        down = down + b_down[topk_ids.reshape(-1)[row_order]]
+        down = down + b_down[row_expert]
+    down = down.masked_fill(~routed, 0)
     slot_values = down[slot_row].view(num_tokens, top_k, down.shape[-1])
     out = combine_k_in_order(slot_values, topk_weights).to(spec.out_dtype)
     return out, row_order, slot_row, expert_offsets, up, down
@@ -138,19 +143,22 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down); bias grads None if no bias."""
     num_tokens, top_k = topk_ids.shape
     hidden_size = down.shape[-1]
+    if spec.out_of_range == "clamp":
+        topk_ids = topk_ids.clamp(0, w_up.shape[0] - 1)
+    routed = _routed_rows_mask(expert_offsets, row_order.numel())
     acc_dtype = accumulation_dtype(down)
     g = grad_out.to(acc_dtype)
     slot_down = down[slot_row].view(num_tokens, top_k, hidden_size).to(acc_dtype)
     # d w[t,k] = <grad_out[t], down[t,k]>, one fp32 reduction over H per slot.
     d_weights = (g.unsqueeze(1) * slot_down).sum(-1).to(topk_weights.dtype)
     d_down_slots = (g.unsqueeze(1) * topk_weights.to(acc_dtype).unsqueeze(-1)).to(down.dtype)
-    d_down = d_down_slots.reshape(-1, hidden_size)[row_order]
+    d_down = d_down_slots.reshape(-1, hidden_size)[row_order].masked_fill(~routed, 0)
 
     w_down_eff = effective_weight(w_down, spec.down_layout)
     # The gate program is arbitrary element-wise torch code: its vector-Jacobian product comes from
     # torch.func (autograd's own dispatch is below us inside a custom op). Element-wise, so deterministic.
     act, gate_vjp = torch.func.vjp(lambda h: gate_program.apply_gate(spec.gate, h), up)
-    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets).to(act.dtype)
+    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets).to(act.dtype).masked_fill(~routed, 0)
     (d_up,) = gate_vjp(d_act)
     act = act.detach().to(w_down.dtype)
     d_w_down_eff = grouped_weight_grad(act, d_down, expert_offsets)
@@ -159,7 +167,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     d_up = d_up.to(w_up.dtype)
     x_rows = hidden[row_order // top_k].to(w_up.dtype)
     w_up_eff = effective_weight(w_up, spec.up_layout)
-    d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets)
+    d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets).masked_fill(~routed, 0)
     d_w_up = effective_weight(grouped_weight_grad(x_rows, d_up, expert_offsets), spec.up_layout).contiguous()
     d_hidden = combine_k_in_order(d_x_rows[slot_row].view(num_tokens, top_k, d_x_rows.shape[-1]), None).to(hidden.dtype)
 

@@ -20,7 +20,8 @@ from ..kernels.reference import SUPPORTED_DTYPES
 from ..spec import ExpertsSpec
 from . import graph_utils as gu
 from .values import (Arange, BlankRows, Combined, Counts, ExpertsMatch, Halves, InvPerm, InvPermBlank,
-                     Mismatch, NearMiss, Offsets, Order, Perm, Rows, SlotToken, SortPair, Stacked, WeightT)
+                     Mismatch, NearMiss, Offsets, Order, Perm, Rows, SentinelMask, SlotToken, SortPair, Stacked,
+                     WeightT)
 
 ANCHOR_OPS = ("grouped_mm", "bmm")
 _CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
@@ -58,6 +59,9 @@ class _Interpreter:
         self.graph = graph
         self.env: dict[Node, object] = {}
         self.failures: list[NearMiss] = []
+        # per expert-id tensor, the bounds the graph compares or clamps ids against, checked against
+        # E once the region's weights are known: [("ge", c) | ("gt", c) | ("clamp", lo, hi), ...]
+        self.id_bounds: dict[Node, list] = {}
 
     # -- driver -------------------------------------------------------------------------------
     def run(self):
@@ -312,6 +316,8 @@ class _Interpreter:
                 return Rows(v.order, v.expr, "row3", v.dtype)
         if isinstance(v, Rows) and v.shape == "vec" and gu.is_dim(dim, 1, 2):
             return Rows(v.order, v.expr, "vec_col", v.dtype)
+        if isinstance(v, SentinelMask) and gu.is_dim(dim, 1, 2):
+            return v
         raise Mismatch(f"unsqueeze({dim}) of MoE values")
 
     def _t_bmm(self, node, name):
@@ -379,6 +385,11 @@ class _Interpreter:
         if not any(v is not None for v in vals):
             return None
         first = vals[0]
+        if canonical == "clamp" and isinstance(first, Rows) and first.expr == ("eid",):
+            b = gu.bind(node, name)
+            bounds = (gu.constant(b["min"]), gu.constant(b["max"]))
+            self.id_bounds.setdefault(first.order.ids, []).append(("clamp",) + bounds)
+            return first
         if canonical == "to" and isinstance(first, Rows) and first.expr == ("eid",):
             return first
         if canonical == "to" and isinstance(first, (Counts, Offsets)):
@@ -483,6 +494,36 @@ class _Interpreter:
             return rows
         raise Mismatch("an assignment into MoE values the experts op does not compute")
 
+    def _t_ge(self, node, name):
+        v = self.val(node.args[0])
+        if v is None:
+            return None
+        if not (isinstance(v, Rows) and v.expr == ("eid",)) or self.val(node.args[1]) is not None:
+            raise Mismatch(f"comparison ({name}) of MoE values other than expert ids against a constant")
+        bound = gu.constant(node.args[1])
+        if not isinstance(bound, int):
+            raise Mismatch(f"expert ids compared against {bound!r}")
+        self.id_bounds.setdefault(v.order.ids, []).append((name, bound))
+        return SentinelMask(v.order)
+
+    _t_gt = _t_ge
+
+    def _t_masked_fill(self, node, name):
+        b = gu.bind(node, name)
+        rows, mask = self.val(b["input"]), self.val(b.get("mask"))
+        if rows is None and mask is None:
+            return None
+        if not (isinstance(rows, Rows) and rows.shape == "row" and isinstance(mask, SentinelMask)):
+            raise Mismatch("masked_fill of MoE values with a mask other than the expert-parallel sentinel mask")
+        if _orders_unify(rows.order, mask.order) is None:
+            raise Mismatch("sentinel mask and rows are in different orders")
+        if gu.constant(b.get("value")) != 0:
+            raise Mismatch("sentinel rows are filled with a value other than 0")
+        # Identity on every routed row; the op drops sentinel slots itself (ExpertsSpec.out_of_range).
+        return rows
+
+    _t_masked_fill_ = _t_masked_fill
+
     def _t_sum(self, node, name):
         v = self.val(node.args[0])
         if v is None:
@@ -546,7 +587,23 @@ def _require(cond, message):
         raise Mismatch(message)
 
 
-def check_region(root: Node, value: Combined, env: dict) -> ExpertsMatch:
+def _out_of_range_mode(bounds: list, num_experts, spelling: str) -> str:
+    """How the graph treats expert ids outside [0, E): every bound it applies must be E's."""
+    clamped = False
+    for bound in bounds:
+        if bound[0] == "clamp":
+            _, lo, hi = bound
+            if lo not in (None, 0) or not gu.same_int(hi, num_experts - 1):
+                raise Mismatch(f"expert ids are clamped to [{lo}, {hi}], not [0, {num_experts - 1}]")
+            clamped = True
+        elif not gu.same_int(bound[1], num_experts if bound[0] == "ge" else num_experts - 1):
+            raise Mismatch(f"expert ids are compared ({bound[0]}) against {bound[1]}, not the expert count")
+    # batched_mm gathers weights with the clamped ids, so a clamped slot is computed; grouped_mm never
+    # computes rows past the last expert's offset (and HF zeroes them), so they drop out.
+    return "clamp" if clamped and spelling == "batched_mm" else "drop"
+
+
+def check_region(root: Node, value: Combined, interp: "_Interpreter") -> ExpertsMatch:
     """Prove that `value` is sum_k w[t,k] * down_e(gate(up_e(x_t))) over parameters of the right shapes."""
     expr = value.expr
     _require(expr[0] == "weighted", "the combined slots are not multiplied by the routing weights")
@@ -604,6 +661,7 @@ def check_region(root: Node, value: Combined, env: dict) -> ExpertsMatch:
     out_dtype = value.dtype
     _require(out_dtype in SUPPORTED_DTYPES, f"the combined output is {_dtype_name(out_dtype)}")
 
+    env = interp.env
     nodes = region_nodes(root, env)
     members = set(nodes)
     for node in nodes:
@@ -611,9 +669,10 @@ def check_region(root: Node, value: Combined, env: dict) -> ExpertsMatch:
         if node is not root and outside:
             raise Mismatch(f"intermediate {node.name} is also used by {outside[0].name}, outside the experts region")
     _require_no_writes_to_inputs(nodes, [hidden, ids, weights, w_up, w_down, b_up, b_down])
-    spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype)
     anchors = [n for n in nodes if gu.op_name(n) in ANCHOR_OPS]
     spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in anchors) else "grouped_mm"
+    out_of_range = _out_of_range_mode(interp.id_bounds.get(ids, []), num_experts, spelling)
+    spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range)
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
                         gu.module_path(root), spelling, anchors)
 
@@ -662,7 +721,7 @@ def region_nodes(root: Node, env: dict) -> list:
             region.add(node)
             stack.extend(a for a in node.all_input_nodes if a in env)
         writes = [u for n in region for u in n.users if u not in region and u in env
-                  and gu.op_name(u) in ("setitem", "add_") and u.args[0] in region]
+                  and _is_in_place(u) and u.args[0] in region]
         if not writes:
             break
         stack.extend(writes)
@@ -680,7 +739,7 @@ def find_experts_regions(graph: Graph) -> tuple[list[ExpertsMatch], list[NearMis
         if node.users and all(isinstance(env.get(u), Combined) for u in node.users):
             continue
         try:
-            matches.append(check_region(node, value, env))
+            matches.append(check_region(node, value, interp))
         except Mismatch as exc:
             misses.append(NearMiss(node, str(exc), gu.module_path(node)))
     taken: set = set()

@@ -16,7 +16,7 @@ _OPERATOR_NAMES = {
     operator.getitem: "getitem", operator.setitem: "setitem", operator.floordiv: "floordiv",
     operator.mul: "mul", operator.add: "add", operator.sub: "sub", operator.truediv: "truediv",
     operator.neg: "neg", operator.pow: "pow", operator.iadd: "add_", operator.imul: "mul_",
-    operator.isub: "sub_", operator.itruediv: "div_",
+    operator.isub: "sub_", operator.itruediv: "div_", operator.ge: "ge", operator.gt: "gt",
 }
 _ALIASES = {
     "_grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm", "floor_divide": "floordiv",
@@ -36,7 +36,9 @@ _SIGNATURES = {
     "sum": ("input", "dim", "keepdim"), "repeat_interleave": ("input", "repeats", "dim"),
     "empty_like": ("input",), "zeros_like": ("input",), "arange": ("end",),
     "floordiv": ("input", "other"), "getitem": ("input", "index"), "setitem": ("input", "index", "value"),
-    "to": ("input", "*args"), "type": ("input", "dtype"),
+    "to": ("input", "*args"), "type": ("input", "dtype"), "masked_fill": ("input", "mask", "value"),
+    "masked_fill_": ("input", "mask", "value"), "clamp": ("input", "min", "max"), "clamp_": ("input", "min", "max"),
+    "ge": ("input", "other"), "gt": ("input", "other"),
 }
 _DEFAULTS = {
     "flatten": {"start_dim": 0, "end_dim": -1}, "sort": {"dim": -1, "descending": False},
@@ -44,7 +46,8 @@ _DEFAULTS = {
     "histc": {"bins": 100, "min": 0, "max": 0}, "bincount": {"weights": None, "minlength": 0},
     "cumsum": {"dtype": None}, "chunk": {"dim": 0}, "grouped_mm": {"offs": None, "bias": None, "out_dtype": None},
     "squeeze": {"dim": None}, "sum": {"dim": None, "keepdim": False, "dtype": None},
-    "repeat_interleave": {"dim": None, "output_size": None},
+    "repeat_interleave": {"dim": None, "output_size": None}, "clamp": {"min": None, "max": None},
+    "clamp_": {"min": None, "max": None},
 }
 # keyword names that other spellings use for the same parameter
 _KW_ALIASES = {"self": "input", "mat_a": "input", "mat_b": "weight", "a": "input", "b": "weight"}

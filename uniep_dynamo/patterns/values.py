@@ -71,6 +71,12 @@ class SlotToken:
 
 
 @dataclass(frozen=True)
+class SentinelMask:
+    """expert_ids >= E over rows in `order`: HF's expert-parallel sentinel rows (all False without EP)."""
+    order: Order
+
+
+@dataclass(frozen=True)
 class Counts:
     ids: Node
     num_experts: int
