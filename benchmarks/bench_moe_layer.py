@@ -122,7 +122,22 @@ def time_cuda(run, iters, warmup):
     return times[len(times) // 2]
 
 
-def bench_shape(name, T, iters, warmup, dtype, device):
+def profile(run, label, rows=12):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(f"# {label}: top CUDA kernels")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=()):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no automatic-dynamic carry-over from the previous shape
+    counters.clear()
     H, I, E, K = SHAPES[name]
     experts = hf_experts(H, I, E, K, dtype, device)
     x, ids, w, grad_out = make_inputs(H, I, E, K, T, dtype, device)
@@ -130,6 +145,8 @@ def bench_shape(name, T, iters, warmup, dtype, device):
     row = {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", "")}
     reference = None
     for pname, fn in providers(experts).items():
+        if pname in skip:
+            continue
         try:
             run = step(fn, experts, x, ids, w, grad_out)
             t0 = time.time()
@@ -145,6 +162,10 @@ def bench_shape(name, T, iters, warmup, dtype, device):
             row[f"{pname}_ms"] = round(ms, 3)
             row[f"{pname}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
             row[f"{pname}_bitwise"] = all(torch.equal(p, q) for p, q in zip(a, b))
+            if pname == "uniep":
+                row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
+            if pname in profile_providers:
+                profile(run, f"{name} {pname}")
             if reference is None:
                 reference = a
             else:
@@ -174,6 +195,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--skip", default="", help="providers to leave out, comma separated")
+    parser.add_argument("--profile", default="", help="providers to profile (top CUDA kernels), comma separated")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_moe_layer.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -192,7 +215,9 @@ def main():
     print(json.dumps(meta))
     rows = []
     for name in args.shapes.split(","):
-        row = bench_shape(name, args.tokens, args.iters, args.warmup, dtype, device)
+        row = bench_shape(name, args.tokens, args.iters, args.warmup, dtype, device,
+                          skip=tuple(filter(None, args.skip.split(","))),
+                          profile_providers=tuple(filter(None, args.profile.split(","))))
         print(json.dumps(row), flush=True)
         rows.append(row)
     print_table(rows)

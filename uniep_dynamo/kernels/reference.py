@@ -79,7 +79,7 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.
         out = torch._grouped_mm(a.t(), b, offs=expert_offsets.to(torch.int32))
         # Experts that received no rows must get an exact zero, whatever the kernel left there.
         counts = torch.diff(expert_offsets, prepend=expert_offsets.new_zeros(1))
-        return torch.where((counts > 0).view(-1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out.masked_fill_((counts == 0).view(-1, 1, 1), 0)
     out = a.new_zeros(num_experts, a.shape[1], b.shape[1])
     bounds = _host_bounds(expert_offsets)
     for e in range(num_experts):
@@ -87,6 +87,14 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.
         if hi > lo:
             out[e] = a[lo:hi].t() @ b[lo:hi]
     return out
+
+
+def weight_grad(inputs: torch.Tensor, d_outputs: torch.Tensor, layout: str, expert_offsets: torch.Tensor):
+    """Gradient of an expert weight in its stored layout, with no transpose copy: [E, out, in] ("oi")
+    is d_out^T @ in per expert, [E, in, out] ("io") is in^T @ d_out."""
+    if layout == "oi":
+        return grouped_weight_grad(d_outputs, inputs, expert_offsets)
+    return grouped_weight_grad(inputs, d_outputs, expert_offsets)
 
 
 def effective_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -126,8 +134,9 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     up = grouped_mm(x_rows, effective_weight(w_up, spec.up_layout), expert_offsets)
     if b_up is not None:
         up = up + b_up[row_expert]
-    # Rows of dropped slots were never computed (torch._grouped_mm leaves them uninitialised).
-    up = up.masked_fill(~routed, 0)
+    # Rows of dropped slots (past expert_offsets[-1]) are never computed: torch._grouped_mm leaves them
+    # uninitialised and never reads them either. Only the [rows, H] results that leave the grouped
+    # GEMMs (down, d_x_rows) are masked; masking the wide [rows, 2I] intermediates would cost a pass.
     act = gate_program.apply_gate(spec.gate, up)
     down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     if b_down is not None:
@@ -158,17 +167,15 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     # The gate program is arbitrary element-wise torch code: its vector-Jacobian product comes from
     # torch.func (autograd's own dispatch is below us inside a custom op). Element-wise, so deterministic.
     act, gate_vjp = torch.func.vjp(lambda h: gate_program.apply_gate(spec.gate, h), up)
-    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets).to(act.dtype).masked_fill(~routed, 0)
+    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets).to(act.dtype)
     (d_up,) = gate_vjp(d_act)
-    act = act.detach().to(w_down.dtype)
-    d_w_down_eff = grouped_weight_grad(act, d_down, expert_offsets)
-    d_w_down = effective_weight(d_w_down_eff, spec.down_layout).contiguous()
+    d_w_down = weight_grad(act.detach().to(w_down.dtype), d_down, spec.down_layout, expert_offsets)
 
     d_up = d_up.to(w_up.dtype)
     x_rows = hidden[row_order // top_k].to(w_up.dtype)
     w_up_eff = effective_weight(w_up, spec.up_layout)
     d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets).masked_fill(~routed, 0)
-    d_w_up = effective_weight(grouped_weight_grad(x_rows, d_up, expert_offsets), spec.up_layout).contiguous()
+    d_w_up = weight_grad(x_rows, d_up, spec.up_layout, expert_offsets)
     d_hidden = combine_k_in_order(d_x_rows[slot_row].view(num_tokens, top_k, d_x_rows.shape[-1]), None).to(hidden.dtype)
 
     d_b_up = d_b_down = None
