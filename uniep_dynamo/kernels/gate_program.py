@@ -97,7 +97,11 @@ def _eval(expr, leaves):
 
 def apply_gate(program: str, h: torch.Tensor) -> torch.Tensor:
     """Evaluate a gate program on the up projection ``h`` ([rows, N]) -> [rows, N or N/2]."""
-    split, expr = decode(program)
+    return apply_decoded(*decode(program), h)
+
+
+def apply_decoded(split: str, expr, h: torch.Tensor) -> torch.Tensor:
+    """apply_gate on an already decoded program (no JSON parsing: torch.compile can trace this)."""
     out = _eval(expr, split_halves(h, split))
     if not isinstance(out, torch.Tensor):
         raise ValueError("uniep: a gate program must produce a tensor")

@@ -21,6 +21,8 @@ reproducible run to run.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import gate_program
@@ -121,6 +123,78 @@ def combine_k_in_order(slot_values: torch.Tensor, weights: torch.Tensor | None) 
     return acc
 
 
+# -- element-wise glue between the GEMMs ----------------------------------------------------------
+# Plain torch functions: eager on CPU (the oracle), fused by inductor on CUDA, where a chain of
+# separate element-wise kernels would cost more than the GEMMs of a small-expert model. Same ops,
+# same k order either way; no reduction here uses atomics.
+
+def _combine_slots(rows, slot_row, routed, weights, num_tokens: int, top_k: int, out_dtype):
+    """out[t] = sum_k w[t,k] * rows[slot_row[t*K+k]] (fp32, k in order); unrouted rows count as zero."""
+    rows = rows.masked_fill(~routed, 0)
+    slot_values = rows[slot_row].view(num_tokens, top_k, rows.shape[-1])
+    return combine_k_in_order(slot_values, weights).to(out_dtype)
+
+
+def _slot_grads(grad_out, down, slot_row, row_order, routed, weights):
+    """(d_weights [T,K], d_down [rows,H] in expert-sorted order) from the combine's output gradient."""
+    num_tokens, top_k = weights.shape
+    hidden_size = down.shape[-1]
+    acc_dtype = accumulation_dtype(down)
+    g = grad_out.to(acc_dtype).unsqueeze(1)
+    slot_down = down.masked_fill(~routed, 0)[slot_row].view(num_tokens, top_k, hidden_size).to(acc_dtype)
+    # d w[t,k] = <grad_out[t], down[t,k]>, one fp32 reduction over H per slot.
+    d_weights = (g * slot_down).sum(-1).to(weights.dtype)
+    d_down_slots = (g * weights.to(acc_dtype).unsqueeze(-1)).to(down.dtype)
+    d_down = d_down_slots.reshape(-1, hidden_size)[row_order].masked_fill(~routed, 0)
+    return d_weights, d_down
+
+
+def _gate_functions(program: str):
+    """(forward, backward) of one gate program, closed over its decoded form so torch.compile sees
+    the program as constants. backward returns (act, d_up): the value and the vector-Jacobian
+    product, from torch.func since autograd's own dispatch is below us inside a custom op."""
+    split, expr = gate_program.decode(program)
+
+    def gate_forward(up):
+        return gate_program.apply_decoded(split, expr, up)
+
+    def gate_backward(up, d_act):
+        act, vjp = torch.func.vjp(gate_forward, up)
+        return act, vjp(d_act.to(act.dtype))[0]
+
+    return gate_forward, gate_backward
+
+
+_GLUE = {"combine": _combine_slots, "slot_grads": _slot_grads}
+_COMPILED_GLUE: dict = {}
+
+
+def _compile_glue_on(device: torch.device) -> bool:
+    """Glue is compiled by inductor on CUDA. UNIEP_COMPILE_GLUE=0 turns that off, =always turns it on
+    for every device (the tests use it on CPU)."""
+    mode = os.environ.get("UNIEP_COMPILE_GLUE", "1")
+    return mode != "0" and (device.type == "cuda" or mode == "always")
+
+
+def glue(name: str, device: torch.device):
+    """The glue function `name`, compiled where _compile_glue_on says so."""
+    if not _compile_glue_on(device):
+        return _GLUE[name]
+    if name not in _COMPILED_GLUE:
+        _COMPILED_GLUE[name] = torch.compile(_GLUE[name], fullgraph=True, dynamic=None)
+    return _COMPILED_GLUE[name]
+
+
+def gate_glue(program: str, device: torch.device):
+    """(forward, backward) of a gate program, compiled where _compile_glue_on says so."""
+    if not _compile_glue_on(device):
+        return _gate_functions(program)
+    if program not in _COMPILED_GLUE:
+        _COMPILED_GLUE[program] = tuple(torch.compile(f, fullgraph=True, dynamic=None)
+                                        for f in _gate_functions(program))
+    return _COMPILED_GLUE[program]
+
+
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
     """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for backward."""
     num_tokens, top_k = topk_ids.shape
@@ -136,14 +210,12 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
         up = up + b_up[row_expert]
     # Rows of dropped slots (past expert_offsets[-1]) are never computed: torch._grouped_mm leaves them
     # uninitialised and never reads them either. Only the [rows, H] results that leave the grouped
-    # GEMMs (down, d_x_rows) are masked; masking the wide [rows, 2I] intermediates would cost a pass.
-    act = gate_program.apply_gate(spec.gate, up)
+    # GEMMs are masked (inside the combines); masking the wide [rows, 2I] intermediates would cost a pass.
+    act = gate_glue(spec.gate, up.device)[0](up)
     down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     if b_down is not None:
         down = down + b_down[row_expert]
-    down = down.masked_fill(~routed, 0)
-    slot_values = down[slot_row].view(num_tokens, top_k, down.shape[-1])
-    out = combine_k_in_order(slot_values, topk_weights).to(spec.out_dtype)
+    out = glue("combine", down.device)(down, slot_row, routed, topk_weights, num_tokens, top_k, spec.out_dtype)
     return out, row_order, slot_row, expert_offsets, up, down
 
 
@@ -151,32 +223,20 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                      row_order, slot_row, expert_offsets, up, down, spec):
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down); bias grads None if no bias."""
     num_tokens, top_k = topk_ids.shape
-    hidden_size = down.shape[-1]
-    if spec.out_of_range == "clamp":
-        topk_ids = topk_ids.clamp(0, w_up.shape[0] - 1)
     routed = _routed_rows_mask(expert_offsets, row_order.numel())
-    acc_dtype = accumulation_dtype(down)
-    g = grad_out.to(acc_dtype)
-    slot_down = down[slot_row].view(num_tokens, top_k, hidden_size).to(acc_dtype)
-    # d w[t,k] = <grad_out[t], down[t,k]>, one fp32 reduction over H per slot.
-    d_weights = (g.unsqueeze(1) * slot_down).sum(-1).to(topk_weights.dtype)
-    d_down_slots = (g.unsqueeze(1) * topk_weights.to(acc_dtype).unsqueeze(-1)).to(down.dtype)
-    d_down = d_down_slots.reshape(-1, hidden_size)[row_order].masked_fill(~routed, 0)
+    d_weights, d_down = glue("slot_grads", down.device)(grad_out, down, slot_row, row_order, routed, topk_weights)
 
     w_down_eff = effective_weight(w_down, spec.down_layout)
-    # The gate program is arbitrary element-wise torch code: its vector-Jacobian product comes from
-    # torch.func (autograd's own dispatch is below us inside a custom op). Element-wise, so deterministic.
-    act, gate_vjp = torch.func.vjp(lambda h: gate_program.apply_gate(spec.gate, h), up)
-    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets).to(act.dtype)
-    (d_up,) = gate_vjp(d_act)
-    d_w_down = weight_grad(act.detach().to(w_down.dtype), d_down, spec.down_layout, expert_offsets)
+    d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets)
+    act, d_up = gate_glue(spec.gate, up.device)[1](up, d_act)
+    d_w_down = weight_grad(act.to(w_down.dtype), d_down, spec.down_layout, expert_offsets)
 
     d_up = d_up.to(w_up.dtype)
     x_rows = hidden[row_order // top_k].to(w_up.dtype)
     w_up_eff = effective_weight(w_up, spec.up_layout)
-    d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets).masked_fill(~routed, 0)
+    d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets)
     d_w_up = weight_grad(x_rows, d_up, spec.up_layout, expert_offsets)
-    d_hidden = combine_k_in_order(d_x_rows[slot_row].view(num_tokens, top_k, d_x_rows.shape[-1]), None).to(hidden.dtype)
+    d_hidden = glue("combine", d_x_rows.device)(d_x_rows, slot_row, routed, None, num_tokens, top_k, hidden.dtype)
 
     d_b_up = d_b_down = None
     if b_up is not None or b_down is not None:
