@@ -56,3 +56,23 @@ def test_whole_model_bf16_training_step():
     loss.backward()
     assert counters["uniep"]["moe_experts"] == 2
     assert max_rel_err(loss, eager) <= TOLERANCE[torch.bfloat16]
+
+
+def test_idle_experts_get_exact_zero_weight_grads():
+    """torch._grouped_mm must leave zeros (not stale memory) for experts without rows."""
+    experts = build_experts(CLASSES["MixtralExperts"], "grouped_mm", torch.bfloat16).cuda()
+    num_experts = experts.gate_up_proj.shape[0]
+    compiled = torch.compile(experts, backend="uniep")
+    for trial in range(5):
+        poison = torch.full((64 * 2**20,), float("nan"), device="cuda", dtype=torch.bfloat16)  # recycled below
+        del poison
+        x = torch.randn(50, experts.gate_up_proj.shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.full((50, 2), trial % num_experts, device="cuda")
+        ids[:, 1] = (trial + 1) % num_experts
+        w = torch.rand(50, 2, device="cuda", dtype=torch.bfloat16)
+        experts.zero_grad(set_to_none=True)
+        compiled(x, ids, w).float().sum().backward()
+        idle = [e for e in range(num_experts) if e not in (trial % num_experts, (trial + 1) % num_experts)]
+        for grad in (experts.gate_up_proj.grad, experts.down_proj.grad):
+            assert torch.equal(grad[idle], torch.zeros_like(grad[idle]))
+            assert torch.isfinite(grad).all()

@@ -78,10 +78,9 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.
     """Per expert e: a[rows of e]^T @ b[rows of e] -> [E, a.cols, b.cols]; zero for experts without rows."""
     num_experts = expert_offsets.shape[0]
     if a.shape[0] > 0 and _use_grouped_mm(a, b):
-        out = torch._grouped_mm(a.t(), b, offs=expert_offsets.to(torch.int32))
-        # Experts that received no rows must get an exact zero, whatever the kernel left there.
-        counts = torch.diff(expert_offsets, prepend=expert_offsets.new_zeros(1))
-        return out.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+        # torch._grouped_mm writes an exact zero for a group with no rows (a K=0 GEMM); the GPU test
+        # test_idle_experts_get_exact_zero_weight_grads holds it to that, with a poisoned allocator.
+        return torch._grouped_mm(a.t(), b, offs=expert_offsets.to(torch.int32))
     out = a.new_zeros(num_experts, a.shape[1], b.shape[1])
     bounds = _host_bounds(expert_offsets)
     for e in range(num_experts):
