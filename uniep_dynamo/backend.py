@@ -8,6 +8,7 @@ Options (``options={...}``): see ``UniepOptions``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -100,6 +101,17 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     return _inner_compile(gm, example_inputs, opts, mode)
 
 
+def _configure_logging_from_env():
+    """UNIEP_LOG=info (or debug, warning) prints the uniep log to stderr. TORCH_LOGS cannot carry it:
+    torch validates TORCH_LOGS names while it is imported, before any backend package can register one."""
+    level = os.environ.get("UNIEP_LOG")
+    if level and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(level.upper())
+
+
 def _register_by_name():
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
@@ -108,3 +120,4 @@ def _register_by_name():
 
 
 _register_by_name()
+_configure_logging_from_env()
