@@ -149,7 +149,7 @@ def test_torchtitan_style_plain_pytorch_rewrites():
 @pytest.mark.parametrize("knobs, reason", [
     ({"descending": True}, "sorted ascending"),                     # a constant that differs: sort order
     ({"histc_min": 1}, "does not count experts"),                   # a constant that differs: histc range
-    ({"combine": "mean"}, "not part of the experts pattern"),        # mean over k is not the op's combine
+    ({"combine": "mean"}, "combine is a sum over K"),                # mean over k is not the op's combine
     ({"leak_offsets": True}, "also used by"),                        # an intermediate escapes the region
     ({"weights_as_buffers": True}, "is not a module parameter"),     # weights are not parameters
 ])

@@ -23,7 +23,17 @@ GPT_OSS = gate_program.encode("interleave", [
     ], {}])
 
 
-def naive(hidden, ids, weights, w_up, w_down, b_up, b_down, spec: ExpertsSpec):
+# MuseSpark's post-expert norm: RMSNorm of (y * (1 + w)), w a vector operand
+POST_RMS = gate_program.encode("post", [
+    "call", "mul", [
+        ["call", "mul", [["y"], ["operand", 0]], {}],
+        ["call", "rsqrt", [["call", "add", [["call", "mean", [
+            ["call", "pow", [["call", "mul", [["y"], ["operand", 0]], {}], ["const", 2]], {}], ["const", -1]],
+            {"keepdim": ["const", True]}], ["const", 1e-6]], {}]], {}],
+    ], {}])
+
+
+def naive(hidden, ids, weights, w_up, w_down, b_up, b_down, spec: ExpertsSpec, post_operands=()):
     """One token and one slot at a time: the definition the op must equal."""
     rows = []
     for t in range(hidden.shape[0]):
@@ -35,6 +45,8 @@ def naive(hidden, ids, weights, w_up, w_down, b_up, b_down, spec: ExpertsSpec):
             h = hidden[t] @ wu + (b_up[e] if b_up is not None else 0)
             a = gate_program.apply_gate(spec.gate, h.unsqueeze(0))[0]
             y = a @ wd + (b_down[e] if b_down is not None else 0)
+            if spec.post is not None:
+                y = gate_program.apply_post(gate_program.decode(spec.post)[1], y.unsqueeze(0), post_operands)[0]
             acc = acc + y.double() * weights[t, k].double()
         rows.append(acc)
     return torch.stack(rows) if rows else hidden.new_zeros(0, w_down.shape[1]).double()
@@ -89,7 +101,7 @@ def test_backward_gradcheck(case):
 
     def fn(h, w, wu, wd, *biases):
         bu_, bd_ = (biases + (None, None))[:2] if biases else (None, None)
-        return torch.ops.uniep.moe_experts(h, ids, w, wu, wd, bu_, bd_, spec.encode())[0]
+        return torch.ops.uniep.moe_experts(h, ids, w, wu, wd, bu_, bd_, [], spec.encode())[0]
 
     inputs = (h, w, wu, wd) + ((bu, bd) if bias else ())
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
@@ -156,7 +168,7 @@ def test_out_of_range_ids_are_dropped_or_clamped():
     sentinel[0, 1] = 4
     sentinel[3, 0] = 7
     w = weights.clone().requires_grad_()
-    out = torch.ops.uniep.moe_experts(hidden, sentinel, w, w_up, w_down, None, None, spec.encode())[0]
+    out = torch.ops.uniep.moe_experts(hidden, sentinel, w, w_up, w_down, None, None, [], spec.encode())[0]
     dropped = weights.clone()
     dropped[0, 1] = dropped[3, 0] = 0
     assert max_rel_err(out, naive(hidden, ids, dropped, w_up, w_down, None, None, spec)) < 1e-6
@@ -173,7 +185,7 @@ def test_two_runs_are_bitwise_equal():
     results = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down, b_up, b_down)]
-        out = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], spec.encode())[0]
+        out = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], [], spec.encode())[0]
         out.backward(torch.ones_like(out))
         results.append([out] + [t.grad for t in leaves])
     for a, b in zip(*results):
@@ -204,12 +216,27 @@ def test_compiled_glue_matches_eager_glue(monkeypatch):
     args = make(17, 16, 8, 4, 2, GPT_OSS, "io", True)
     spec = args[7].encode()
     leaves = [t.clone().requires_grad_() for t in (args[0], args[2], args[3], args[4], args[5], args[6])]
-    out = torch.ops.uniep.moe_experts(leaves[0], args[1], *leaves[1:], spec)[0]
+    out = torch.ops.uniep.moe_experts(leaves[0], args[1], *leaves[1:], [], spec)[0]
     out.backward(torch.ones_like(out))
     monkeypatch.setenv("UNIEP_COMPILE_GLUE", "always")
     leaves2 = [t.detach().clone().requires_grad_() for t in leaves]
-    out2 = torch.ops.uniep.moe_experts(leaves2[0], args[1], *leaves2[1:], spec)[0]
+    out2 = torch.ops.uniep.moe_experts(leaves2[0], args[1], *leaves2[1:], [], spec)[0]
     out2.backward(torch.ones_like(out2))
     assert max_rel_err(out2, out) < 1e-6
     for a, b in zip(leaves2, leaves):
         assert max_rel_err(a.grad, b.grad) < 1e-5
+
+
+def test_post_program_rms_norm_forward_and_gradcheck():
+    """A post-expert norm with a learned vector: forward against the naive loop, backward by gradcheck."""
+    hidden, ids, weights, w_up, w_down, _, _, spec = make(6, 4, 3, 4, 2, dtype=torch.float64)
+    spec = ExpertsSpec("oi", "oi", SILU_GLU, torch.float64, post=POST_RMS)
+    scale = (torch.rand(4, dtype=torch.float64) + 0.5)
+    out = moe_experts_out(hidden, ids, weights, w_up, w_down, None, None, spec.encode(), [scale])
+    assert max_rel_err(out, naive(hidden, ids, weights, w_up, w_down, None, None, spec, [scale])) < 1e-10
+
+    def fn(h, w, wu, wd, s):
+        return torch.ops.uniep.moe_experts(h, ids, w, wu, wd, None, None, [s], spec.encode())[0]
+
+    inputs = tuple(t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down, scale))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)

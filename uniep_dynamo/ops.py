@@ -14,20 +14,22 @@ from .kernels import reference
 from .spec import decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
-               "Tensor? b_up, Tensor? b_down, str spec) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-_BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
-               "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor row_order, Tensor slot_row, "
-               "Tensor expert_offsets, Tensor up, Tensor down, str spec) "
+               "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec) "
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
+               "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor[] post_operands, Tensor row_order, "
+               "Tensor slot_row, Tensor expert_offsets, Tensor up, Tensor down, str spec) "
+               "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
-def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
-    return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, decode_spec(spec))
+def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
+    return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                                     decode_spec(spec))
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
+def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
     s = decode_spec(spec)
     num_tokens, top_k = topk_ids.shape
     rows = num_tokens * top_k
@@ -45,45 +47,52 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 
 
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
-def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                          row_order, slot_row, expert_offsets, up, down, spec):
-    grads = reference.experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                                       row_order, slot_row, expert_offsets, up, down, decode_spec(spec))
+    *grads, d_operands = reference.experts_backward(
+        grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+        row_order, slot_row, expert_offsets, up, down, decode_spec(spec))
     # A schema cannot return None: absent bias gradients travel as empty tensors. Every output is
     # contiguous, as the fake implementation promises.
-    return tuple(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads)
+    return (*(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads),
+            [g.contiguous() for g in d_operands])
 
 
 @moe_experts_backward.register_fake
-def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                                row_order, slot_row, expert_offsets, up, down, spec):
     def like(t):
         return t.new_empty(t.shape) if t is not None else hidden.new_empty(0)
 
-    return like(hidden), like(topk_weights), like(w_up), like(w_down), like(b_up), like(b_down)
+    return (like(hidden), like(topk_weights), like(w_up), like(w_down), like(b_up), like(b_down),
+            [like(t) for t in post_operands])
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec = inputs
+    hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec = inputs
     _, row_order, slot_row, expert_offsets, up, down = output
-    ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
                           row_order, slot_row, expert_offsets, up, down)
     ctx.spec = spec
+    ctx.num_operands = len(post_operands)
     ctx.has_bias = (b_up is not None, b_down is not None)
 
 
 def _backward(ctx, grad_out, *_unused_grads):
-    saved = ctx.saved_tensors
-    grad_out = grad_out if grad_out is not None else torch.zeros_like(saved[0])
-    d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward(
-        grad_out, *saved, ctx.spec)
+    saved = list(ctx.saved_tensors)
+    head, operands, plan = saved[:7], saved[7:7 + ctx.num_operands], saved[7 + ctx.num_operands:]
+    grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
+    d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
+        grad_out, *head, operands, *plan, ctx.spec)
     return (d_hidden, None, d_weights, d_w_up, d_w_down,
-            d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, None)
+            d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, list(d_operands), None)
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moe_experts_out(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str) -> torch.Tensor:
+def moe_experts_out(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str,
+                    post_operands=()) -> torch.Tensor:
     """Eager convenience: the op's output alone."""
-    return torch.ops.uniep.moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec)[0]
+    return torch.ops.uniep.moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                       list(post_operands), spec)[0]

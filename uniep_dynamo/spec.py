@@ -23,14 +23,18 @@ class ExpertsSpec:
     # (HF's grouped_mm spelling); "clamp" -- the slot uses expert clamp(id, 0, E-1) (HF's batched_mm
     # spelling clamps before gathering weights).
     out_of_range: str = "drop"
+    # An optional post program on each down-projection row before the routing weight (HF's
+    # post-expert norm); it reads the op's post_operands.
+    post: str | None = None
 
     def encode(self) -> str:
         return json.dumps({"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
-                           "out_dtype": str(self.out_dtype).replace("torch.", ""), "out_of_range": self.out_of_range},
-                          sort_keys=True, separators=(",", ":"))
+                           "out_dtype": str(self.out_dtype).replace("torch.", ""), "out_of_range": self.out_of_range,
+                           "post": self.post}, sort_keys=True, separators=(",", ":"))
 
     def describe(self) -> str:
-        return (f"gate={gate_program.describe(self.gate)}, weights up={self.up_layout} down={self.down_layout}, "
+        post = f", post={gate_program.describe(self.post)}" if self.post else ""
+        return (f"gate={gate_program.describe(self.gate)}{post}, weights up={self.up_layout} down={self.down_layout}, "
                 f"out={str(self.out_dtype).replace('torch.', '')}")
 
 
@@ -44,4 +48,7 @@ def decode_spec(text: str) -> ExpertsSpec:
     out_of_range = data.get("out_of_range", "drop")
     if out_of_range not in ("drop", "clamp"):
         raise ValueError(f"uniep: unknown out_of_range mode {out_of_range!r}")
-    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range)
+    post = data.get("post")
+    if post is not None and gate_program.decode(post)[0] != "post":
+        raise ValueError("uniep: malformed post program")
+    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range, post)

@@ -12,6 +12,11 @@ whatever element-wise ops the graph applies, as a small expression tree over thr
 with nodes ``["call", name, [args], {kwargs}]`` and constants ``["const", v]`` / ``["dtype", "float32"]``.
 The reference evaluates the same ops in the same order, so its result equals eager's bit for bit on
 the same device. Kernels accept the programs they recognise (``classify``) and fall back otherwise.
+
+The same language describes an optional *post program* applied to each row of the down projection
+before the routing weight (HF's ``has_post_expert_norm``, an RMSNorm): leaf ``["y"]`` is the row,
+``["operand", i]`` the i-th extra tensor of the op (a vector broadcast over rows, e.g. a norm weight),
+and ``mean`` reduces over the row (``dim=-1, keepdim=True`` only).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-SPLITS = ("chunk", "interleave", "none")
+SPLITS = ("chunk", "interleave", "none", "post")  # "post": a post program (leaf ["y"])
 
 
 def _to(x, dtype):
@@ -47,8 +52,12 @@ ELEMENTWISE_OPS = {
     "gelu": (F.gelu, ("approximate",)),
     "softplus": (F.softplus, ("beta", "threshold")),
     "clamp": (torch.clamp, ("min", "max")),
+    "rsqrt": (torch.rsqrt, ()),
+    "sqrt": (torch.sqrt, ()),
     "to": (_to, ()),
+    "mean": (torch.mean, ("dim", "keepdim")),  # row-wise only: dim=-1, keepdim=True (checked by the matcher)
 }
+ROW_REDUCTIONS = ("mean",)
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -68,6 +77,14 @@ def decode(program: str) -> tuple[str, list]:
     return data["split"], data["expr"]
 
 
+def apply_post(expr, y: torch.Tensor, operands) -> torch.Tensor:
+    """Evaluate a post program (a decoded expression) on down-projection rows ``y`` [rows, H]."""
+    out = _eval(expr, {"y": y, "operands": list(operands)})
+    if not isinstance(out, torch.Tensor):
+        raise ValueError("uniep: a post program must produce a tensor")
+    return out
+
+
 def split_halves(h: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
     if split == "none":
         return {"h": h}
@@ -82,8 +99,10 @@ def split_halves(h: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
 
 def _eval(expr, leaves):
     kind = expr[0]
-    if kind in ("gate", "up", "h"):
+    if kind in ("gate", "up", "h", "y"):
         return leaves[kind]
+    if kind == "operand":
+        return leaves["operands"][expr[1]]
     if kind == "const":
         return expr[1]
     if kind == "dtype":
@@ -113,8 +132,10 @@ def describe(program: str) -> str:
     split, expr = decode(program)
 
     def show(e):
-        if e[0] in ("gate", "up", "h"):
+        if e[0] in ("gate", "up", "h", "y"):
             return e[0]
+        if e[0] == "operand":
+            return f"operand{e[1]}"
         if e[0] == "const":
             return repr(e[1])
         if e[0] == "dtype":
@@ -128,7 +149,7 @@ def describe(program: str) -> str:
         return f"{name}({', '.join(parts)})"
 
     text = show(expr)
-    return text if split == "none" else f"{text} [{split}]"
+    return text if split in ("none", "post") else f"{text} [{split}]"
 
 
 def classify(program: str) -> str | None:

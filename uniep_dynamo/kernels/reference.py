@@ -164,6 +164,23 @@ def _gate_functions(program: str):
     return gate_forward, gate_backward
 
 
+def _post_functions(program: str):
+    """(forward, backward) of a post program. backward runs the post program forward again, takes
+    the slot gradients of its output, and pulls them back to the down rows and the operands."""
+    _split, expr = gate_program.decode(program)
+
+    def post_forward(down, *operands):
+        return gate_program.apply_post(expr, down, operands)
+
+    def post_backward(down, operands, grad_out, slot_row, row_order, routed, weights):
+        rows, vjp = torch.func.vjp(post_forward, down, *operands)
+        d_weights, d_rows = _slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
+        d_down, *d_operands = vjp(d_rows.to(rows.dtype))
+        return rows, (d_weights, d_down.masked_fill(~routed, 0)), d_operands
+
+    return post_forward, post_backward
+
+
 _GLUE = {"combine": _combine_slots, "slot_grads": _slot_grads}
 _COMPILED_GLUE: dict = {}
 
@@ -184,17 +201,25 @@ def glue(name: str, device: torch.device):
     return _COMPILED_GLUE[name]
 
 
-def gate_glue(program: str, device: torch.device):
-    """(forward, backward) of a gate program, compiled where _compile_glue_on says so."""
+def _program_glue(program: str, device: torch.device, make):
     if not _compile_glue_on(device):
-        return _gate_functions(program)
+        return make(program)
     if program not in _COMPILED_GLUE:
-        _COMPILED_GLUE[program] = tuple(torch.compile(f, fullgraph=True, dynamic=None)
-                                        for f in _gate_functions(program))
+        _COMPILED_GLUE[program] = tuple(torch.compile(f, fullgraph=True, dynamic=None) for f in make(program))
     return _COMPILED_GLUE[program]
 
 
-def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
+def gate_glue(program: str, device: torch.device):
+    """(forward, backward) of a gate program, compiled where _compile_glue_on says so."""
+    return _program_glue(program, device, _gate_functions)
+
+
+def post_glue(program: str, device: torch.device):
+    """(forward, backward) of a post program, compiled where _compile_glue_on says so."""
+    return _program_glue(program, device, _post_functions)
+
+
+def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
     """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for backward."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0]
@@ -214,16 +239,29 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     if b_down is not None:
         down = down + b_down[row_expert]
-    out = glue("combine", down.device)(down, slot_row, routed, topk_weights, num_tokens, top_k, spec.out_dtype)
+    rows = down
+    if spec.post is not None:
+        # A post program may reduce over a row and its operand gradients sum over rows: unrouted rows
+        # must hold zeros, not stale memory, before it runs.
+        down = down.masked_fill(~routed, 0)
+        rows = post_glue(spec.post, down.device)[0](down, *post_operands)
+    out = glue("combine", rows.device)(rows, slot_row, routed, topk_weights, num_tokens, top_k, spec.out_dtype)
     return out, row_order, slot_row, expert_offsets, up, down
 
 
-def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                      row_order, slot_row, expert_offsets, up, down, spec):
-    """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down); bias grads None if no bias."""
+    """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down, [d_post_operands]);
+    bias grads None if no bias."""
     num_tokens, top_k = topk_ids.shape
     routed = _routed_rows_mask(expert_offsets, row_order.numel())
-    d_weights, d_down = glue("slot_grads", down.device)(grad_out, down, slot_row, row_order, routed, topk_weights)
+    d_operands = []
+    if spec.post is None:
+        d_weights, d_down = glue("slot_grads", down.device)(grad_out, down, slot_row, row_order, routed, topk_weights)
+    else:
+        rows, d_rows, d_operands = post_glue(spec.post, down.device)[1](down, post_operands, grad_out, slot_row,
+                                                                        row_order, routed, topk_weights)
+        d_weights, d_down = d_rows
 
     w_down_eff = effective_weight(w_down, spec.down_layout)
     d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets)
@@ -246,4 +284,4 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
             d_b_up = grouped_weight_grad(d_up, ones, expert_offsets)[..., 0].to(b_up.dtype)
         if b_down is not None:
             d_b_down = grouped_weight_grad(d_down, ones.to(d_down.dtype), expert_offsets)[..., 0].to(b_down.dtype)
-    return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down
+    return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, list(d_operands)

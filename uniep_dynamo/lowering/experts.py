@@ -17,7 +17,7 @@ def lower_experts(gm: GraphModule, match: ExpertsMatch) -> torch.fx.Node:
         call = graph.call_function(
             torch.ops.uniep.moe_experts.default,
             (match.hidden, match.topk_ids, match.topk_weights, match.w_up, match.w_down, match.b_up, match.b_down,
-             spec_text))
+             list(match.post_operands), spec_text))
         out = graph.call_function(operator.getitem, (call, 0))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in root.meta:

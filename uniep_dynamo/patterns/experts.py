@@ -95,7 +95,8 @@ class _Interpreter:
                 raise Mismatch(f"unknown op {node.target!r}")
             return None
         rule = getattr(self, f"_t_{name}", None)
-        if name in gate_program.ELEMENTWISE_OPS or name in _INPLACE or name in _CASTS or name in _INT_CASTS:
+        if name in gate_program.ELEMENTWISE_OPS or name in _INPLACE or name in _CASTS or name in _INT_CASTS \
+                or name == "type_as":
             rule = self._t_elementwise
         if rule is None:
             if self._consumes_moe(node):
@@ -371,6 +372,13 @@ class _Interpreter:
             if v is not None:
                 raise Mismatch(f"{name}() of MoE values")
             return None
+        elif name == "type_as":
+            other = gu.tensor_meta(args[1]) if isinstance(args[1], Node) else None
+            if other is None:
+                if self._consumes_moe(node):
+                    raise Mismatch("type_as of something that is not a tensor")
+                return None
+            canonical, args, kwargs = "to", [args[0], other.dtype], {}
         elif name == "to":
             b = gu.bind(node, "to")
             dtypes = [gu.constant(a) for a in b["args"] if not isinstance(a, Node) or gu.tensor_meta(a) is None]
@@ -414,6 +422,12 @@ class _Interpreter:
         _fn, allowed = gate_program.ELEMENTWISE_OPS[canonical]
         if kwargs.get("inplace"):
             raise Mismatch(f"in-place {canonical} on expert rows")
+        if isinstance(first, Stacked):
+            raise Mismatch(f"{canonical} of the [T, K, H] slot values: the op's combine is a sum over K")
+        if canonical in gate_program.ROW_REDUCTIONS:
+            b = {"dim": args[1] if len(args) > 1 else kwargs.get("dim"), "keepdim": kwargs.get("keepdim", False)}
+            if len(args) > 2 or not gu.is_dim(gu.constant(b["dim"]), 1, 2) or gu.constant(b["keepdim"]) is not True:
+                raise Mismatch(f"{canonical} over expert rows must reduce the last dim with keepdim=True")
         kwargs.pop("inplace", None)
         if set(kwargs) - set(allowed):
             raise Mismatch(f"{canonical} with unsupported keywords {sorted(set(kwargs) - set(allowed))}")
@@ -421,7 +435,11 @@ class _Interpreter:
         for a, v in zip(args, vals):
             if v is None:
                 if isinstance(a, Node) and gu.tensor_meta(a) is not None:
-                    raise Mismatch(f"{canonical} mixes expert rows with the tensor {a.name}")
+                    t = gu.tensor_meta(a)
+                    if t.dim() == 1 and t.dtype.is_floating_point:
+                        out_args.append(("operand", a))  # a vector broadcast over rows (a norm weight, say)
+                        continue
+                    raise Mismatch(f"{canonical} mixes expert rows with the tensor {a.name} {tuple(t.shape)}")
                 c = gu.constant(a)
                 if isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                     raise Mismatch(f"{canonical} with a symbolic scalar")
@@ -538,43 +556,77 @@ class _Interpreter:
 
 # -- region proof ---------------------------------------------------------------------------------
 
-def _gate_program(act_expr) -> tuple[str, tuple]:
-    """(encoded gate program, the up-projection expression it reads)."""
-    found = {"up": None, "split": None}
-
-    def leaf(up_expr, split):
-        if found["up"] is None:
-            found["up"], found["split"] = up_expr, split
-        elif found["up"] != up_expr or found["split"] != split:
-            raise Mismatch("the gate combines two different projections or two different splits")
+def _extract_program(expr, is_leaf, leaf, operands: list | None):
+    """Turn a row expression into program JSON: `is_leaf(e)` marks the subtrees `leaf(e)` encodes;
+    vector operands are numbered into `operands` (None: operands are not allowed here)."""
 
     def walk(e):
         kind = e[0]
-        if kind in ("lin", "bias"):
-            leaf(e, "none")
-            return ["h"]
-        if kind == "half":
-            _, index, split, inner = e
-            if inner[0] not in ("lin", "bias"):
-                raise Mismatch("the gate halves are not halves of the up projection")
-            leaf(inner, split)
-            return ["gate"] if index == 0 else ["up"]
+        if is_leaf(e):
+            return leaf(e)
         if kind == "ew":
             _, name, args, kwargs = e
             return ["call", name, [walk(a) for a in args], {k: walk(v) for k, v in kwargs}]
         if kind == "const":
             value = e[1]
             if not (value is None or isinstance(value, (bool, int, float, str))):
-                raise Mismatch(f"gate constant {value!r} is not a number")
+                raise Mismatch(f"constant {value!r} in an expert program is not a number")
             return ["const", value]
         if kind == "dtype":
             return gate_program.dtype_const(e[1])
-        raise Mismatch(f"the gate reads {kind!r} rows, not the up projection")
+        if kind == "operand":
+            if operands is None:
+                raise Mismatch(f"the gate reads the tensor {e[1].name}; only a post program may read vectors")
+            if e[1] not in operands:
+                operands.append(e[1])
+            return ["operand", operands.index(e[1])]
+        raise Mismatch(f"an expert program reads {kind!r} rows")
 
-    expr = walk(act_expr)
+    return walk(expr)
+
+
+def _gate_program(act_expr) -> tuple[str, tuple]:
+    """(encoded gate program, the up-projection expression it reads)."""
+    found = {"up": None, "split": None}
+
+    def is_leaf(e):
+        return e[0] in ("lin", "bias", "half")
+
+    def leaf(e):
+        if e[0] == "half":
+            _, index, split, inner = e
+            if inner[0] not in ("lin", "bias"):
+                raise Mismatch("the gate halves are not halves of the up projection")
+        else:
+            index, split, inner = None, "none", e
+        if found["up"] is None:
+            found["up"], found["split"] = inner, split
+        elif found["up"] != inner or found["split"] != split:
+            raise Mismatch("the gate combines two different projections or two different splits")
+        return ["h"] if index is None else (["gate"] if index == 0 else ["up"])
+
+    expr = _extract_program(act_expr, is_leaf, leaf, None)
     if found["up"] is None:
         raise Mismatch("the gate does not read the up projection")
     return gate_program.encode(found["split"], expr), found["up"]
+
+
+def _post_program(rows_expr) -> tuple[str | None, tuple, list]:
+    """(encoded post program or None, the down-projection expression, its vector operands)."""
+    if rows_expr[0] in ("lin", "bias"):
+        return None, rows_expr, []
+    found, operands = [], []
+
+    def leaf(e):
+        if found and found[0] != e:
+            raise Mismatch("the rows after the down projection mix two projections")
+        found[:1] = [e]
+        return ["y"]
+
+    expr = _extract_program(rows_expr, lambda e: e[0] in ("lin", "bias"), leaf, operands)
+    if not found:
+        raise Mismatch("the weighted rows are not computed from the down projection")
+    return gate_program.encode("post", expr), found[0], operands
 
 
 def _shape(node):
@@ -607,12 +659,12 @@ def check_region(root: Node, value: Combined, interp: "_Interpreter") -> Experts
     """Prove that `value` is sum_k w[t,k] * down_e(gate(up_e(x_t))) over parameters of the right shapes."""
     expr = value.expr
     _require(expr[0] == "weighted", "the combined slots are not multiplied by the routing weights")
-    _, down_expr, weights = expr
+    _, rows_expr, weights = expr
+    post, down_expr, post_operands = _post_program(rows_expr)
     b_down = None
     if down_expr[0] == "bias":
         _, down_expr, b_down = down_expr
-    _require(down_expr[0] == "lin", "the weighted rows are not the output of the down projection "
-                                   "(an op between the down projection and the routing weights?)")
+    _require(down_expr[0] == "lin", "the weighted rows are not the output of the down projection")
     _, act_expr, w_down, down_layout = down_expr
     gate, up_expr = _gate_program(act_expr)
     b_up = None
@@ -668,13 +720,16 @@ def check_region(root: Node, value: Combined, interp: "_Interpreter") -> Experts
         outside = [u for u in node.users if u not in members]
         if node is not root and outside:
             raise Mismatch(f"intermediate {node.name} is also used by {outside[0].name}, outside the experts region")
-    _require_no_writes_to_inputs(nodes, [hidden, ids, weights, w_up, w_down, b_up, b_down])
+    _require_no_writes_to_inputs(nodes, [hidden, ids, weights, w_up, w_down, b_up, b_down] + post_operands)
     anchors = [n for n in nodes if gu.op_name(n) in ANCHOR_OPS]
     spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in anchors) else "grouped_mm"
     out_of_range = _out_of_range_mode(interp.id_bounds.get(ids, []), num_experts, spelling)
-    spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range)
+    for operand in post_operands:
+        _require(gu.same_int(_shape(operand)[0], hidden_size),
+                 f"post-projection vector {operand.name} has {_shape(operand)[0]} entries, not H={hidden_size}")
+    spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range, post)
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
-                        gu.module_path(root), spelling, anchors)
+                        gu.module_path(root), spelling, anchors, post_operands)
 
 
 _VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",

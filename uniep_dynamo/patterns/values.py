@@ -16,6 +16,7 @@ Row expressions are nested tuples:
     ("half", i, split, e)    half i of e, split "chunk" or "interleave"
     ("ew", name, args, kwargs) an element-wise op (kernels/gate_program.ELEMENTWISE_OPS)
     ("weighted", e, weights) e * routing weight
+    ("operand", node)        a vector broadcast over rows (e.g. a post-expert norm weight)
 """
 from __future__ import annotations
 
@@ -161,3 +162,4 @@ class ExpertsMatch:
     module: str
     spelling: str  # "grouped_mm" | "batched_mm"
     anchors: list = field(default_factory=list)
+    post_operands: list = field(default_factory=list)  # vectors the post program reads (a norm weight)
