@@ -85,6 +85,11 @@ class _Interpreter:
     def val(self, arg):
         return self.env.get(arg) if isinstance(arg, Node) else None
 
+    def _before(self, a: Node, b: Node) -> bool:
+        if not hasattr(self, "_position"):
+            self._position = {n: i for i, n in enumerate(self.graph.nodes)}
+        return self._position[a] < self._position[b]
+
     def _consumes_moe(self, node: Node) -> bool:
         return any(isinstance(a, Node) and a in self.env for a in node.all_input_nodes)
 
@@ -413,6 +418,11 @@ class _Interpreter:
         if canonical == "add" and len(vals) == 2 and isinstance(vals[1], Rows) and vals[1].expr[0] == "B":
             result = self._bias_add(vals[0], vals[1], node)
             if name in _INPLACE:
+                # Later readers of the projection see the bias; earlier ones (views taken before the
+                # write would see it too in eager) would be misread, so refuse them.
+                earlier = [u for u in args[0].users if u is not node and self._before(u, node)]
+                if earlier:
+                    raise Mismatch(f"{earlier[0].name} reads {args[0].name} before its in-place bias add")
                 self.env[args[0]] = result
             return result
         if name in _INPLACE:
