@@ -126,3 +126,23 @@ def routed_inputs(experts, tokens=7, top_k=2, dtype=torch.float32, seed=1, requi
         torch.empty(0, top_k, dtype=torch.long)
     w = torch.rand(tokens, top_k, generator=g).to(dtype).requires_grad_(requires_grad)
     return x, ids, w
+
+
+SMALL_MODEL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128,
+                   max_position_embeddings=64, first_k_dense_replace=0, decoder_sparse_step=1)
+
+
+def build_causal_lm(cls, implementation="grouped_mm", seed=0):
+    """A tiny AutoModelForCausalLM of the family of experts class `cls`, from its config's defaults
+    shrunk; raises where the family's defaults do not shrink this simply (composite or hybrid configs)."""
+    import transformers
+
+    config = _config_candidates(cls)[0]()
+    for sub in _sub_configs(config):
+        shrink(sub)
+        for key, value in SMALL_MODEL.items():
+            if hasattr(sub, key):
+                setattr(sub, key, value)
+    config._experts_implementation = implementation
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()

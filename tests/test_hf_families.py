@@ -81,3 +81,22 @@ def test_dynamic_shapes_and_varying_token_counts(implementation):
         assert max_rel_err(compiled(x, ids, w), experts(x, ids, w)) <= TOLERANCE[torch.float32]
     assert counters["uniep"]["moe_experts"] >= 1
     assert counters["stats"]["unique_graphs"] <= 2, "varying token counts must not recompile each time"
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_bad_input_through_the_compiled_path(implementation):
+    """An empty batch, NaN/inf hidden states and NaN routing weights behave as in eager."""
+    cls = dict((c.__name__, c) for _, c in FAMILIES)["MixtralExperts"]
+    experts = build_experts(cls, implementation, torch.float32)
+    compiled = torch.compile(experts, backend="uniep", options={"inner_backend": "eager"})
+    with torch.no_grad():
+        x, ids, w = routed_inputs(experts, tokens=0, requires_grad=False)
+        assert compiled(x, ids, w).shape == (0, x.shape[1])
+        x, ids, w = routed_inputs(experts, tokens=6, requires_grad=False)
+        x[1, 0] = float("nan")
+        x[2, 3] = float("inf")
+        w[4, 1] = float("nan")
+        out, eager = compiled(x, ids, w), experts(x, ids, w)
+        assert torch.equal(torch.isnan(out), torch.isnan(eager))
+        assert max_rel_err(out[[0, 3, 5]], eager[[0, 3, 5]]) <= TOLERANCE[torch.float32]
+    assert counters["uniep"]["moe_experts"] >= 1

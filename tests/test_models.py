@@ -60,3 +60,29 @@ def test_whole_model_batched_mm_and_inference(family):
     with torch.no_grad():
         assert max_rel_err(compiled(input_ids=ids).logits, model(input_ids=ids).logits) <= TOLERANCE[torch.float32]
     assert counters["uniep"]["moe_experts"] == 2
+
+
+from hf_families import build_causal_lm, discover_experts_classes  # noqa: E402
+
+DISCOVERED = discover_experts_classes()
+
+
+@pytest.mark.parametrize("family, cls", DISCOVERED, ids=[c.__name__ for _, c in DISCOVERED])
+def test_every_family_whole_model_rewrites_each_moe_layer(family, cls):
+    """Whole tiny models of every discovered family whose config shrinks generically: one rewrite per
+    experts module, logits equal to eager."""
+    try:
+        model = build_causal_lm(cls)
+        ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            eager = model(input_ids=ids).logits
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"{family}: its default config does not shrink to a tiny causal LM generically ({exc!r:.120}); "
+                    "its experts are covered block-level in test_hf_families")
+    layers = sum(1 for m in model.modules() if type(m) is cls)
+    if layers == 0:
+        pytest.skip(f"{family}: the shrunk default config has no {cls.__name__} layer (dense layers only)")
+    with torch.no_grad():
+        out = torch.compile(model, backend="uniep", options={"inner_backend": "eager"})(input_ids=ids).logits
+    assert counters["uniep"]["moe_experts"] == layers
+    assert max_rel_err(out, eager) <= TOLERANCE[torch.float32]

@@ -838,10 +838,17 @@ def _relevant_misses(graph, env, misses, taken) -> list[NearMiss]:
             stack.extend(step(n))
         return sorted(found, key=order.get)
 
+    def routed(value) -> bool:
+        # values only MoE code makes; a flattened [T, K]-shaped tensor alone (a mask, say) is not enough
+        return isinstance(value, Rows) and (value.order.kind == "sorted" or value.expr[0] in ("W", "B", "lin", "x"))
+
     out, seen = [], set()
     for anchor in (n for n in graph.nodes if gu.op_name(n) in ANCHOR_OPS and n not in taken):
         module = gu.module_path(anchor)
         if module in seen:
+            continue
+        # grouped GEMMs exist for MoE; a bmm (attention, say) is reported only if it reads routed rows
+        if gu.op_name(anchor) == "bmm" and not any(routed(env.get(a)) for a in anchor.all_input_nodes):
             continue
         upstream = cone([anchor], lambda n: n.all_input_nodes, lambda n: gu.module_path(n) == module)
         downstream = cone([anchor], lambda n: n.users, lambda n: True)

@@ -170,11 +170,3 @@ def module_path(node: Node) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path).lstrip(".")
     return path or "<root module>"
-
-
-def module_class(node: Node) -> str | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    _key, cls = list(stack.values())[-1]
-    return getattr(cls, "__name__", str(cls))

@@ -37,9 +37,6 @@ class Order:
     top_k: object  # K, an int or SymInt
     sort: Node | None = None  # the sort node, for "sorted"
 
-    def describe(self) -> str:
-        return "slot order (t*K+k)" if self.kind == "flat" else f"expert-sorted order of {self.sort.name}"
-
 
 @dataclass(frozen=True)
 class Rows:
