@@ -39,11 +39,13 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int):
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts)
     # A stable sort of the expert id keeps (token, k) order inside each expert: slot s = t*K + k.
-    row_order = torch.argsort(key, stable=True)
+    sorted_key, row_order = torch.sort(key, stable=True)
     slot_row = torch.empty_like(row_order)
     slot_row[row_order] = torch.arange(row_order.numel(), device=row_order.device)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    expert_offsets = torch.cumsum(counts, 0)
+    # offsets[e] = number of rows with key <= e, read off the sorted keys: no atomics, and unlike
+    # bincount no device-to-host copy of the largest id.
+    experts = torch.arange(num_experts, device=key.device, dtype=key.dtype)
+    expert_offsets = torch.searchsorted(sorted_key, experts, right=True)
     return row_order, slot_row, expert_offsets
 
 
