@@ -7,7 +7,9 @@ registers it by name and registers the ``torch.ops.uniep`` custom ops.
 """
 from . import ops  # noqa: F401  (registers torch.ops.uniep.*)
 from .backend import UniepOptions, uniep_backend
+from .explain import Report, explain
+from .report import recording
 from .spec import ExpertsSpec
 
-__all__ = ["uniep_backend", "UniepOptions", "ExpertsSpec", "ops"]
+__all__ = ["uniep_backend", "UniepOptions", "ExpertsSpec", "ops", "explain", "Report", "recording"]
 __version__ = "0.1.0"

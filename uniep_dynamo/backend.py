@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch._dynamo.utils import counters
 
+from . import report
 from .lowering import lower_experts
 from .patterns import find_experts_regions
 
@@ -45,17 +46,21 @@ class UniepOptions:
 def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     """Rewrite every proven experts region of `gm` in place. Returns (matches, near_misses)."""
     opts = opts or UniepOptions()
-    if not opts.rewrite_experts:
-        return [], []
-    matches, misses = find_experts_regions(gm.graph)
+    before = report.snapshot(gm.graph) if report.active() else None
+    matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
+    added = {}
     for match in matches:
-        lower_experts(gm, match)
+        replaced = [n.name for n in match.nodes]
+        call = lower_experts(gm, match)
+        added[id(match)] = (replaced, [call.name] + [u.name for u in call.users])
         counters["uniep"]["moe_experts"] += 1
         log.info("uniep: rewrote %s (%s spelling, %d nodes) into uniep.moe_experts [%s]",
                  match.module, match.spelling, len(match.nodes), match.spec.describe())
     for miss in misses:
         counters["uniep"]["unfused"] += 1
         log.warning("uniep: %s runs unfused: %s", miss.module, miss.reason)
+    if before is not None:
+        gm.meta["uniep_record"] = report.record_graph(before, gm, matches, misses, added)
     if matches:
         # No graph-wide eliminate_dead_code here: Dynamo graphs hold in-place ops without users
         # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
@@ -69,18 +74,48 @@ def _needs_grad(gm, example_inputs) -> bool:
         isinstance(x, torch.Tensor) and x.requires_grad for x in list(example_inputs) + list(gm.parameters()))
 
 
+def _recording_inner_compile(record, inner_compile):
+    """Wrap inductor's inner_compile to count uniep ops in the AOTAutograd forward/backward graphs."""
+    def compile_and_count(graph_module, example_inputs, **kwargs):
+        kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
+        record.aot_graphs = record.aot_graphs or {}
+        record.aot_graphs[kind] = report.count_uniep_ops(graph_module.graph)
+        return inner_compile(graph_module, example_inputs, **kwargs)
+    return compile_and_count
+
+
 def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
     inner = opts.inner_backend
+    record = gm.meta.get("uniep_record")
     if callable(inner):
         return inner(gm, example_inputs)
     if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
         patches.update(opts.inductor)
-        return compile_fx(gm, example_inputs, config_patches=patches or None)
+        if record is None:
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
+        # Recording: a cache hit would skip inner_compile, and with it the count of uniep ops.
+        patches.update(fx_graph_cache=False)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=_recording_inner_compile(record, compile_fx_inner),
+                              config_patches=patches)
     if inner == "eager":
         return gm.forward
+    if inner == "aot_eager" and record is not None:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(kind):
+            def compiler(graph_module, _example_inputs):
+                record.aot_graphs = record.aot_graphs or {}
+                record.aot_graphs[kind] = report.count_uniep_ops(graph_module.graph)
+                return make_boxed_func(graph_module.forward)
+            return compiler
+
+        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                            inference_compiler=keep("inference"))(gm, example_inputs)
     if inner == "tensorrt":
         try:
             import torch_tensorrt  # noqa: F401

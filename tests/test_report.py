@@ -1,0 +1,139 @@
+"""The graph-diff report: explain(), its JSON and HTML, and the uniep-diff command."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import uniep_dynamo
+from uniep_dynamo.cli import main as uniep_diff
+from uniep_dynamo.explain import collapse_modules
+from uniep_dynamo.report import GraphRecord
+
+HERE = os.path.dirname(__file__)
+
+
+def tiny_mixtral():
+    from hf_models import build_model
+    return build_model("mixtral")
+
+
+def test_explain_full_match_json():
+    model = tiny_mixtral()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = uniep_dynamo.explain(model, input_ids=ids, labels=ids)
+    data = json.loads(report.to_json())
+    assert data["totals"] == {"moe_experts": 2, "unfused": 0}
+    (graph,) = data["graphs"]
+    assert [r["module"] for r in graph["rewrites"]] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert graph["aot_graphs"]["forward"] == {"moe_experts": 2}
+    assert graph["aot_graphs"]["backward"] == {"moe_experts_backward": 2}
+    assert graph["coverage_gaps"] == []
+    before_ids = {n["id"] for n in graph["before"]}
+    after_ids = {n["id"] for n in graph["after"]}
+    for rewrite in graph["rewrites"]:
+        assert set(rewrite["replaced"]) <= before_ids and not set(rewrite["replaced"]) & after_ids
+        assert set(rewrite["added"]) <= after_ids
+    assert all(p.grad is None for p in model.parameters()), "explain leaves .grad as it found it"
+    assert "model.layers.{0-1}.mlp.experts (same match)" in report.summary()
+
+
+def test_node_ids_are_stable_between_runs():
+    model = tiny_mixtral()
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    first = uniep_dynamo.explain(model, input_ids=ids).data
+    second = uniep_dynamo.explain(model, input_ids=ids).data
+    assert [n["id"] for n in first["graphs"][0]["before"]] == [n["id"] for n in second["graphs"][0]["before"]]
+    assert first["graphs"][0]["rewrites"] == second["graphs"][0]["rewrites"]
+
+
+def test_near_miss_names_module_anchor_and_reason():
+    from test_patterns import HandWrittenExperts, routed
+
+    torch.manual_seed(0)
+    report = uniep_dynamo.explain(HandWrittenExperts(descending=True), *routed())
+    (graph,) = report.data["graphs"]
+    assert graph["rewrites"] == []
+    (miss,) = graph["near_misses"]
+    assert miss["reason"] == "sort (sort): expert ids must be sorted ascending along their only dimension"
+    assert miss["anchor"] == "h" and miss["module"] == "<root module>"
+    assert "unfused <root module> (at h): sort (sort): expert ids must be sorted ascending" in report.summary()
+
+
+def test_coverage_gap_is_flagged():
+    record = GraphRecord("0/0", rewrites=[object(), object()],
+                         aot_graphs={"forward": {"moe_experts": 2}, "backward": {"moe_experts_backward": 1}})
+    assert record.coverage_gaps() == ["backward graph holds 1 uniep.moe_experts_backward for 2 rewrites"]
+
+
+def test_collapse_identical_layers():
+    assert collapse_modules([f"model.layers.{i}.mlp.experts" for i in range(32)]) == "model.layers.{0-31}.mlp.experts"
+    assert collapse_modules(["a.0.x", "a.2.x"]) == "a.{0,2}.x"
+    assert collapse_modules(["a.x", "b.y"]) == "a.x, b.y"
+
+
+SCRIPT = textwrap.dedent('''
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from hf_models import build_model
+    model = build_model("qwen3_moe")
+    ids = torch.randint(0, 96, (1, 8))
+    torch.compile(model, backend="uniep", options={{"inner_backend": "eager"}})(input_ids=ids)
+''')
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT.format(tests=HERE))
+    return str(path)
+
+
+def test_cli_expect_passes_and_fails(script, tmp_path, capsys):
+    out_json, out_html = str(tmp_path / "r.json"), str(tmp_path / "r.html")
+    assert uniep_diff(["--expect", "moe_experts=2", "--json", out_json, "--html", out_html, script]) == 0
+    assert json.load(open(out_json))["totals"]["moe_experts"] == 2
+    assert "uniep: 2 rewrite(s)" in capsys.readouterr().out
+    torch._dynamo.reset()
+    assert uniep_diff(["--expect", "moe_experts=3", script]) == 1
+    assert "expected 3, got 2" in capsys.readouterr().err
+
+
+def test_html_is_self_contained_and_marks_regions(tmp_path):
+    model = tiny_mixtral()
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    page = uniep_dynamo.explain(model, input_ids=ids).to_html()
+    assert "<script src" not in page and "http://" not in page and "https://" not in page
+    assert page.count('class="side before"') == 1 and page.count('class="side after"') == 1
+    assert "background:#cfe8ff" in page and "model.layers.0.mlp.experts" in page
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_html_loads_in_headless_chromium(tmp_path):
+    """The page renders from a file with no console errors; the DOM holds both graphs and the regions."""
+    model = tiny_mixtral()
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "report.html"
+    uniep_dynamo.explain(model, input_ids=ids).to_html(str(path))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'ud'}",
+             "--enable-logging=stderr", "--v=0"]
+    done = subprocess.run([CHROMIUM, *flags, "--dump-dom", path.as_uri()], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert 'class="side before"' in dom and 'class="side after"' in dom
+    assert "background:#cfe8ff" in dom and "2 rewrite(s)" in dom
+    console_errors = [line for line in done.stderr.splitlines() if "CONSOLE" in line and "ERROR" in line.upper()]
+    assert not console_errors, console_errors
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1400,900", path.as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000

@@ -1,0 +1,206 @@
+"""`uniep_dynamo.explain(model, *args)`: compile, run, and report what uniep rewrote and why not.
+
+    report = uniep_dynamo.explain(model, input_ids=ids)
+    print(report)                 # terminal summary
+    report.to_json("report.json") # the machine-readable twin
+    report.to_html("report.html") # before/after graphs side by side, regions coloured, near misses
+
+explain() resets Dynamo's caches (it needs fresh compiles), compiles with uniep over AOTAutograd so
+the forward and backward graphs can be checked for the uniep ops, runs the model once, and (if the
+output needs grad) backward once, leaving the parameters' .grad as it found them.
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import torch
+
+from .report import Recorder, recording
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("loss", "logits", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(out, dict):
+        for item in out.values():
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def explain(model, *args, options: dict | None = None, backward: bool = True, **kwargs) -> "Report":
+    torch._dynamo.reset()
+    opts = {"inner_backend": "aot_eager", **(options or {})}
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    saved_grads = [p.grad for p in params]
+    with recording() as recorder:
+        out = torch.compile(model, backend="uniep", options=opts)(*args, **kwargs)
+        tensor = _first_tensor(out)
+        if backward and tensor is not None and tensor.requires_grad:
+            tensor.float().sum().backward()
+    for p, grad in zip(params, saved_grads):
+        p.grad = grad
+    return Report(recorder.to_dict())
+
+
+def collapse_modules(modules: list[str]) -> str:
+    """model.layers.0.mlp.experts, model.layers.1.mlp.experts -> model.layers.{0-1}.mlp.experts"""
+    if len(modules) <= 1:
+        return ", ".join(modules)
+    parts = [m.split(".") for m in modules]
+    if len({len(p) for p in parts}) == 1:
+        differing = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+        if len(differing) == 1 and all(p[differing[0]].isdigit() for p in parts):
+            i = differing[0]
+            numbers = sorted(int(p[i]) for p in parts)
+            span = f"{numbers[0]}-{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else \
+                ",".join(map(str, numbers))
+            return ".".join(parts[0][:i] + ["{" + span + "}"] + parts[0][i + 1:])
+    return ", ".join(modules)
+
+
+class Report:
+    def __init__(self, data: dict):
+        self.data = data
+
+    @classmethod
+    def from_recorder(cls, recorder: Recorder) -> "Report":
+        return cls(recorder.to_dict())
+
+    @property
+    def totals(self) -> dict:
+        return self.data["totals"]
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.data, indent=1, sort_keys=True)
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    def summary(self) -> str:
+        t = self.totals
+        lines = [f"uniep: {t['moe_experts']} rewrite(s) (moe_experts), {t['unfused']} unfused, "
+                 f"{len(self.data['graphs'])} graph(s)"]
+        for g in self.data["graphs"]:
+            lines.append(f"graph {g['compile_id']}: {len(g['before'])} -> {len(g['after'])} nodes")
+            groups: dict = {}
+            for r in g["rewrites"]:
+                key = (r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]))
+                groups.setdefault(key, []).append(r["module"])
+            for (spelling, spec, removed, added), modules in groups.items():
+                same = " (same match)" if len(modules) > 1 else ""
+                lines.append(f"  rewrote {collapse_modules(modules)}{same}: {spelling} spelling, "
+                             f"-{removed}/+{added} nodes each [{spec}]")
+            if g["aot_graphs"] is not None:
+                lines.append("  " + "; ".join(f"{kind} graph: " + (", ".join(f"{n} uniep.{op}" for op, n in ops.items())
+                                                                  or "no uniep op")
+                                              for kind, ops in g["aot_graphs"].items()))
+            for miss in g["near_misses"]:
+                lines.append(f"  unfused {miss['module']} (at {miss['anchor']}): {miss['reason']}")
+            for gap in g["coverage_gaps"]:
+                lines.append(f"  COVERAGE GAP: {gap}")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+    def to_html(self, path: str | None = None) -> str:
+        text = render_html(self.data)
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+
+_PALETTE = ["#cfe8ff", "#d8f5d0", "#ffe7c2", "#f0d9ff", "#fff6b3", "#d1f2f0"]
+
+
+def _node_rows(nodes, colour_of, title_of) -> str:
+    rows = []
+    for n in nodes:
+        if n["op"] == "placeholder":
+            continue  # graph inputs are listed once, above the tables
+        colour = colour_of.get(n["id"])
+        style = f' style="background:{colour}"' if colour else ""
+        title = title_of.get(n["id"])
+        title_attr = f' title="{html.escape(title)}"' if title else ""
+        cls = ' class="miss"' if n["id"] in title_of and not colour else ""
+        rows.append(f'<tr id="n-{html.escape(n["id"])}"{style}{title_attr}{cls}><td>{html.escape(n["id"])}</td>'
+                    f'<td>{html.escape(n["target"])}</td><td>{html.escape(", ".join(n["args"]))}</td>'
+                    f'<td>{html.escape(n["module"])}</td><td>{html.escape(n["source"])}</td></tr>')
+    return "\n".join(rows)
+
+
+def render_html(data: dict) -> str:
+    """One self-contained page: no scripts from elsewhere, no server."""
+    sections = []
+    for gi, g in enumerate(data["graphs"]):
+        before_colour, after_colour, titles = {}, {}, {}
+        legend = []
+        for ri, r in enumerate(g["rewrites"]):
+            colour = _PALETTE[ri % len(_PALETTE)]
+            for node_id in r["replaced"]:
+                before_colour[node_id] = colour
+                titles[node_id] = f"rewritten into uniep.{r['op']} ({r['module']})"
+            for node_id in r["added"]:
+                after_colour[node_id] = colour
+            first = html.escape(r["replaced"][0]) if r["replaced"] else ""
+            legend.append(f'<li><span class="swatch" style="background:{colour}"></span>'
+                          f'<a href="#n-{first}">{html.escape(r["module"])}</a>: '
+                          f'{html.escape(r["spelling"])} spelling, {len(r["replaced"])} nodes &rarr; '
+                          f'{len(r["added"])} <code>{html.escape(r["spec"])}</code></li>')
+        misses = []
+        for m in g["near_misses"]:
+            titles.setdefault(m["anchor"], f"near miss: {m['reason']}")
+            misses.append(f'<li><a href="#n-{html.escape(m["anchor"])}">{html.escape(m["anchor"])}</a> in '
+                          f'{html.escape(m["module"])}: {html.escape(m["reason"])}</li>')
+        coverage = ""
+        if g["aot_graphs"] is not None:
+            coverage = "<p>" + "; ".join(f"{html.escape(kind)} graph: " + html.escape(json.dumps(ops))
+                                         for kind, ops in g["aot_graphs"].items()) + "</p>"
+        gaps = "".join(f'<p class="gap">coverage gap: {html.escape(x)}</p>' for x in g["coverage_gaps"])
+        header = "<tr><th>node</th><th>op</th><th>args</th><th>module</th><th>source</th></tr>"
+        inputs = [n["id"] for n in g["before"] if n["op"] == "placeholder"]
+        inputs_html = (f"<details><summary>{len(inputs)} graph inputs</summary><p><code>"
+                       f"{html.escape(', '.join(inputs))}</code></p></details>")
+        sections.append(f"""
+<section id="graph-{gi}">
+<h2>graph {html.escape(g['compile_id'])}: {len(g['before'])} &rarr; {len(g['after'])} nodes</h2>
+<ul class="legend">{''.join(legend) or '<li>no rewrite</li>'}</ul>
+{coverage}{gaps}
+<h3>near misses</h3><ul class="misses">{''.join(misses) or '<li>none</li>'}</ul>
+{inputs_html}
+<div class="sides">
+<div class="side before"><h3>before</h3><table>{header}{_node_rows(g['before'], before_colour, titles)}</table></div>
+<div class="side after"><h3>after</h3><table>{header}{_node_rows(g['after'], after_colour, {})}</table></div>
+</div>
+</section>""")
+    totals = data["totals"]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>uniep report</title>
+<style>
+body {{ font: 13px/1.4 system-ui, sans-serif; margin: 1em; }}
+.sides {{ display: flex; gap: 1em; }} .side {{ flex: 1; overflow-x: auto; }}
+table {{ border-collapse: collapse; width: 100%; }} td, th {{ border-bottom: 1px solid #ddd; padding: 1px 4px;
+  text-align: left; white-space: nowrap; font-family: ui-monospace, monospace; font-size: 12px; }}
+.swatch {{ display: inline-block; width: 1em; height: 1em; margin-right: .4em; vertical-align: middle; }}
+tr.miss {{ outline: 2px solid #d33; }} .gap {{ color: #b00; font-weight: bold; }}
+</style></head><body>
+<h1>uniep report</h1>
+<p id="totals">{totals['moe_experts']} rewrite(s), {totals['unfused']} unfused, {len(data['graphs'])} graph(s);
+uniep {html.escape(str(data['uniep']))}, torch {html.escape(str(data['torch']))}</p>
+{''.join(sections)}
+</body></html>
+"""

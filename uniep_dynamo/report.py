@@ -1,0 +1,169 @@
+"""What uniep did to each graph, recorded while a `recording()` context is active.
+
+Each Dynamo graph handed to the backend becomes a `GraphRecord`: its nodes before and after the
+rewrite (identified by node name, which Dynamo derives from the source and keeps stable between
+runs of the same code), each rewrite with the nodes it replaced, each near miss with its reason,
+and, where the inner backend traces through AOTAutograd, how many uniep ops the forward and backward
+graphs hold. `explain()` and the `uniep-diff` command build on this.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import asdict, dataclass, field
+
+from torch.fx import Graph, Node
+
+from .patterns import graph_utils as gu
+
+UNIEP_OPS = ("moe_experts", "moe_experts_backward")
+
+
+@dataclass
+class NodeRecord:
+    id: str
+    op: str
+    target: str
+    args: list
+    module: str
+    source: str
+
+
+@dataclass
+class Rewrite:
+    op: str
+    module: str
+    spelling: str
+    spec: str
+    replaced: list  # ids of the nodes the op call replaced
+    added: list  # ids of the nodes added
+
+
+@dataclass
+class NearMissRecord:
+    module: str
+    anchor: str  # the grouped GEMM / bmm node left unrewritten
+    reason: str
+
+
+@dataclass
+class GraphRecord:
+    compile_id: str
+    before: list = field(default_factory=list)
+    after: list = field(default_factory=list)
+    rewrites: list = field(default_factory=list)
+    near_misses: list = field(default_factory=list)
+    # uniep ops per AOTAutograd graph ("forward", "backward", "inference"); None: not traced
+    aot_graphs: dict | None = None
+
+    def coverage_gaps(self) -> list[str]:
+        """Rewrites whose op is missing from the traced forward or backward graph."""
+        if self.aot_graphs is None or not self.rewrites:
+            return []
+        gaps = []
+        forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
+        if forward.get("moe_experts", 0) < len(self.rewrites):
+            gaps.append(f"forward graph holds {forward.get('moe_experts', 0)} uniep.moe_experts for "
+                        f"{len(self.rewrites)} rewrites")
+        if "backward" in self.aot_graphs and self.aot_graphs["backward"].get("moe_experts_backward", 0) < \
+                len(self.rewrites):
+            gaps.append(f"backward graph holds {self.aot_graphs['backward'].get('moe_experts_backward', 0)} "
+                        f"uniep.moe_experts_backward for {len(self.rewrites)} rewrites")
+        return gaps
+
+
+def _target_name(node: Node) -> str:
+    name = gu.op_name(node)
+    if name is not None:
+        return name
+    return str(node.target)
+
+
+def _arg_text(arg) -> str:
+    if isinstance(arg, Node):
+        return "%" + arg.name
+    if isinstance(arg, (list, tuple)):
+        return "[" + ", ".join(_arg_text(a) for a in arg) + "]"
+    text = repr(arg)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _source(node: Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+
+def snapshot(graph: Graph) -> list[NodeRecord]:
+    return [NodeRecord(n.name, n.op, _target_name(n), [_arg_text(a) for a in n.args] +
+                       [f"{k}={_arg_text(v)}" for k, v in n.kwargs.items()], gu.module_path(n), _source(n))
+            for n in graph.nodes]
+
+
+class Recorder:
+    def __init__(self):
+        self.graphs: list[GraphRecord] = []
+
+    def totals(self) -> dict:
+        totals = {"moe_experts": 0, "unfused": 0}
+        for g in self.graphs:
+            totals["moe_experts"] += len(g.rewrites)
+            totals["unfused"] += len(g.near_misses)
+        return totals
+
+    def to_dict(self) -> dict:
+        import torch
+
+        from . import __version__
+
+        return {"uniep": __version__, "torch": torch.__version__, "totals": self.totals(),
+                "graphs": [asdict(g) | {"coverage_gaps": g.coverage_gaps()} for g in self.graphs]}
+
+
+_ACTIVE: list[Recorder] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every graph uniep compiles inside the block: `with recording() as rec: ...`."""
+    recorder = Recorder()
+    _ACTIVE.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.remove(recorder)
+
+
+def active() -> bool:
+    return bool(_ACTIVE)
+
+
+def _compile_id() -> str:
+    try:
+        from torch._guards import CompileContext
+
+        return str(CompileContext.current_compile_id())
+    except Exception:  # noqa: BLE001  (outside a Dynamo compile)
+        return "?"
+
+
+def record_graph(before: list, gm, matches, misses, added: dict) -> GraphRecord:
+    """Called by the backend after a rewrite while recording is active."""
+    record = GraphRecord(_compile_id(), before, snapshot(gm.graph))
+    for match in matches:
+        record.rewrites.append(Rewrite("moe_experts", match.module, match.spelling, match.spec.describe(),
+                                       [n_name for n_name in added[id(match)][0]], added[id(match)][1]))
+    for miss in misses:
+        record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason))
+    for recorder in _ACTIVE:
+        recorder.graphs.append(record)
+    return record
+
+
+def count_uniep_ops(graph: Graph) -> dict:
+    counts = {}
+    for node in graph.nodes:
+        name = gu.op_name(node)
+        if node.op == "call_function" and name in UNIEP_OPS and "uniep" in str(node.target):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
