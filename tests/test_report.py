@@ -27,7 +27,7 @@ def test_explain_full_match_json():
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     report = uniep_dynamo.explain(model, input_ids=ids, labels=ids)
     data = json.loads(report.to_json())
-    assert data["totals"] == {"moe_experts": 2, "unfused": 0}
+    assert data["totals"] == {"moe_experts": 2, "unfused": 0, "router_unmatched": 2, "all_to_all_unmatched": 0}
     (graph,) = data["graphs"]
     assert [r["module"] for r in graph["rewrites"]] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert graph["aot_graphs"]["forward"] == {"moe_experts": 2}
@@ -59,9 +59,22 @@ def test_near_miss_names_module_anchor_and_reason():
     (graph,) = report.data["graphs"]
     assert graph["rewrites"] == []
     (miss,) = graph["near_misses"]
+    assert miss["pattern"] == "experts"
     assert miss["reason"] == "sort (sort): expert ids must be sorted ascending along their only dimension"
+    assert (miss["expected"], miss["actual"]) == ("sort(dim=-1 or 0, descending=False)", "sort(dim=-1, descending=True)")
     assert miss["anchor"] == "h" and miss["module"] == "<root module>"
-    assert "unfused <root module> (at h): sort (sort): expert ids must be sorted ascending" in report.summary()
+    assert miss["matched_nodes"] > 0 and miss["rejections"][0] == miss["reason"] and len(miss["rejections"]) > 1
+    summary = report.summary()
+    assert "unfused <root module> (at h, " in summary
+    assert "expected sort(dim=-1 or 0, descending=False), got sort(dim=-1, descending=True)" in summary
+
+
+def test_routers_are_reported_as_near_misses_of_the_router_pattern():
+    model = tiny_mixtral()
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    data = uniep_dynamo.explain(model, input_ids=ids).data
+    routers = [m for m in data["graphs"][0]["near_misses"] if m["pattern"] == "router"]
+    assert [m["module"] for m in routers] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
 
 
 def test_coverage_gap_is_flagged():
@@ -137,3 +150,20 @@ def test_html_loads_in_headless_chromium(tmp_path):
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1400,900", path.as_uri()],
                    capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_report_is_a_structured_trace_artifact(tmp_path):
+    """With TORCH_TRACE set, tlparse finds the report beside inductor's artifacts, explain() or not."""
+    code = textwrap.dedent('''
+        import torch, uniep_dynamo
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        cfg = MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+        cfg._experts_implementation = "grouped_mm"
+        block = MixtralSparseMoeBlock(cfg)
+        torch.compile(block, backend="uniep", options={"inner_backend": "eager"})(torch.randn(1, 5, 16))
+    ''')
+    env = dict(os.environ, TORCH_TRACE=str(tmp_path / "trace"))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300)
+    logs = "".join(p.read_text() for p in (tmp_path / "trace").iterdir())
+    assert '"name": "uniep_report"' in logs

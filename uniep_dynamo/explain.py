@@ -108,8 +108,22 @@ class Report:
                 lines.append("  " + "; ".join(f"{kind} graph: " + (", ".join(f"{n} uniep.{op}" for op, n in ops.items())
                                                                   or "no uniep op")
                                               for kind, ops in g["aot_graphs"].items()))
+            others = {}
+            for m in g["near_misses"]:
+                if m["pattern"] != "experts":
+                    others.setdefault(m["pattern"], []).append(m)
             for miss in g["near_misses"]:
-                lines.append(f"  unfused {miss['module']} (at {miss['anchor']}): {miss['reason']}")
+                if miss["pattern"] != "experts":
+                    continue
+                lines.append(f"  unfused {miss['module']} (at {miss['anchor']}, {miss['matched_nodes']} nodes matched): "
+                             f"{miss['reason']}")
+                if miss["expected"] is not None:
+                    lines.append(f"    expected {miss['expected']}, got {miss['actual']}")
+                for other in miss["rejections"][1:]:
+                    lines.append(f"    also: {other}")
+            for pattern, found in others.items():
+                lines.append(f"  {pattern} not matched: {collapse_modules([m['module'] for m in found])} "
+                             f"({found[0]['reason']})")
             for gap in g["coverage_gaps"]:
                 lines.append(f"  COVERAGE GAP: {gap}")
         return "\n".join(lines)
@@ -163,9 +177,15 @@ def render_html(data: dict) -> str:
                           f'{len(r["added"])} <code>{html.escape(r["spec"])}</code></li>')
         misses = []
         for m in g["near_misses"]:
-            titles.setdefault(m["anchor"], f"near miss: {m['reason']}")
-            misses.append(f'<li><a href="#n-{html.escape(m["anchor"])}">{html.escape(m["anchor"])}</a> in '
-                          f'{html.escape(m["module"])}: {html.escape(m["reason"])}</li>')
+            titles.setdefault(m["anchor"], f"near miss ({m['pattern']}): {m['reason']}")
+            detail = ""
+            if m["expected"] is not None:
+                detail = (f"<br>expected <code>{html.escape(m['expected'])}</code>, "
+                          f"got <code>{html.escape(m['actual'])}</code>")
+            others = "".join(f"<br>also: {html.escape(r)}" for r in m["rejections"][1:])
+            misses.append(f'<li>{html.escape(m["pattern"])} pattern: <a href="#n-{html.escape(m["anchor"])}">'
+                          f'{html.escape(m["anchor"])}</a> in {html.escape(m["module"])} '
+                          f'({m["matched_nodes"]} nodes matched): {html.escape(m["reason"])}{detail}{others}</li>')
         coverage = ""
         if g["aot_graphs"] is not None:
             coverage = "<p>" + "; ".join(f"{html.escape(kind)} graph: " + html.escape(json.dumps(ops))

@@ -9,6 +9,7 @@ graphs hold. `explain()` and the `uniep-diff` command build on this.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -17,6 +18,11 @@ from torch.fx import Graph, Node
 from .patterns import graph_utils as gu
 
 UNIEP_OPS = ("moe_experts", "moe_experts_backward")
+_A2A = ("all_to_all", "expert-parallel patterns are not supported yet: the all-to-all runs in the inner backend")
+_UNSUPPORTED_ANCHORS = {
+    "topk": ("router", "router patterns are not supported yet: the router's top-k runs in the inner backend"),
+    "all_to_all_single": _A2A, "all_to_all_single_autograd": _A2A, "all_to_all": _A2A,
+}
 
 
 @dataclass
@@ -42,8 +48,13 @@ class Rewrite:
 @dataclass
 class NearMissRecord:
     module: str
-    anchor: str  # the grouped GEMM / bmm node left unrewritten
-    reason: str
+    anchor: str  # the node left unrewritten: a grouped GEMM or bmm (experts), a top-k (router)
+    reason: str  # the first check that failed
+    pattern: str = "experts"  # the closest pattern
+    expected: str | None = None  # what that check wanted and got, where one bound value was at fault
+    actual: str | None = None
+    matched_nodes: int = 0  # how far matching got: nodes of the module read as part of the pattern
+    rejections: list = field(default_factory=list)  # every failed check in the module, in graph order
 
 
 @dataclass
@@ -105,10 +116,12 @@ class Recorder:
         self.graphs: list[GraphRecord] = []
 
     def totals(self) -> dict:
-        totals = {"moe_experts": 0, "unfused": 0}
+        totals = {"moe_experts": 0, "unfused": 0, "router_unmatched": 0, "all_to_all_unmatched": 0}
         for g in self.graphs:
             totals["moe_experts"] += len(g.rewrites)
-            totals["unfused"] += len(g.near_misses)
+            totals["unfused"] += sum(1 for m in g.near_misses if m.pattern == "experts")
+            totals["router_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "router")
+            totals["all_to_all_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "all_to_all")
         return totals
 
     def to_dict(self) -> dict:
@@ -135,7 +148,8 @@ def recording():
 
 
 def active() -> bool:
-    return bool(_ACTIVE)
+    """Whether to record: inside `recording()`, or when TORCH_TRACE asks for structured traces."""
+    return bool(_ACTIVE) or bool(os.environ.get("TORCH_TRACE"))
 
 
 def _compile_id() -> str:
@@ -154,10 +168,30 @@ def record_graph(before: list, gm, matches, misses, added: dict) -> GraphRecord:
         record.rewrites.append(Rewrite("moe_experts", match.module, match.spelling, match.spec.describe(),
                                        [n_name for n_name in added[id(match)][0]], added[id(match)][1]))
     for miss in misses:
-        record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason))
+        record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, "experts", miss.expected,
+                                                 miss.actual, miss.matched_nodes, list(miss.rejections)))
+    for node in gm.graph.nodes:  # patterns that do not exist yet: every anchor of theirs is a near miss
+        name = gu.op_name(node)
+        if name in _UNSUPPORTED_ANCHORS:
+            pattern, reason = _UNSUPPORTED_ANCHORS[name]
+            record.near_misses.append(NearMissRecord(gu.module_path(node), node.name, reason, pattern))
     for recorder in _ACTIVE:
         recorder.graphs.append(record)
+    _emit_trace_artifact(record)
     return record
+
+
+def _emit_trace_artifact(record: GraphRecord) -> None:
+    """The record as a structured-trace artifact, so tlparse users see it beside inductor's output."""
+    try:
+        import json
+
+        from torch._logging import trace_structured
+
+        trace_structured("artifact", metadata_fn=lambda: {"name": "uniep_report", "encoding": "json"},
+                         payload_fn=lambda: json.dumps(asdict(record)))
+    except (ImportError, TypeError):  # a torch without structured tracing, or another signature
+        pass
 
 
 def count_uniep_ops(graph: Graph) -> dict:

@@ -72,7 +72,8 @@ class _Interpreter:
             try:
                 value = self.transfer(node, name)
             except Mismatch as exc:
-                self.failures.append(NearMiss(node, f"{node.name} ({name}): {exc}", gu.module_path(node)))
+                self.failures.append(NearMiss(node, f"{node.name} ({name}): {exc}", gu.module_path(node),
+                                              exc.expected, exc.actual))
                 value = None
             except gu.NotConstant as exc:
                 self.failures.append(NearMiss(node, f"{node.name} ({name}): argument {exc.args[0]} is not a "
@@ -142,8 +143,10 @@ class _Interpreter:
         b = gu.bind(node, "sort")
         if not (isinstance(v, Rows) and v.expr == ("eid",) and v.order.kind == "flat"):
             raise Mismatch("sorts something other than the flat expert ids")
-        if gu.constant(b["descending"]) is not False or not gu.is_dim(gu.constant(b["dim"]), 0, 1):
-            raise Mismatch("expert ids must be sorted ascending along their only dimension")
+        descending, dim = gu.constant(b["descending"]), gu.constant(b["dim"])
+        if descending is not False or not gu.is_dim(dim, 0, 1):
+            raise Mismatch("expert ids must be sorted ascending along their only dimension",
+                           "sort(dim=-1 or 0, descending=False)", f"sort(dim={dim}, descending={descending})")
         return SortPair(v.order.ids, v.order.top_k, node)
 
     def _t_argsort(self, node, name):
@@ -219,7 +222,8 @@ class _Interpreter:
             raise Mismatch("integer division of something other than the sort permutation")
         divisor = gu.constant(node.args[1])
         if not gu.same_int(divisor, v.top_k):
-            raise Mismatch(f"perm // {divisor}: the divisor must be K={v.top_k}")
+            raise Mismatch(f"perm // {divisor}: the divisor must be K={v.top_k}", f"perm // {v.top_k}",
+                           f"perm // {divisor}")
         return SlotToken(Order("sorted", v.ids, v.top_k, v.sort))
 
     def _t_repeat_interleave(self, node, name):
@@ -243,7 +247,8 @@ class _Interpreter:
         if not (isinstance(v, Rows) and v.expr == ("eid",)):
             raise Mismatch("histc of something other than the expert ids")
         if not isinstance(bins, int) or lo != 0 or hi != bins - 1:
-            raise Mismatch(f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..bins-1")
+            raise Mismatch(f"histc(bins={bins}, min={lo}, max={hi}) does not count experts 0..bins-1",
+                           f"histc(bins=E, min=0, max=E-1)", f"histc(bins={bins}, min={lo}, max={hi})")
         return Counts(v.order.ids, bins)
 
     def _t_bincount(self, node, name):
@@ -359,7 +364,8 @@ class _Interpreter:
         if not (isinstance(v, Rows) and v.shape == "row"):
             raise Mismatch("chunk of MoE values that are not rows")
         if gu.constant(b["chunks"]) != 2 or not gu.is_dim(gu.constant(b["dim"]), 1, 2):
-            raise Mismatch(f"chunk({b['chunks']}, dim={b['dim']}): the gate split must be 2 halves of the last dim")
+            raise Mismatch(f"chunk({b['chunks']}, dim={b['dim']}): the gate split must be 2 halves of the last dim",
+                           "chunk(2, dim=-1)", f"chunk({b['chunks']}, dim={b['dim']})")
         if gu.tensor_meta(node.args[0]).shape[-1] % 2 != 0:
             raise Mismatch("odd up-projection width cannot be split into gate and up")
         return Halves(v.order, v.expr, v.dtype)
@@ -560,7 +566,8 @@ class _Interpreter:
         if not isinstance(v, Stacked):
             raise Mismatch("a sum over MoE values other than the sum over the K slots of each token")
         if not gu.is_dim(gu.constant(b["dim"]), 1, 3) or gu.constant(b["keepdim"]) or b.get("dtype") is not None:
-            raise Mismatch(f"sum(dim={b['dim']}, keepdim={b['keepdim']}): the combine sums the K slots (dim 1)")
+            raise Mismatch(f"sum(dim={b['dim']}, keepdim={b['keepdim']}): the combine sums the K slots (dim 1)",
+                           "sum(dim=1)", f"sum(dim={b['dim']}, keepdim={b['keepdim']}, dtype={b.get('dtype')})")
         return Combined(v.expr, v.ids, v.top_k, _dtype(node))
 
 
@@ -644,9 +651,9 @@ def _shape(node):
     return tuple(t.shape) if t is not None else None
 
 
-def _require(cond, message):
+def _require(cond, message, expected=None, actual=None):
     if not cond:
-        raise Mismatch(message)
+        raise Mismatch(message, expected, actual)
 
 
 def _out_of_range_mode(bounds: list, num_experts, spelling: str) -> str:
@@ -688,9 +695,11 @@ def check_region(root: Node, value: Combined, interp: "_Interpreter") -> Experts
     h_shape, ids_shape, w_shape = _shape(hidden), _shape(ids), _shape(weights)
     h_dtype = _dtype(hidden)
     _require(h_dtype in SUPPORTED_DTYPES, f"hidden states are {_dtype_name(h_dtype)}; supported dtypes are "
-                                          "float32, float16, bfloat16")
+                                          "float32, float16, bfloat16", "float32, float16 or bfloat16",
+             _dtype_name(h_dtype))
     for name, node in (("up", w_up), ("down", w_down)):
-        _require(gu.parameter_of(node) is not None, f"the {name} expert weight {node.name} is not a module parameter")
+        _require(gu.parameter_of(node) is not None, f"the {name} expert weight {node.name} is not a module parameter",
+                 f"the experts' {name} weight: an nn.Parameter", f"{node.op} {node.name} (not a parameter)")
         _require(_dtype(node) == h_dtype, f"expert weights are {_dtype_name(_dtype(node))} but hidden states "
                                           f"are {_dtype_name(h_dtype)} (mixed precision is not supported)")
     for name, node in (("up", b_up), ("down", b_down)):
@@ -712,7 +721,10 @@ def check_region(root: Node, value: Combined, interp: "_Interpreter") -> Experts
     up_out, up_in = (up_shape[1], up_shape[2]) if up_layout == "oi" else (up_shape[2], up_shape[1])
     down_out, down_in = (down_shape[1], down_shape[2]) if down_layout == "oi" else (down_shape[2], down_shape[1])
     _require(gu.same_int(up_in, hidden_size) and gu.same_int(down_out, hidden_size),
-             f"expert weights {up_shape} / {down_shape} do not map hidden size {hidden_size}")
+             f"expert weights {up_shape} / {down_shape} do not map hidden size {hidden_size}",
+             f"up weight {'[E, N, H]' if up_layout == 'oi' else '[E, H, N]'} and down weight "
+             f"{'[E, H, I]' if down_layout == 'oi' else '[E, I, H]'} with H={hidden_size}",
+             f"up {list(up_shape)}, down {list(down_shape)}")
     split = gate_program.decode(gate)[0]
     act_width = up_out if split == "none" else up_out // 2
     _require(gu.same_int(act_width, down_in), f"the gate yields {act_width} features, the down weight takes {down_in}")
@@ -806,7 +818,7 @@ def find_experts_regions(graph: Graph) -> tuple[list[ExpertsMatch], list[NearMis
         try:
             matches.append(check_region(node, value, interp))
         except Mismatch as exc:
-            misses.append(NearMiss(node, str(exc), gu.module_path(node)))
+            misses.append(NearMiss(node, str(exc), gu.module_path(node), exc.expected, exc.actual))
     taken: set = set()
     accepted = []
     for match in matches:
@@ -855,5 +867,9 @@ def _relevant_misses(graph, env, misses, taken) -> list[NearMiss]:
         candidates = upstream or downstream
         if candidates:
             seen.add(module)
-            out.append(NearMiss(anchor, by_node[candidates[0]].reason, module))
+            first = by_node[candidates[0]]
+            in_module = [n for n in graph.nodes if gu.module_path(n) == module]
+            matched = sum(1 for n in in_module if n in env)
+            rejections = [by_node[n].reason for n in sorted(set(upstream) | set(downstream), key=order.get)]
+            out.append(NearMiss(anchor, first.reason, module, first.expected, first.actual, matched, rejections))
     return out

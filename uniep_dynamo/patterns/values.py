@@ -27,7 +27,13 @@ from torch.fx import Node
 
 
 class Mismatch(Exception):
-    """A node consumes MoE values in a way the experts op does not compute; the text says why."""
+    """A node consumes MoE values in a way the experts op does not compute; the text says why, and
+    where one bound value is at fault, `expected` and `actual` say what the pattern wanted and got."""
+
+    def __init__(self, reason: str, expected=None, actual=None):
+        super().__init__(reason)
+        self.expected = None if expected is None else str(expected)
+        self.actual = None if actual is None else str(actual)
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,10 @@ class NearMiss:
     node: Node
     reason: str
     module: str = ""
+    expected: str | None = None
+    actual: str | None = None
+    matched_nodes: int = 0  # how far matching got: nodes of the module already read as MoE values
+    rejections: list = field(default_factory=list)  # every failed check in the module, in graph order
 
 
 @dataclass
