@@ -240,3 +240,23 @@ def test_post_program_rms_norm_forward_and_gradcheck():
 
     inputs = tuple(t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down, scale))
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+
+
+def test_gate_program_with_scalar_operands_gradcheck():
+    """Under dynamic=True GPT-OSS's limit and alpha arrive as 0-d tensors: the gate reads them as
+    operands, and their gradients come back too."""
+    gate = gate_program.encode("interleave", [
+        "call", "mul", [
+            ["call", "add", [["call", "clamp", [["up"]], {"min": ["call", "neg", [["operand", 0]], {}],
+                                                        "max": ["operand", 0]}], ["const", 1]], {}],
+            ["call", "mul", [["gate"], ["call", "sigmoid", [["call", "mul", [["gate"], ["operand", 1]], {}]], {}]], {}],
+        ], {}])
+    hidden, ids, weights, w_up, w_down, b_up, b_down, _ = make(5, 4, 3, 4, 2, gate, "io", True, dtype=torch.float64)
+    spec = ExpertsSpec("io", "io", gate, torch.float64).encode()
+    limit, alpha = torch.tensor(7.0, dtype=torch.float64), torch.tensor(1.702, dtype=torch.float64)
+
+    def fn(h, wu, wd, a):
+        return torch.ops.uniep.moe_experts(h, ids, weights, wu, wd, b_up, b_down, [limit, a], spec)[0]
+
+    inputs = tuple(t.clone().requires_grad_() for t in (hidden, w_up, w_down, alpha))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)

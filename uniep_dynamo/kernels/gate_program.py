@@ -13,7 +13,9 @@ with nodes ``["call", name, [args], {kwargs}]`` and constants ``["const", v]`` /
 The reference evaluates the same ops in the same order, so its result equals eager's bit for bit on
 the same device. Kernels accept the programs they recognise (``classify``) and fall back otherwise.
 
-The same language describes an optional *post program* applied to each row of the down projection
+Programs may read ``["operand", i]``, the i-th extra tensor input of the op: a 0-d tensor (a config
+scalar such as GPT-OSS's clamp limit, which Dynamo lifts to a graph input under ``dynamic=True``) or,
+in a post program, a vector broadcast over rows. The same language describes an optional *post program* applied to each row of the down projection
 before the routing weight (HF's ``has_post_expert_norm``, an RMSNorm): leaf ``["y"]`` is the row,
 ``["operand", i]`` the i-th extra tensor of the op (a vector broadcast over rows, e.g. a norm weight),
 and ``mean`` reduces over the row (``dim=-1, keepdim=True`` only).
@@ -114,14 +116,14 @@ def _eval(expr, leaves):
     raise ValueError(f"malformed gate program node {expr!r}")
 
 
-def apply_gate(program: str, h: torch.Tensor) -> torch.Tensor:
+def apply_gate(program: str, h: torch.Tensor, operands=()) -> torch.Tensor:
     """Evaluate a gate program on the up projection ``h`` ([rows, N]) -> [rows, N or N/2]."""
-    return apply_decoded(*decode(program), h)
+    return apply_decoded(*decode(program), h, operands)
 
 
-def apply_decoded(split: str, expr, h: torch.Tensor) -> torch.Tensor:
+def apply_decoded(split: str, expr, h: torch.Tensor, operands=()) -> torch.Tensor:
     """apply_gate on an already decoded program (no JSON parsing: torch.compile can trace this)."""
-    out = _eval(expr, split_halves(h, split))
+    out = _eval(expr, {**split_halves(h, split), "operands": list(operands)})
     if not isinstance(out, torch.Tensor):
         raise ValueError("uniep: a gate program must produce a tensor")
     return out

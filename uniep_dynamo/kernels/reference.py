@@ -152,16 +152,18 @@ def _slot_grads(grad_out, down, slot_row, row_order, routed, weights):
 
 def _gate_functions(program: str):
     """(forward, backward) of one gate program, closed over its decoded form so torch.compile sees
-    the program as constants. backward returns (act, d_up): the value and the vector-Jacobian
-    product, from torch.func since autograd's own dispatch is below us inside a custom op."""
+    the program as constants. backward returns (act, d_up, d_operands): the value and the
+    vector-Jacobian products, from torch.func since autograd's own dispatch is below us inside a
+    custom op."""
     split, expr = gate_program.decode(program)
 
-    def gate_forward(up):
-        return gate_program.apply_decoded(split, expr, up)
+    def gate_forward(up, *operands):
+        return gate_program.apply_decoded(split, expr, up, operands)
 
-    def gate_backward(up, d_act):
-        act, vjp = torch.func.vjp(gate_forward, up)
-        return act, vjp(d_act.to(act.dtype))[0]
+    def gate_backward(up, d_act, *operands):
+        act, vjp = torch.func.vjp(gate_forward, up, *operands)
+        d_up, *d_operands = vjp(d_act.to(act.dtype))
+        return act, d_up, d_operands
 
     return gate_forward, gate_backward
 
@@ -237,7 +239,10 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     # Rows of dropped slots (past expert_offsets[-1]) are never computed: torch._grouped_mm leaves them
     # uninitialised and never reads them either. Only the [rows, H] results that leave the grouped
     # GEMMs are masked (inside the combines); masking the wide [rows, 2I] intermediates would cost a pass.
-    act = gate_glue(spec.gate, up.device)[0](up)
+    if post_operands:
+        # Operand gradients sum over rows: rows past the last expert must hold zeros, not stale memory.
+        up = up.masked_fill(~routed, 0)
+    act = gate_glue(spec.gate, up.device)[0](up, *post_operands)
     down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     if b_down is not None:
         down = down + b_down[row_expert]
@@ -267,7 +272,12 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
 
     w_down_eff = effective_weight(w_down, spec.down_layout)
     d_act = grouped_mm(d_down, w_down_eff.transpose(-2, -1), expert_offsets)
-    act, d_up = gate_glue(spec.gate, up.device)[1](up, d_act)
+    if post_operands:
+        d_act = d_act.masked_fill(~routed, 0)
+    act, d_up, d_gate_operands = gate_glue(spec.gate, up.device)[1](up, d_act, *post_operands)
+    if post_operands:
+        d_operands = [g if p is None else g + p for g, p in
+                      zip(d_gate_operands, d_operands or [None] * len(d_gate_operands))]
     d_w_down = weight_grad(act.to(w_down.dtype), d_down, spec.down_layout, expert_offsets)
 
     d_up = d_up.to(w_up.dtype)

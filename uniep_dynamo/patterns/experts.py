@@ -450,10 +450,15 @@ class _Interpreter:
         order, out_args = None, []
         for a, v in zip(args, vals):
             if v is None:
+                scalar = self._scalar_expr(a) if isinstance(a, Node) else None
+                if scalar is not None:
+                    out_args.append(scalar)
+                    continue
                 if isinstance(a, Node) and gu.tensor_meta(a) is not None:
                     t = gu.tensor_meta(a)
-                    if t.dim() == 1 and t.dtype.is_floating_point:
-                        out_args.append(("operand", a))  # a vector broadcast over rows (a norm weight, say)
+                    if t.dim() <= 1 and t.dtype.is_floating_point:
+                        # a scalar lifted to a graph input, or a vector broadcast over rows (a norm weight)
+                        out_args.append(("operand", a))
                         continue
                     raise Mismatch(f"{canonical} mixes expert rows with the tensor {a.name} {tuple(t.shape)}")
                 c = gu.constant(a)
@@ -470,9 +475,32 @@ class _Interpreter:
         out_kwargs = []
         for k, a in sorted(kwargs.items()):
             if isinstance(a, Node):
-                raise Mismatch(f"{canonical} keyword {k} is a tensor")
+                scalar = self._scalar_expr(a)
+                if scalar is None:
+                    raise Mismatch(f"{canonical} keyword {k} is a tensor or symbol, not a scalar of the model")
+                out_kwargs.append((k, scalar))
+                continue
             out_kwargs.append((k, ("const", a)))
         return Rows(order, ("ew", canonical, tuple(out_args), tuple(out_kwargs)), "row", _dtype(node))
+
+    def _scalar_expr(self, arg, depth=0):
+        """A scalar argument as a program expression, when Dynamo lifted a model constant (a float
+        config attribute under dynamic=True) to a graph input: ("operand", x) for a 0-d tensor x or
+        `x.item()`, and arithmetic over those (`-limit`); None for anything else."""
+        if not isinstance(arg, Node):
+            return ("const", arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
+        if self.val(arg) is not None or depth > 8:
+            return None
+        base = arg.args[0] if arg.op == "call_method" and arg.target == "item" and arg.args else arg
+        t = gu.tensor_meta(base) if isinstance(base, Node) else None
+        if t is not None:
+            return ("operand", base) if t.dim() == 0 and t.dtype.is_floating_point and self.val(base) is None else None
+        name = gu.op_name(arg)
+        if isinstance(gu.example(arg), torch.SymFloat) and name in ("neg", "add", "sub", "mul", "truediv"):
+            parts = [self._scalar_expr(a, depth + 1) for a in arg.args]
+            if all(p is not None for p in parts) and not arg.kwargs:
+                return ("ew", name, tuple(parts), ())
+        return None
 
     def _weighting(self, vals, node):
         pairs = [(vals[0], vals[1]), (vals[1], vals[0])] if len(vals) == 2 else []
@@ -573,9 +601,9 @@ class _Interpreter:
 
 # -- region proof ---------------------------------------------------------------------------------
 
-def _extract_program(expr, is_leaf, leaf, operands: list | None):
+def _extract_program(expr, is_leaf, leaf, operands: list | None, vectors_allowed: bool = False):
     """Turn a row expression into program JSON: `is_leaf(e)` marks the subtrees `leaf(e)` encodes;
-    vector operands are numbered into `operands` (None: operands are not allowed here)."""
+    tensor operands (0-d; 1-d too where `vectors_allowed`) are numbered into the shared `operands`."""
 
     def walk(e):
         kind = e[0]
@@ -594,6 +622,8 @@ def _extract_program(expr, is_leaf, leaf, operands: list | None):
         if kind == "operand":
             if operands is None:
                 raise Mismatch(f"the gate reads the tensor {e[1].name}; only a post program may read vectors")
+            if _ndim(e[1]) == 1 and not vectors_allowed:
+                raise Mismatch(f"the gate reads the vector {e[1].name}; only a post program may read vectors")
             if e[1] not in operands:
                 operands.append(e[1])
             return ["operand", operands.index(e[1])]
@@ -602,7 +632,7 @@ def _extract_program(expr, is_leaf, leaf, operands: list | None):
     return walk(expr)
 
 
-def _gate_program(act_expr) -> tuple[str, tuple]:
+def _gate_program(act_expr, operands: list) -> tuple[str, tuple]:
     """(encoded gate program, the up-projection expression it reads)."""
     found = {"up": None, "split": None}
 
@@ -622,17 +652,17 @@ def _gate_program(act_expr) -> tuple[str, tuple]:
             raise Mismatch("the gate combines two different projections or two different splits")
         return ["h"] if index is None else (["gate"] if index == 0 else ["up"])
 
-    expr = _extract_program(act_expr, is_leaf, leaf, None)
+    expr = _extract_program(act_expr, is_leaf, leaf, operands)
     if found["up"] is None:
         raise Mismatch("the gate does not read the up projection")
     return gate_program.encode(found["split"], expr), found["up"]
 
 
-def _post_program(rows_expr) -> tuple[str | None, tuple, list]:
-    """(encoded post program or None, the down-projection expression, its vector operands)."""
+def _post_program(rows_expr, operands: list) -> tuple[str | None, tuple]:
+    """(encoded post program or None, the down-projection expression); its operands join `operands`."""
     if rows_expr[0] in ("lin", "bias"):
-        return None, rows_expr, []
-    found, operands = [], []
+        return None, rows_expr
+    found = []
 
     def leaf(e):
         if found and found[0] != e:
@@ -640,10 +670,10 @@ def _post_program(rows_expr) -> tuple[str | None, tuple, list]:
         found[:1] = [e]
         return ["y"]
 
-    expr = _extract_program(rows_expr, lambda e: e[0] in ("lin", "bias"), leaf, operands)
+    expr = _extract_program(rows_expr, lambda e: e[0] in ("lin", "bias"), leaf, operands, vectors_allowed=True)
     if not found:
         raise Mismatch("the weighted rows are not computed from the down projection")
-    return gate_program.encode("post", expr), found[0], operands
+    return gate_program.encode("post", expr), found[0]
 
 
 def _shape(node):
@@ -677,13 +707,14 @@ def check_region(root: Node, value: Combined, interp: "_Interpreter") -> Experts
     expr = value.expr
     _require(expr[0] == "weighted", "the combined slots are not multiplied by the routing weights")
     _, rows_expr, weights = expr
-    post, down_expr, post_operands = _post_program(rows_expr)
+    post_operands: list = []  # the op's extra tensor inputs, shared by the post and the gate program
+    post, down_expr = _post_program(rows_expr, post_operands)
     b_down = None
     if down_expr[0] == "bias":
         _, down_expr, b_down = down_expr
     _require(down_expr[0] == "lin", "the weighted rows are not the output of the down projection")
     _, act_expr, w_down, down_layout = down_expr
-    gate, up_expr = _gate_program(act_expr)
+    gate, up_expr = _gate_program(act_expr, post_operands)
     b_up = None
     if up_expr[0] == "bias":
         _, up_expr, b_up = up_expr
@@ -747,8 +778,9 @@ def check_region(root: Node, value: Combined, interp: "_Interpreter") -> Experts
     spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in anchors) else "grouped_mm"
     out_of_range = _out_of_range_mode(interp.id_bounds.get(ids, []), num_experts, spelling)
     for operand in post_operands:
-        _require(gu.same_int(_shape(operand)[0], hidden_size),
-                 f"post-projection vector {operand.name} has {_shape(operand)[0]} entries, not H={hidden_size}")
+        if _ndim(operand) == 1 and not gu.same_int(_shape(operand)[0], hidden_size):
+            raise Mismatch(f"post-projection vector {operand.name} has {_shape(operand)[0]} entries, not "
+                           f"H={hidden_size}", f"[{hidden_size}]", list(_shape(operand)))
     spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range, post)
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
                         gu.module_path(root), spelling, anchors, post_operands)
