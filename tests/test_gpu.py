@@ -76,3 +76,14 @@ def test_idle_experts_get_exact_zero_weight_grads():
         for grad in (experts.gate_up_proj.grad, experts.down_proj.grad):
             assert torch.equal(grad[idle], torch.zeros_like(grad[idle]))
             assert torch.isfinite(grad).all()
+
+
+def test_gpt_oss_dynamic_bf16_rewrites_with_scalar_operands():
+    model = build_model("gpt_oss", dtype=torch.bfloat16).cuda()
+    compiled = torch.compile(model, backend="uniep", dynamic=True)
+    for seq in (24, 40):
+        ids = torch.randint(0, 96, (2, seq), device="cuda")
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert max_rel_err(loss, model(input_ids=ids, labels=ids).loss) <= TOLERANCE[torch.bfloat16]
+    assert counters["uniep"]["moe_experts"] >= 2 and counters["uniep"]["unfused"] == 0
