@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import html
 import json
-import re
 
 import torch
 
