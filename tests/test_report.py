@@ -125,6 +125,7 @@ def test_html_is_self_contained_and_marks_regions(tmp_path):
     assert "<script src" not in page and "http://" not in page and "https://" not in page
     assert page.count('class="side before"') == 1 and page.count('class="side after"') == 1
     assert "background:#cfe8ff" in page and "model.layers.0.mlp.experts" in page
+    assert 'title="model.layers.0.mlp.experts: replaces sample_weights, ' in page  # op call -> replaced nodes
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -160,7 +160,7 @@ def render_html(data: dict) -> str:
     """One self-contained page: no scripts from elsewhere, no server."""
     sections = []
     for gi, g in enumerate(data["graphs"]):
-        before_colour, after_colour, titles = {}, {}, {}
+        before_colour, after_colour, titles, after_titles = {}, {}, {}, {}
         legend = []
         for ri, r in enumerate(g["rewrites"]):
             colour = _PALETTE[ri % len(_PALETTE)]
@@ -169,6 +169,7 @@ def render_html(data: dict) -> str:
                 titles[node_id] = f"rewritten into uniep.{r['op']} ({r['module']})"
             for node_id in r["added"]:
                 after_colour[node_id] = colour
+                after_titles[node_id] = f"{r['module']}: replaces {', '.join(r['replaced'])}"
             first = html.escape(r["replaced"][0]) if r["replaced"] else ""
             legend.append(f'<li><span class="swatch" style="background:{colour}"></span>'
                           f'<a href="#n-{first}">{html.escape(r["module"])}</a>: '
@@ -203,7 +204,7 @@ def render_html(data: dict) -> str:
 {inputs_html}
 <div class="sides">
 <div class="side before"><h3>before</h3><table>{header}{_node_rows(g['before'], before_colour, titles)}</table></div>
-<div class="side after"><h3>after</h3><table>{header}{_node_rows(g['after'], after_colour, {})}</table></div>
+<div class="side after"><h3>after</h3><table>{header}{_node_rows(g['after'], after_colour, after_titles)}</table></div>
 </div>
 </section>""")
     totals = data["totals"]
