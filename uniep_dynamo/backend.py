@@ -48,11 +48,11 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     opts = opts or UniepOptions()
     before = report.snapshot(gm.graph) if report.active() else None
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
-    added = {}
+    lowered = []  # (match, names of the nodes it replaced, names of the nodes added)
     for match in matches:
         replaced = [n.name for n in match.nodes]
         call = lower_experts(gm, match)
-        added[id(match)] = (replaced, [call.name] + [u.name for u in call.users])
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"]["moe_experts"] += 1
         log.info("uniep: rewrote %s (%s spelling, %d nodes) into uniep.moe_experts [%s]",
                  match.module, match.spelling, len(match.nodes), match.spec.describe())
@@ -60,7 +60,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         counters["uniep"]["unfused"] += 1
         log.warning("uniep: %s runs unfused: %s", miss.module, miss.reason)
     if before is not None:
-        gm.meta["uniep_record"] = report.record_graph(before, gm, matches, misses, added)
+        gm.meta["uniep_record"] = report.record_graph(before, gm, lowered, misses)
     if matches:
         # No graph-wide eliminate_dead_code here: Dynamo graphs hold in-place ops without users
         # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
@@ -78,8 +78,7 @@ def _recording_inner_compile(record, inner_compile):
     """Wrap inductor's inner_compile to count uniep ops in the AOTAutograd forward/backward graphs."""
     def compile_and_count(graph_module, example_inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
-        record.aot_graphs = record.aot_graphs or {}
-        record.aot_graphs[kind] = report.count_uniep_ops(graph_module.graph)
+        record.note_aot_graph(kind, graph_module.graph)
         return inner_compile(graph_module, example_inputs, **kwargs)
     return compile_and_count
 
@@ -109,8 +108,7 @@ def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
 
         def keep(kind):
             def compiler(graph_module, _example_inputs):
-                record.aot_graphs = record.aot_graphs or {}
-                record.aot_graphs[kind] = report.count_uniep_ops(graph_module.graph)
+                record.note_aot_graph(kind, graph_module.graph)
                 return make_boxed_func(graph_module.forward)
             return compiler
 

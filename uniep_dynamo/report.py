@@ -67,6 +67,11 @@ class GraphRecord:
     # uniep ops per AOTAutograd graph ("forward", "backward", "inference"); None: not traced
     aot_graphs: dict | None = None
 
+    def note_aot_graph(self, kind: str, graph: Graph) -> None:
+        """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference")."""
+        self.aot_graphs = self.aot_graphs or {}
+        self.aot_graphs[kind] = count_uniep_ops(graph)
+
     def coverage_gaps(self) -> list[str]:
         """Rewrites whose op is missing from the traced forward or backward graph."""
         if self.aot_graphs is None or not self.rewrites:
@@ -161,12 +166,13 @@ def _compile_id() -> str:
         return "?"
 
 
-def record_graph(before: list, gm, matches, misses, added: dict) -> GraphRecord:
-    """Called by the backend after a rewrite while recording is active."""
+def record_graph(before: list, gm, lowered: list, misses) -> GraphRecord:
+    """Called by the backend after a rewrite while recording is active; `lowered` holds
+    (match, names of the replaced nodes, names of the added nodes) per rewrite."""
     record = GraphRecord(_compile_id(), before, snapshot(gm.graph))
-    for match in matches:
+    for match, replaced, added in lowered:
         record.rewrites.append(Rewrite("moe_experts", match.module, match.spelling, match.spec.describe(),
-                                       [n_name for n_name in added[id(match)][0]], added[id(match)][1]))
+                                       replaced, added))
     for miss in misses:
         record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, "experts", miss.expected,
                                                  miss.actual, miss.matched_nodes, list(miss.rejections)))

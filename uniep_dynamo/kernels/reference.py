@@ -231,7 +231,8 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
         topk_ids = topk_ids.clamp(0, num_experts - 1)
     row_order, slot_row, expert_offsets = routing_plan(topk_ids, num_experts)
     routed = _routed_rows_mask(expert_offsets, row_order.numel())
-    row_expert = topk_ids.reshape(-1)[row_order].clamp(0, num_experts - 1)
+    if b_up is not None or b_down is not None:
+        row_expert = topk_ids.reshape(-1)[row_order].clamp(0, num_experts - 1)
     x_rows = hidden[row_order // top_k]
     up = grouped_mm(x_rows, effective_weight(w_up, spec.up_layout), expert_offsets)
     if b_up is not None:

@@ -119,8 +119,7 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
         if node is not root and outside:
             raise Mismatch(f"intermediate {node.name} is also used by {outside[0].name}, outside the experts region")
     _require_no_writes_to_inputs(nodes, [hidden, ids, weights, w_up, w_down, b_up, b_down] + post_operands)
-    anchors = [n for n in nodes if gu.op_name(n) in ANCHOR_OPS]
-    spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in anchors) else "grouped_mm"
+    spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in nodes) else "grouped_mm"
     out_of_range = _out_of_range_mode(interp.id_bounds.get(ids, []), num_experts, spelling)
     for operand in post_operands:
         if _ndim(operand) == 1 and not gu.same_int(_shape(operand)[0], hidden_size):
@@ -128,7 +127,7 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
                            f"H={hidden_size}", f"[{hidden_size}]", list(_shape(operand)))
     spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range, post)
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
-                        gu.module_path(root), spelling, anchors, post_operands)
+                        gu.module_path(root), spelling, post_operands)
 
 
 _VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",

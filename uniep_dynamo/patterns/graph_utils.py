@@ -91,9 +91,6 @@ def bind(node: Node, name: str) -> dict:
             break
         if i < len(args):
             out[param] = args[i]
-    else:
-        if len(args) > len(params):
-            out["__extra__"] = tuple(args[len(params):])
     for key, value in node.kwargs.items():
         out[_KW_ALIASES.get(key, key)] = value
     return out

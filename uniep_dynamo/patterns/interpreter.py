@@ -50,6 +50,7 @@ def _orders_unify(a: Order, b: Order) -> Order | None:
 class Interpreter:
     def __init__(self, graph: Graph):
         self.graph = graph
+        self._position = {n: i for i, n in enumerate(graph.nodes)}
         self.env: dict[Node, object] = {}
         self.failures: list[NearMiss] = []
         # per expert-id tensor, the bounds the graph compares or clamps ids against, checked against
@@ -80,8 +81,6 @@ class Interpreter:
         return self.env.get(arg) if isinstance(arg, Node) else None
 
     def _before(self, a: Node, b: Node) -> bool:
-        if not hasattr(self, "_position"):
-            self._position = {n: i for i, n in enumerate(self.graph.nodes)}
         return self._position[a] < self._position[b]
 
     def _consumes_moe(self, node: Node) -> bool:

@@ -168,5 +168,4 @@ class ExpertsMatch:
     spec: object  # ExpertsSpec
     module: str
     spelling: str  # "grouped_mm" | "batched_mm"
-    anchors: list = field(default_factory=list)
     post_operands: list = field(default_factory=list)  # vectors the post program reads (a norm weight)
