@@ -205,7 +205,11 @@ def test_gate_program_classify_and_describe():
     assert gate_program.classify(SILU_GLU) == "silu_glu"
     assert gate_program.classify(GELU_GLU) == "gelu_glu"
     assert gate_program.classify(RELU2) == "relu2"
-    assert gate_program.classify(GPT_OSS) is None
+    assert gate_program.classify(GPT_OSS) == "clamped_swiglu"
+    assert gate_program.clamped_glu_params(GPT_OSS) == (1.702, 7.0, 1.0)
+    assert gate_program.classify(gate_program.encode("interleave", gate_program.decode(SILU_GLU)[1])) == "silu_glu"
+    # GELU gating the up half of a relu2-style single projection is not a program any kernel knows
+    assert gate_program.classify(gate_program.encode("none", ["call", "gelu", [["h"]], {}])) is None
     assert gate_program.describe(SILU_GLU) == "(silu(gate) * up) [chunk]"
     h = torch.randn(3, 8)
     assert torch.equal(gate_program.apply_gate(SILU_GLU, h), F.silu(h[:, :4]) * h[:, 4:])

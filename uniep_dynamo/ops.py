@@ -5,12 +5,16 @@ formula calls ``uniep::moe_experts_backward``, so AOTAutograd's backward graph h
 as well. Besides the output the forward returns the routing plan (row_order, slot_row,
 expert_offsets) and the two projections, which setup_context saves: backward reuses the forward's
 token order instead of recomputing it.
+
+Both ops run the Triton MegaKernel (kernels/megakernel.py) where it applies -- CUDA, bf16/fp16, a gate
+it implements -- and the pure-PyTorch reference otherwise. Both save the same tensors with the same
+meaning, so the choice never has to agree between forward and backward.
 """
 from __future__ import annotations
 
 import torch
 
-from .kernels import reference
+from .kernels import megakernel, reference
 from .spec import decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
@@ -24,6 +28,9 @@ _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_we
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
 def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
+    s = decode_spec(spec)
+    if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
+        return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s)
     return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                                      decode_spec(spec))
 
@@ -49,9 +56,15 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
 def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                          row_order, slot_row, expert_offsets, up, down, spec):
-    *grads, d_operands = reference.experts_backward(
-        grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-        row_order, slot_row, expert_offsets, up, down, decode_spec(spec))
+    s = decode_spec(spec)
+    if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
+        *grads, d_operands = megakernel.experts_backward(
+            grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
+            expert_offsets, up, down, s)
+    else:
+        *grads, d_operands = reference.experts_backward(
+            grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+            row_order, slot_row, expert_offsets, up, down, s)
     # A schema cannot return None: absent bias gradients travel as empty tensors. Every output is
     # contiguous, as the fake implementation promises.
     return (*(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads),

@@ -154,16 +154,53 @@ def describe(program: str) -> str:
     return text if split in ("none", "post") else f"{text} [{split}]"
 
 
+def _number(e) -> float | None:
+    if e[0] == "const" and isinstance(e[1], (int, float)) and not isinstance(e[1], bool):
+        return float(e[1])
+    return None
+
+
+def clamped_glu_params(program: str) -> tuple[float, float, float] | None:
+    """(alpha, limit, up_add) of GPT-OSS's gate, ``(clamp(up, -limit, limit) + up_add) * g * sigmoid(g * alpha)``
+    with ``g = clamp(gate, max=limit)``, or None for any other program."""
+    split, expr = decode(program)
+    if split not in ("chunk", "interleave") or expr[:2] != ["call", "mul"] or len(expr[2]) != 2 or expr[3]:
+        return None
+    up_part, glu = expr[2]
+    if up_part[:2] != ["call", "add"] or up_part[3] or glu[:2] != ["call", "mul"] or glu[3]:
+        return None
+    up_clamp, up_add = up_part[2]
+    gate_clamp, sig = glu[2]
+    if up_clamp[:3] != ["call", "clamp", [["up"]]] or gate_clamp[:3] != ["call", "clamp", [["gate"]]]:
+        return None
+    limit = _number(up_clamp[3].get("max", ["const", None]))
+    low = _number(up_clamp[3].get("min", ["const", None]))
+    if limit is None or low != -limit or gate_clamp[3] != {"min": ["const", None], "max": ["const", up_clamp[3]["max"][1]]}:
+        return None
+    if sig[:2] != ["call", "sigmoid"] or sig[3] or len(sig[2]) != 1:
+        return None
+    scaled = sig[2][0]
+    if scaled[:2] != ["call", "mul"] or scaled[3] or scaled[2][0] != gate_clamp:
+        return None
+    alpha, add = _number(scaled[2][1]), _number(up_add)
+    if alpha is None or add is None:
+        return None
+    return alpha, limit, add
+
+
 def classify(program: str) -> str | None:
     """Name the standard activations a fused kernel implements, or None for a custom program."""
     split, expr = decode(program)
     silu_glu = ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}]
-    if split == "chunk" and expr == silu_glu:
+    halves = split in ("chunk", "interleave")
+    if halves and expr == silu_glu:
         return "silu_glu"
     for approx in ("none", "tanh"):
         kw = {} if approx == "none" else {"approximate": ["const", "tanh"]}
-        if split == "chunk" and expr == ["call", "mul", [["call", "gelu", [["gate"]], kw], ["up"]], {}]:
+        if halves and expr == ["call", "mul", [["call", "gelu", [["gate"]], kw], ["up"]], {}]:
             return "gelu_glu" if approx == "none" else "gelu_tanh_glu"
+    if clamped_glu_params(program) is not None:
+        return "clamped_swiglu"
     if split == "none" and expr in (["call", "square", [["call", "relu", [["h"]], {}]], {}],
                                     ["call", "pow", [["call", "relu", [["h"]], {}], ["const", 2]], {}]):
         return "relu2"

@@ -1,0 +1,176 @@
+"""Layer 1: the Triton MegaKernel against the reference op (CPU: Triton's interpreter, fp32/fp16).
+
+Each case runs the op twice through autograd -- once with UNIEP_KERNELS=triton, once with the
+reference -- and compares the output and every gradient. The kernel counter proves the fused path ran.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import TOLERANCE, max_rel_err
+from test_reference import GELU_GLU, GPT_OSS, RELU2, SILU_GLU, make
+from uniep_dynamo.kernels import config as kconfig
+from uniep_dynamo.kernels import gate_program, reference
+from uniep_dynamo.spec import ExpertsSpec
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
+if not torch.cuda.is_available() and not kconfig.interpreting():
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+GELU_TANH_GLU = gate_program.encode("chunk", ["call", "mul", [
+    ["call", "gelu", [["gate"]], {"approximate": ["const", "tanh"]}], ["up"]], {}])
+SILU_INTERLEAVED = gate_program.encode("interleave", gate_program.decode(SILU_GLU)[1])
+
+
+def run(args, mode, monkeypatch, grad_seed=1, spec=None):
+    """(out, grads of hidden, weights, w_up, w_down, b_up, b_down) with UNIEP_KERNELS=mode."""
+    monkeypatch.setenv("UNIEP_KERNELS", mode)
+    hidden, ids, weights, w_up, w_down, b_up, b_down, make_spec = args
+    spec = spec or make_spec
+    leaves = [t.detach().clone().to(DEVICE).requires_grad_() if t is not None else None
+              for t in (hidden, weights, w_up, w_down, b_up, b_down)]
+    out = torch.ops.uniep.moe_experts(leaves[0], ids.to(DEVICE), *leaves[1:], [], spec.encode())[0]
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)
+    out.backward(grad)
+    return [out] + [t.grad if t is not None else None for t in leaves]
+
+
+def assert_close(fused, ref, dtype):
+    names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down", "d_b_up", "d_b_down")
+    for name, a, b in zip(names, fused, ref):
+        if b is None:
+            assert a is None, name
+            continue
+        err = max_rel_err(a, b)
+        assert err < TOLERANCE[dtype], f"{name}: max rel err {err:.3g}"
+
+
+CASES = [
+    # (T, H, I, E, K, gate, layout, bias)
+    (1, 32, 16, 4, 2, SILU_GLU, "oi", False),            # T=1: one token, tiles are mostly padding
+    (37, 40, 24, 4, 2, SILU_GLU, "oi", False),           # T, H and I not multiples of any tile size
+    (23, 32, 16, 8, 8, SILU_GLU, "io", False),           # K == E == 8: every token visits every expert
+    (29, 32, 16, 8, 1, GELU_GLU, "oi", False),           # K=1, erf GELU gate
+    (19, 32, 16, 6, 3, GELU_TANH_GLU, "io", False),      # tanh GELU gate, odd K
+    (21, 32, 24, 4, 2, RELU2, "oi", False),              # no gate: relu(x)^2, single accumulator
+    (17, 32, 16, 4, 2, GPT_OSS, "io", True),             # GPT-OSS: interleaved clamped gate, both biases
+    (17, 32, 16, 4, 2, SILU_INTERLEAVED, "oi", True),    # interleaved SiLU, biases, [E, out, in] weights
+    (12, 32, 16, 256, 8, SILU_GLU, "oi", False),         # E=256: most experts get no token
+    (40, 64, 32, 16, 4, SILU_GLU, "oi", False),          # several row tiles per expert
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megakernel_matches_reference_fp32(case, monkeypatch):
+    T, H, I, E, K, gate, layout, bias = case
+    args = make(T, H, I, E, K, gate, layout, bias)
+    if gate == GPT_OSS:
+        # Spread the projections past the clamp limit so that both sides of each clamp are exercised.
+        args = (args[0] * 20,) + args[1:]
+    counters.clear()
+    fused = run(args, "triton", monkeypatch)
+    assert counters["uniep_kernels"]["triton_forward"] == 1 and counters["uniep_kernels"]["triton_backward"] == 1
+    ref = run(args, "reference", monkeypatch)
+    assert_close(fused, ref, torch.float32)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[6], CASES[8]])
+def test_megakernel_matches_reference_fp16(case, monkeypatch):
+    T, H, I, E, K, gate, layout, bias = case
+    args = make(T, H, I, E, K, gate, layout, bias, dtype=torch.float16)
+    assert_close(run(args, "triton", monkeypatch), run(args, "reference", monkeypatch), torch.float16)
+
+
+def test_all_tokens_on_one_expert_and_idle_experts_get_exact_zero_grads(monkeypatch):
+    ids = torch.full((30, 2), 3, dtype=torch.long)
+    ids[:, 1] = 1
+    args = make(30, 32, 16, 6, 2, ids=ids)
+    fused = run(args, "triton", monkeypatch)
+    assert_close(fused, run(args, "reference", monkeypatch), torch.float32)
+    idle = [0, 2, 4, 5]
+    assert torch.equal(fused[3][idle], torch.zeros_like(fused[3][idle]))
+    assert torch.equal(fused[4][idle], torch.zeros_like(fused[4][idle]))
+
+
+def test_empty_batch(monkeypatch):
+    args = make(0, 32, 16, 4, 2)
+    fused = run(args, "triton", monkeypatch)
+    assert fused[0].shape == (0, 32) and fused[1].shape == (0, 32)
+    assert torch.equal(fused[3], torch.zeros_like(fused[3]))
+
+
+@pytest.mark.parametrize("mode", ["drop", "clamp"])
+def test_out_of_range_ids(mode, monkeypatch):
+    """HF's expert-parallel sentinels: dropped slots contribute nothing; clamped ones use expert E-1."""
+    args = list(make(9, 32, 16, 4, 2))
+    ids = args[1].clone()
+    ids[0, 1], ids[5, 0], ids[7, 1] = 4, 9, -1
+    args[1] = ids
+    spec = ExpertsSpec("oi", "oi", SILU_GLU, torch.float32, mode)
+    fused = run(args, "triton", monkeypatch, spec=spec)
+    assert_close(fused, run(args, "reference", monkeypatch, spec=spec), torch.float32)
+    if mode == "drop":
+        assert fused[2][0, 1] == 0 and fused[2][5, 0] == 0 and fused[2][7, 1] == 0
+
+
+def test_nan_in_hidden_stays_in_its_token(monkeypatch):
+    args = list(make(8, 32, 16, 4, 2))
+    args[0] = args[0].clone()
+    args[0][2, 5] = float("nan")
+    fused, ref = run(args, "triton", monkeypatch), run(args, "reference", monkeypatch)
+    assert torch.equal(torch.isnan(fused[0]), torch.isnan(ref[0]))
+    assert torch.isnan(fused[0][2]).all() and torch.isfinite(fused[0][[0, 1, 3, 4, 5, 6, 7]]).all()
+
+
+def test_routing_plan_kernel_equals_reference():
+    from uniep_dynamo.kernels import triton_routing
+
+    g = torch.Generator().manual_seed(3)
+    # 2500 slots: three plan blocks, the last one partial; ids out of range in both directions.
+    ids = torch.randint(-2, 70, (625, 4), generator=g)
+    for clamp in (False, True):
+        plan = triton_routing.routing_plan(ids, 64, clamp=clamp)
+        expected = reference.routing_plan(ids.clamp(0, 63) if clamp else ids, 64)
+        for a, b in zip(plan, expected):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("change", [
+    dict(num_programs=3),   # persistent grid: 3 programs walk every tile
+    dict(group_m=1),        # no L2 swizzle
+    dict(fuse_gather=False),
+], ids=["persistent", "group_m1", "unfused_gather"])
+def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
+    """Knobs that only schedule work give bitwise identical results (the GPU test sweeps all of them)."""
+    args = make(37, 40, 24, 8, 2, GPT_OSS, "io", True)
+    base = kconfig.heuristic_config(74, 8, 40, 24, interpret=True)
+    layer_knobs = {k: v for k, v in change.items() if k in kconfig.LAYER_SCHEDULING_KNOBS}
+    other = base.replace_gemms(**{k: v for k, v in change.items() if k not in layer_knobs})
+    other = kconfig.MegaKernelConfig(**{**other.__dict__, **layer_knobs})
+    with kconfig.use_config(base):
+        a = run(args, "triton", monkeypatch)
+    with kconfig.use_config(other):
+        b = run(args, "triton", monkeypatch)
+    for x, y in zip(a, b):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_unsupported_calls_say_why():
+    from uniep_dynamo.kernels import megakernel
+
+    args = make(4, 32, 16, 4, 2)
+    hidden, ids, _, w_up, w_down, _, _, spec = args
+    import os
+    os.environ["UNIEP_KERNELS"] = "triton"
+    try:
+        assert megakernel.unsupported_reason(hidden, ids, w_up, w_down, None, None, [], spec) is None
+        reason = megakernel.unsupported_reason(hidden.double(), ids, w_up.double(), w_down.double(), None, None, [],
+                                               spec)
+        assert "float64" in reason
+        custom = ExpertsSpec("oi", "oi", gate_program.encode("none", ["call", "gelu", [["h"]], {}]), torch.float32)
+        assert "no fused kernel" in megakernel.unsupported_reason(hidden, ids, w_up, w_down, None, None, [], custom)
+        assert "post-expert" in megakernel.unsupported_reason(hidden, ids, w_up, w_down, None, None,
+                                                              [torch.ones(32)], spec)
+    finally:
+        del os.environ["UNIEP_KERNELS"]

@@ -1,0 +1,133 @@
+"""The MegaKernel's parameter space: every knob of the Triton kernels in one object, with heuristics.
+
+One ``MegaKernelConfig`` holds a ``GemmConfig`` per grouped GEMM of the layer (forward up and down
+projections, backward activation gradient, input gradient and the two weight gradients) plus the
+layer-wide knobs. A later search (the tuner) walks this space; here the heuristics pick a point by
+shape.
+
+Numerics contract (what a tuner may change freely):
+
+- ``block_k`` of a GEMM is the K-dimension blocking: each ``tl.dot`` sums ``block_k`` products in the
+  tensor core and the kernel adds the chunks in order, so a different ``block_k`` may change the
+  rounding. It is the only knob that may change results ("numerics knob").
+- Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
+  ``num_programs`` (persistent grid size), ``fuse_gather`` -- only schedules the same arithmetic:
+  each output element is the same chain of ``block_k``-wide MMAs in the same order, the combine and
+  the routing-weight gradient run in fixed-configuration kernels, and no reduction is split across
+  programs. Results are bitwise identical across their values (tests/test_gpu.py holds this).
+- ``block_m`` stays >= 64 and ``num_warps`` >= 4 so that Triton always lowers ``tl.dot`` to the same
+  Hopper tensor-core instruction family (wgmma); mixing it with the older mma path could change the
+  in-instruction rounding.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+
+NUMERICS_KNOBS = ("block_k",)
+SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs")
+LAYER_SCHEDULING_KNOBS = ("fuse_gather",)
+GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128  # rows of the output tile (token rows; weight-gradient: rows of the weight)
+    block_n: int = 128  # columns of the output tile
+    block_k: int = 64   # reduction chunk per tl.dot: the one knob that may change numerics
+    group_m: int = 8    # row tiles that share a column tile in launch order (L2 reuse of weights)
+    num_warps: int = 8
+    num_stages: int = 3
+    # Persistent grid: 0 launches one program per tile; N > 0 launches N programs that walk the
+    # tiles in strides of N (the tile count is only known on the device, from the routing plan).
+    num_programs: int = 0
+
+    def validate(self, interpret: bool = False) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"uniep: {name}={v} must be a power of two >= 16")
+        if not interpret and (self.block_m < 64 or self.num_warps < 4):
+            raise ValueError("uniep: block_m >= 64 and num_warps >= 4 keep one tensor-core path (see config.py)")
+        if self.group_m < 1 or self.num_stages < 1 or self.num_programs < 0:
+            raise ValueError(f"uniep: bad GEMM config {self}")
+
+
+@dataclass(frozen=True)
+class MegaKernelConfig:
+    up: GemmConfig = GemmConfig()
+    down: GemmConfig = GemmConfig()
+    grad_act: GemmConfig = GemmConfig()
+    grad_input: GemmConfig = GemmConfig()
+    wgrad_up: GemmConfig = GemmConfig()
+    wgrad_down: GemmConfig = GemmConfig()
+    # Gather token rows inside the up-projection GEMM (True) or copy them into an expert-sorted
+    # buffer first (False: one more pass over [rows, H], simpler loads for the GEMM).
+    fuse_gather: bool = True
+
+    def replace_gemms(self, **changes) -> "MegaKernelConfig":
+        """The same config with ``changes`` (GemmConfig fields) applied to every GEMM."""
+        return dataclasses.replace(self, **{g: dataclasses.replace(getattr(self, g), **changes) for g in GEMMS})
+
+    def numerics_key(self) -> tuple:
+        """The knob values that may change results; configs with equal keys give bitwise equal results."""
+        return tuple(getattr(self, g).block_k for g in GEMMS)
+
+
+def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
+    v = floor
+    while v * 2 <= min(n, cap):
+        v *= 2
+    return v
+
+
+def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int, num_sms: int = 132,
+                     interpret: bool = False) -> MegaKernelConfig:
+    """A config by shape. ``num_rows`` = T*K routed rows, ``inter`` = the expert's intermediate size.
+
+    Rules: 128x128 tiles with 64-wide K chunks, 8 warps and 3 stages (Hopper: the largest tile that
+    keeps two bf16 accumulators of the gated up projection in registers); smaller N tiles when the
+    intermediate size is small so that the grid still fills the machine; for the interpreter (CPU
+    tests) small tiles, since it runs each program serially in numpy.
+    """
+    if interpret:
+        small = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1)
+        return MegaKernelConfig(*(small,) * len(GEMMS))
+    rows_per_expert = max(1, num_rows // max(1, num_experts))
+    block_m = 64 if rows_per_expert <= 256 else 128
+    # Gated up projection: two accumulators per tile.
+    up = GemmConfig(block_m=block_m, block_n=_pow2_at_most(inter, 128, 32), block_k=64, num_warps=8, num_stages=3)
+    down = GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    grad_act = GemmConfig(block_m=block_m, block_n=_pow2_at_most(inter, 128, 32), block_k=64, num_warps=8,
+                          num_stages=3)
+    grad_input = down
+    wgrad = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return MegaKernelConfig(up, down, grad_act, grad_input, wgrad, wgrad)
+
+
+_OVERRIDE: list[MegaKernelConfig] = []
+
+
+@contextlib.contextmanager
+def use_config(config: MegaKernelConfig):
+    """Run the Triton MegaKernel with ``config`` instead of the heuristics (tests, benchmarks, tuner).
+
+    The config is read when the op runs, so wrap the calls (and the backward) in this context."""
+    _OVERRIDE.append(config)
+    try:
+        yield config
+    finally:
+        _OVERRIDE.pop()
+
+
+def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, num_sms: int,
+                   interpret: bool) -> MegaKernelConfig:
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    return heuristic_config(num_rows, num_experts, hidden, inter, num_sms, interpret)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

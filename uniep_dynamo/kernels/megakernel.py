@@ -1,0 +1,249 @@
+"""The single-GPU MegaKernel: the uniep experts op's forward and backward as Triton launches.
+
+Forward (S = T*K slots, rows in the routing plan's (expert, token, k) order):
+
+    routing_plan                 counting sort of the slots by expert        (triton_routing)
+    up    = X[tok(r)] @ W_up[e]  gather fused in the GEMM; epilogue stores h (saved) and act(h)
+    down  = act @ W_down[e]      (+ b_down); stored unweighted (saved: the routing-weight gradient)
+    out   = combine(down, w)     k in order, fp32
+
+Backward, from the same plan:
+
+    d_w        = <dY[t], down[row]>                                   fixed-order kernel
+    grad_act   = dY[tok(r)] @ W_down[e]^T; epilogue: * w, d act/d h at the saved h -> d_h; act(h) again
+    d_W_down   = act^T @ (w * dY[tok(r)]) per expert (+ d_b_down)     no split over rows
+    d_x rows   = d_h @ W_up[e]^T
+    d_W_up     = X[tok(r)]^T @ d_h per expert (+ d_b_up)
+    d_hidden   = combine(d_x rows), k in order, fp32
+
+The op saves the same tensors as the reference (``up`` = h, ``down`` = the unweighted down rows), so
+either implementation's backward can consume either forward's results.
+
+``unsupported_reason`` says why a call runs the reference instead; the op logs each reason once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import config as config_mod
+from . import gate_program
+
+log = logging.getLogger("uniep")
+_LOGGED: set[str] = set()
+FUSED_DTYPES_GPU = (torch.bfloat16, torch.float16)
+FUSED_DTYPES_INTERPRETER = (torch.float32, torch.float16)
+MAX_EXPERTS = 1024
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_mode() -> str:
+    """UNIEP_KERNELS: "auto" (Triton on CUDA, reference on CPU), "triton" (Triton also on CPU, through
+    the interpreter: TRITON_INTERPRET=1 must be set before triton is imported), "reference"."""
+    mode = os.environ.get("UNIEP_KERNELS", "auto")
+    if mode not in ("auto", "triton", "reference"):
+        raise ValueError(f"uniep: UNIEP_KERNELS={mode!r}; expected auto, triton or reference")
+    return mode
+
+
+def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> str | None:
+    """None if the Triton MegaKernel takes this call, else why the reference runs it."""
+    mode = kernels_mode()
+    if mode == "reference":
+        return "UNIEP_KERNELS=reference"
+    if hidden.device.type != "cuda":
+        if mode != "triton":
+            return "not a CUDA tensor: the reference is the CPU path"
+        if not config_mod.interpreting():
+            return "UNIEP_KERNELS=triton on CPU needs TRITON_INTERPRET=1"
+    if not _triton_available():
+        return "triton is not installed (pip install uniep[triton])"
+    fused = FUSED_DTYPES_INTERPRETER if hidden.device.type != "cuda" else FUSED_DTYPES_GPU
+    dtypes = {t.dtype for t in (hidden, w_up, w_down, b_up, b_down) if t is not None}
+    if len(dtypes) != 1 or hidden.dtype not in fused:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+        return (f"hidden states, expert weights and biases are {names}; the fused kernels take one of "
+                f"{', '.join(str(d).replace('torch.', '') for d in fused)} (float32 on CUDA runs the cuBLAS reference)")
+    if spec.post is not None or post_operands:
+        return "the layer has a post-expert program or program operands, which only the reference evaluates"
+    kind = gate_program.classify(spec.gate)
+    if kind is None:
+        return f"gate program {gate_program.describe(spec.gate)} has no fused kernel"
+    if w_up.shape[0] > MAX_EXPERTS:
+        return f"{w_up.shape[0]} experts; the fused tile schedule takes at most {MAX_EXPERTS}"
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        return f"top-k ids are {topk_ids.dtype}"
+    return None
+
+
+def use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> bool:
+    reason = unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec)
+    if reason is None:
+        return True
+    if reason not in _LOGGED and hidden.device.type == "cuda":
+        _LOGGED.add(reason)
+        log.warning("uniep: experts op runs the PyTorch reference, not the fused kernels: %s", reason)
+    return False
+
+
+class _Layer:
+    """Shapes, weight views and launch constants of one call."""
+
+    def __init__(self, hidden, topk_ids, w_up, w_down, spec):
+        from . import reference
+        from .triton_gemm import ACTIVATIONS, GATED
+
+        self.num_tokens, self.top_k = topk_ids.shape
+        self.num_slots = self.num_tokens * self.top_k
+        self.num_experts = w_up.shape[0]
+        self.up_eff = reference.effective_weight(w_up, spec.up_layout)        # [E, H, up_width]
+        self.down_eff = reference.effective_weight(w_down, spec.down_layout)  # [E, I, H]
+        self.hidden_size = self.up_eff.shape[1]
+        self.up_width = self.up_eff.shape[2]
+        self.inter = self.down_eff.shape[1]
+        kind = gate_program.classify(spec.gate)
+        self.act = ACTIVATIONS[kind]
+        self.act_params = gate_program.clamped_glu_params(spec.gate) or (0.0, 0.0, 0.0)
+        self.gated = kind in GATED
+        split = gate_program.decode(spec.gate)[0]
+        # Column j of the activation reads gate column j*COL_MULT and up column j*COL_MULT + UP_SHIFT.
+        self.col_mult, self.up_shift = (2, 1) if split == "interleave" else (1, self.inter)
+        self.interpret = hidden.device.type != "cuda"
+        self.dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+        num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 1
+        self.config = config_mod.current_config(self.num_slots, self.num_experts, self.hidden_size, self.inter,
+                                                num_sms, self.interpret)
+        self.block_e = max(16, 1 << (self.num_experts - 1).bit_length())
+
+
+def _grid(upper: int, cfg) -> int:
+    return max(1, min(upper, cfg.num_programs) if cfg.num_programs else upper)
+
+
+def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c, d=None, h=None, w=None,
+               bias=None, offsets, two_halves=False, col_mult=1, up_shift=0):
+    import triton
+
+    from .triton_gemm import _rows_gemm as kernel
+
+    cfg.validate(layer.interpret)
+    upper = (triton.cdiv(layer.num_slots, cfg.block_m) + layer.num_experts) * triton.cdiv(n, cfg.block_n)
+    grid = _grid(upper, cfg)
+    d = d if d is not None else c
+    h = h if h is not None else c
+    kernel[(grid,)](
+        a, a.stride(0), a.stride(1), row_order, layer.top_k,
+        b, b.stride(0), b.stride(1), b.stride(2),
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0,
+        offsets, layer.num_experts, n, k,
+        c, c.stride(0), d, d.stride(0), h, h.stride(0), w if w is not None else c,
+        up_shift, COL_MULT=col_mult, act_alpha=layer.act_params[0], act_limit=layer.act_params[1],
+        act_up_add=layer.act_params[2],
+        GATHER=gather, EPILOGUE=epilogue, ACT=layer.act, TWO_HALVES=two_halves, TWO_ACC=two_halves and epilogue == 1, HAS_BIAS=bias is not None,
+        DOT_PRECISION=layer.dot_precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=layer.block_e,
+        GROUP_M=cfg.group_m, num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
+                 n_dim, bias_grad=None):
+    """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e."""
+    import triton
+
+    from .triton_gemm import _weight_grad_gemm as kernel
+
+    cfg.validate(layer.interpret)
+    m, n = grad.shape[m_dim], grad.shape[n_dim]
+    upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = _grid(upper, cfg)
+    kernel[(grid,)](
+        p, p.stride(0), p.stride(1), q, q.stride(0), q.stride(1), row_order, w if w is not None else q, layer.top_k,
+        offsets, layer.num_experts, m, n,
+        grad, grad.stride(0), grad.stride(m_dim), grad.stride(n_dim),
+        bias_grad if bias_grad is not None else grad, bias_grad.stride(0) if bias_grad is not None else 0,
+        P_GATHER=p_gather, Q_GATHER=q_gather, Q_SCALE=q_scale, HAS_BIAS=bias_grad is not None,
+        DOT_PRECISION=layer.dot_precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _token_rows(layer: _Layer, x: torch.Tensor, row_order: torch.Tensor) -> torch.Tensor:
+    """The unfused dispatch (fuse_gather=False): x's rows copied into expert-sorted order."""
+    return x.index_select(0, row_order // layer.top_k)
+
+
+def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
+    """Same contract as reference.experts_forward (without post programs)."""
+    from .triton_routing import combine, routing_plan
+
+    counters["uniep_kernels"]["triton_forward"] += 1
+    layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
+    cfg = layer.config
+    row_order, slot_row, offsets = routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
+    device = hidden.device
+    up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
+    act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
+    down = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_down.dtype, device=device)
+    if layer.num_slots:
+        gather = cfg.fuse_gather
+        x = hidden if gather else _token_rows(layer, hidden, row_order)
+        _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
+                   k=layer.hidden_size, epilogue=1, c=up, d=act, bias=b_up, offsets=offsets,
+                   two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+        _rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff, n=layer.hidden_size,
+                   k=layer.inter, epilogue=0, c=down, bias=b_down, offsets=offsets)
+    out = combine(down, slot_row, topk_weights.reshape(layer.num_tokens, layer.top_k), offsets, layer.num_tokens,
+                  layer.top_k, spec.out_dtype)
+    return out, row_order, slot_row, offsets, up, down
+
+
+def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                     row_order, slot_row, offsets, up, down, spec):
+    """Same contract as reference.experts_backward (without post programs)."""
+    from .triton_routing import combine, routing_weight_grad
+
+    counters["uniep_kernels"]["triton_backward"] += 1
+    layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
+    cfg = layer.config
+    device = hidden.device
+    grad_out = grad_out.contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
+                                    topk_weights.dtype)
+    d_up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
+    act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
+    d_x_rows = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
+    d_w_up = torch.empty(w_up.shape, dtype=w_up.dtype, device=device)
+    d_w_down = torch.empty(w_down.shape, dtype=w_down.dtype, device=device)
+    d_b_up = torch.empty(b_up.shape, dtype=b_up.dtype, device=device) if b_up is not None else None
+    d_b_down = torch.empty(b_down.shape, dtype=b_down.dtype, device=device) if b_down is not None else None
+    # Weight gradients in the [E, in, out] math: grad[e][i, o], i.e. dims (1, 2) for "io", (2, 1) for "oi".
+    down_dims = (1, 2) if spec.down_layout == "io" else (2, 1)
+    up_dims = (1, 2) if spec.up_layout == "io" else (2, 1)
+    gather = cfg.fuse_gather
+    dy = grad_out if gather else _token_rows(layer, grad_out, row_order)
+    _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, row_order=row_order,
+               b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=2,
+               c=d_up, d=act, h=up, w=weights, offsets=offsets, two_halves=layer.gated,
+               col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+    _weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=True,
+                 row_order=row_order, w=weights, offsets=offsets, grad=d_w_down, m_dim=down_dims[0],
+                 n_dim=down_dims[1], bias_grad=d_b_down)
+    _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order, b=layer.up_eff.transpose(1, 2),
+               n=layer.hidden_size, k=layer.up_width, epilogue=0, c=d_x_rows, offsets=offsets)
+    x = hidden if gather else _token_rows(layer, hidden, row_order)
+    _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
+                 row_order=row_order, w=None, offsets=offsets, grad=d_w_up, m_dim=up_dims[0], n_dim=up_dims[1],
+                 bias_grad=d_b_up)
+    d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
+    return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, []

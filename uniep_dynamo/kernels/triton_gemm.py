@@ -1,0 +1,259 @@
+"""Triton grouped GEMMs of the MegaKernel, with the gather in the prologue and the activation in the epilogue.
+
+Two kernels serve the six GEMMs of an MoE layer's forward and backward.
+
+``_rows_gemm`` -- out[r, n] = sum_k A[a_row(r), k] * W[e(r)][k, n] for the expert-sorted rows r.
+    Tiles: [BLOCK_M rows of one expert] x [BLOCK_N columns]; tile (m, n) -> expert by a prefix sum of
+    cdiv(count_e, BLOCK_M) over the expert offsets, computed in each program from the routing plan
+    (nothing on the host, no padding of the rows). With GATHER, a_row(r) = row_order[r] // TOP_K:
+    the token rows are read straight from the hidden states or the output gradient, so the dispatch
+    never materialises a permuted copy. Epilogues:
+      STORE     out = acc (+ bias[e]), cast to the output dtype (down projection, input gradient)
+      GLU_FWD   gate and up halves in two accumulators; h = acc (+ bias) rounded to the storage dtype
+                is stored (saved for backward) and act(h) is stored for the down projection
+      GLU_BWD   acc is the activation gradient before the routing weight; times w[slot], through the
+                activation's derivative at the saved h -> d_h (both halves), and act(h) recomputed
+                for the down-projection weight gradient
+``_weight_grad_gemm`` -- G[e][m, n] = sum over expert e's rows r (in row order) of P[p_row(r), m] *
+    Q[q_row(r), n], optionally Q scaled by the routing weight; bias gradient = column sums of Q as a
+    GEMM against ones (the same MMA chain, so it follows the same numerics contract). Experts with no
+    rows get exact zeros.
+
+Numerics: fp32 accumulation in tensor-core MMAs; the reduction dimension is walked in BLOCK_K chunks
+in order, with no split across programs and no atomics. Element-wise epilogue math in fp32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+STORE, GLU_FWD, GLU_BWD = 0, 1, 2
+# Activation codes (gate_program.classify names).
+ACTIVATIONS = {"silu_glu": 0, "gelu_glu": 1, "gelu_tanh_glu": 2, "relu2": 3, "clamped_swiglu": 4}
+GATED = {"silu_glu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu"}
+
+
+@triton.jit
+def _tile_schedule(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per expert: first row, row count, and the exclusive prefix sum of its row tiles."""
+    e = tl.arange(0, BLOCK_E)
+    in_range = e < num_experts
+    ends = tl.load(offsets_ptr + e, mask=in_range, other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=in_range & (e > 0), other=0)
+    counts = tl.where(in_range, ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    return e, starts, ends, tiles, tile_end
+
+
+@triton.jit
+def _activation(g, u, ACT: tl.constexpr, alpha, limit, up_add):
+    """act(gate, up) in fp32; for relu2 (no gate) both arguments are the whole projection."""
+    if ACT == 0:
+        return g * tl.sigmoid(g) * u
+    elif ACT == 1:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        return 0.5 * g * (1.0 + t) * u
+    elif ACT == 3:
+        r = tl.maximum(g, 0.0)
+        return r * r
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return (uc + up_add) * gc * tl.sigmoid(gc * alpha)
+
+
+@triton.jit
+def _activation_grad(g, u, d, ACT: tl.constexpr, alpha, limit, up_add):
+    """(d_gate, d_up) for d = d(act); for relu2 (no gate) d_up is unused. A clamp passes the gradient
+    where its input lies inside [min, max], bounds included (torch.clamp's rule)."""
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        return d * u * s * (1.0 + g * (1.0 - s)), d * g * s
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        pdf = 0.3989422804014327 * tl.exp(-0.5 * g * g)
+        return d * u * (cdf + g * pdf), d * 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        dinner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        return d * u * (0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * dinner), d * 0.5 * g * (1.0 + t)
+    elif ACT == 3:
+        return d * 2.0 * tl.maximum(g, 0.0), d
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = tl.sigmoid(gc * alpha)
+        d_gc = d * (uc + up_add) * (s + alpha * gc * s * (1.0 - s))
+        d_uc = d * gc * s
+        return tl.where(g <= limit, d_gc, 0.0), tl.where((u >= -limit) & (u <= limit), d_uc, 0.0)
+
+
+@triton.jit
+def _rows_gemm(
+    a_ptr, stride_am, stride_ak, row_order_ptr, top_k,
+    b_ptr, stride_be, stride_bk, stride_bn,
+    bias_ptr, stride_bias_e,
+    offsets_ptr, num_experts, N, K,
+    c_ptr, stride_cm, d_ptr, stride_dm, h_ptr, stride_hm, w_ptr,
+    UP_SHIFT, COL_MULT: tl.constexpr, act_alpha, act_limit, act_up_add,
+    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, TWO_HALVES: tl.constexpr, TWO_ACC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, num_programs,
+):
+    e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    total_m = tl.sum(tiles)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = total_m * num_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        # Group-M swizzle: GROUP_M row tiles walk the column tiles together (weight tiles stay in L2).
+        per_group = GROUP_M * num_n
+        first_m = (tile // per_group) * GROUP_M
+        group_size = tl.minimum(total_m - first_m, GROUP_M)
+        tm = first_m + (tile % per_group) % group_size
+        tn = (tile % per_group) // group_size
+        expert = tl.sum((tile_end <= tm).to(tl.int32))
+        is_e = e_idx == expert
+        row_start = tl.sum(tl.where(is_e, starts + (tm - (tile_end - tiles)) * BLOCK_M, 0))
+        row_end = tl.sum(tl.where(is_e, ends, 0))
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        if GATHER:
+            a_rows = tl.load(row_order_ptr + rows, mask=row_mask, other=0) // top_k
+        else:
+            a_rows = rows.to(tl.int64)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
+        if EPILOGUE == 1:
+            b_ptrs = b_base + (cols * COL_MULT)[None, :] * stride_bn
+        else:
+            b_ptrs = b_base + cols[None, :] * stride_bn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if TWO_ACC:
+            b2_ptrs = b_base + (cols * COL_MULT + UP_SHIFT)[None, :] * stride_bn
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            if TWO_ACC:
+                b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                acc2 = tl.dot(a.to(b2.dtype), b2, acc2, input_precision=DOT_PRECISION)
+                b2_ptrs += BLOCK_K * stride_bk
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        if EPILOGUE == 0:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+        elif EPILOGUE == 1:
+            gate_cols = cols * COL_MULT
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            h_gate = acc.to(c_ptr.dtype.element_ty)
+            tl.store(c_ptr + rows64[:, None] * stride_cm + gate_cols[None, :], h_gate, mask=mask)
+            if TWO_HALVES:
+                up_cols = gate_cols + UP_SHIFT
+                if HAS_BIAS:
+                    acc2 += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                h_up = acc2.to(c_ptr.dtype.element_ty)
+                tl.store(c_ptr + rows64[:, None] * stride_cm + up_cols[None, :], h_up, mask=mask)
+                act = _activation(h_gate.to(tl.float32), h_up.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
+            else:
+                act = _activation(h_gate.to(tl.float32), h_gate.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
+            tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
+        else:
+            slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
+            w = tl.load(w_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+            d_act = acc * w[:, None]
+            gate_cols = cols * COL_MULT
+            g = tl.load(h_ptr + rows64[:, None] * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if TWO_HALVES:
+                up_cols = gate_cols + UP_SHIFT
+                u = tl.load(h_ptr + rows64[:, None] * stride_hm + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                u = g
+            d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
+            tl.store(c_ptr + rows64[:, None] * stride_cm + gate_cols[None, :], d_gate.to(c_ptr.dtype.element_ty),
+                     mask=mask)
+            if TWO_HALVES:
+                tl.store(c_ptr + rows64[:, None] * stride_cm + up_cols[None, :], d_up.to(c_ptr.dtype.element_ty),
+                         mask=mask)
+            act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
+            tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_grad_gemm(
+    p_ptr, stride_pr, stride_pm, q_ptr, stride_qr, stride_qn, row_order_ptr, w_ptr, top_k,
+    offsets_ptr, num_experts, M, N,
+    g_ptr, stride_ge, stride_gm, stride_gn, bias_ptr, stride_bias_e,
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, Q_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, num_programs,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_expert = num_m * num_n
+    offs_r = tl.arange(0, BLOCK_K)
+    for tile in range(tl.program_id(0), num_experts * per_expert, num_programs):
+        expert = tile // per_expert
+        local = tile % per_expert
+        per_group = GROUP_M * num_n
+        first_m = (local // per_group) * GROUP_M
+        group_size = tl.minimum(num_m - first_m, GROUP_M)
+        tm = first_m + (local % per_group) % group_size
+        tn = (local % per_group) // group_size
+        lo = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+        hi = tl.load(offsets_ptr + expert)
+        offs_m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        bias_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for r0 in range(lo, hi, BLOCK_K):
+            rows = r0 + offs_r
+            r_mask = rows < hi
+            if P_GATHER or Q_GATHER or Q_SCALE:
+                slots = tl.load(row_order_ptr + rows, mask=r_mask, other=0)
+            if P_GATHER:
+                p_rows = slots // top_k
+            else:
+                p_rows = rows
+            if Q_GATHER:
+                q_rows = slots // top_k
+            else:
+                q_rows = rows
+            p = tl.load(p_ptr + p_rows[:, None] * stride_pr + offs_m[None, :] * stride_pm,
+                        mask=r_mask[:, None] & m_mask[None, :], other=0.0)
+            q = tl.load(q_ptr + q_rows[:, None] * stride_qr + offs_n[None, :] * stride_qn,
+                        mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            if Q_SCALE:
+                w = tl.load(w_ptr + slots, mask=r_mask, other=0.0).to(tl.float32)
+                q = (q.to(tl.float32) * w[:, None]).to(q_ptr.dtype.element_ty)
+            # P's dtype is the weight's (the caller makes it so).
+            acc = tl.dot(tl.trans(p), q.to(p.dtype), acc, input_precision=DOT_PRECISION)
+            if HAS_BIAS:
+                if tm == 0:
+                    ones = tl.full([16, BLOCK_K], 1.0, dtype=p.dtype)
+                    bias_acc = tl.dot(ones, q.to(p.dtype), bias_acc, input_precision=DOT_PRECISION)
+        g_ptrs = g_ptr + expert.to(tl.int64) * stride_ge + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn
+        tl.store(g_ptrs, acc.to(g_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        if HAS_BIAS:
+            col_sum = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, bias_acc, 0.0), axis=0)
+            tl.store(bias_ptr + expert * stride_bias_e + offs_n, col_sum.to(bias_ptr.dtype.element_ty),
+                     mask=n_mask & ((offs_n * 0 + tm) == 0))

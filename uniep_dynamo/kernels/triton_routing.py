@@ -1,0 +1,172 @@
+"""Triton kernels around the grouped GEMMs: the routing plan, the combine and the routing-weight gradient.
+
+Routing plan: a deterministic counting sort of the S = T*K slots (slot s = t*K + k) by expert key,
+stable by slot index, so rows are ordered by (expert, token, k). Three launches, no host sync:
+
+    _plan_histogram   program b counts the keys of slots [b*B, (b+1)*B) -> hist[b, key]
+    _plan_scan        one program: per key, the rows before block b (a sequential pass over blocks,
+                      in block order) plus the key's start -> base[b, key]; writes expert_offsets
+    _plan_scatter     program b sorts (key, local index) pairs of its slots (tl.sort, a bitonic
+                      network: the result is unique because the pairs are distinct) and writes
+                      row_order[base + rank] = slot and slot_row[slot] = base + rank
+
+Keys: the expert id, or E for an id outside [0, E) when out-of-range slots are dropped (those rows sort
+after every expert's rows, past expert_offsets[E-1]). Integer counts only: nothing depends on timing.
+
+Combine (forward output and input gradient): out[t] = sum_k w[t,k] * rows[slot_row[t*K+k]] with the
+K terms added in k order in fp32; rows past expert_offsets[E-1] (dropped slots) count as zero.
+
+Routing-weight gradient: d_w[t,k] = <grad_out[t], rows[slot_row[t*K+k]]>, fp32, summed over H in
+BLOCK_H chunks in order. Both kernels have a fixed configuration (no knobs), so their reduction
+order never changes with the GEMM configuration.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PLAN_BLOCK = 1024      # slots per histogram/scatter program: one tl.sort of 1024 keys
+COMBINE_BLOCK_H = 256  # hidden columns per combine program
+GRAD_W_BLOCK_H = 256   # hidden columns per step of the routing-weight gradient
+
+
+@triton.jit
+def _plan_key(ids_ptr, slots, num_slots, num_experts, CLAMP: tl.constexpr, PAD_KEY: tl.constexpr):
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=0).to(tl.int32)
+    if CLAMP:
+        key = tl.minimum(tl.maximum(ids, 0), num_experts - 1)
+    else:
+        key = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    return tl.where(slots < num_slots, key, PAD_KEY)
+
+
+@triton.jit
+def _plan_histogram(ids_ptr, hist_ptr, num_slots, num_experts, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+                    NUM_KEYS: tl.constexpr):
+    b = tl.program_id(0)
+    slots = b * BLOCK + tl.arange(0, BLOCK)
+    key = _plan_key(ids_ptr, slots, num_slots, num_experts, CLAMP, NUM_KEYS - 1)
+    tl.store(hist_ptr + b * NUM_KEYS + tl.arange(0, NUM_KEYS), tl.histogram(key, NUM_KEYS))
+
+
+@triton.jit
+def _plan_scan(hist_ptr, base_ptr, offsets_ptr, num_blocks, num_experts, NUM_KEYS: tl.constexpr):
+    keys = tl.arange(0, NUM_KEYS)
+    total = tl.zeros([NUM_KEYS], dtype=tl.int32)
+    for b in range(0, num_blocks):
+        total += tl.load(hist_ptr + b * NUM_KEYS + keys)
+    start = tl.cumsum(total, 0) - total
+    tl.store(offsets_ptr + keys, (start + total).to(tl.int64), mask=keys < num_experts)
+    running = start
+    for b in range(0, num_blocks):
+        h = tl.load(hist_ptr + b * NUM_KEYS + keys)
+        # base[b, key] = first row of this block's slots with `key`, minus the rank of the first of
+        # them inside the block's sorted keys; the scatter adds the sorted position.
+        local_start = tl.cumsum(h, 0) - h
+        tl.store(base_ptr + b * NUM_KEYS + keys, running - local_start)
+        running += h
+
+
+@triton.jit
+def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num_experts, CLAMP: tl.constexpr,
+                  BLOCK: tl.constexpr, NUM_KEYS: tl.constexpr):
+    b = tl.program_id(0)
+    local = tl.arange(0, BLOCK)
+    key = _plan_key(ids_ptr, b * BLOCK + local, num_slots, num_experts, CLAMP, NUM_KEYS - 1)
+    packed = tl.sort(key * BLOCK + local)
+    sorted_key = packed // BLOCK
+    slot = b * BLOCK + packed % BLOCK
+    row = tl.load(base_ptr + b * NUM_KEYS + sorted_key) + local
+    valid = slot < num_slots
+    tl.store(row_order_ptr + row, slot.to(tl.int64), mask=valid)
+    tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=valid)
+
+
+def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
+    """(row_order, slot_row, expert_offsets), int64, equal to reference.routing_plan's."""
+    flat = topk_ids.reshape(-1).contiguous()
+    num_slots = flat.numel()
+    device = flat.device
+    row_order = torch.empty(num_slots, dtype=torch.int64, device=device)
+    slot_row = torch.empty(num_slots, dtype=torch.int64, device=device)
+    offsets = torch.empty(num_experts, dtype=torch.int64, device=device)
+    if num_slots == 0:
+        offsets.zero_()
+        return row_order, slot_row, offsets
+    # One key per expert, one for dropped slots and one for the padding of the last block.
+    num_keys = triton.next_power_of_2(num_experts + 2)
+    if num_slots * num_keys >= 2**31 or num_keys * PLAN_BLOCK >= 2**31:
+        raise ValueError("uniep: routing plan too large for int32 keys")
+    num_blocks = triton.cdiv(num_slots, PLAN_BLOCK)
+    hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=device)
+    base = torch.empty_like(hist)
+    _plan_histogram[(num_blocks,)](flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
+                                   NUM_KEYS=num_keys)
+    _plan_scan[(1,)](hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
+    _plan_scatter[(num_blocks,)](flat, base, row_order, slot_row, num_slots, num_experts, CLAMP=clamp,
+                                 BLOCK=PLAN_BLOCK, NUM_KEYS=num_keys)
+    return row_order, slot_row, offsets
+
+
+@triton.jit
+def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_ptr, out_stride, hidden,
+             num_experts, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < hidden
+    routed_rows = tl.load(offsets_ptr + num_experts - 1)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(slot_row_ptr + t * TOP_K + k)
+        # Broadcast before the compare: a dropped slot's row (>= routed_rows) reads nothing.
+        routed = (row + tl.zeros([BLOCK_H], dtype=row.dtype)) < routed_rows
+        term = tl.load(rows_ptr + row * rows_stride + cols, mask=col_mask & routed, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            term = term * tl.load(weights_ptr + t * TOP_K + k).to(tl.float32)
+        acc += term
+    tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_dtype) -> torch.Tensor:
+    """[T, H] in out_dtype: sum over k (in order, fp32) of the (weighted) expert-sorted rows of each token."""
+    hidden = rows.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=rows.device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    weights_arg = weights.contiguous() if weights is not None else rows
+    grid = (num_tokens, triton.cdiv(hidden, COMBINE_BLOCK_H))
+    _combine[grid](rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), hidden, offsets.numel(),
+                   TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=COMBINE_BLOCK_H)
+    return out
+
+
+@triton.jit
+def _routing_weight_grad(grad_ptr, grad_stride, rows_ptr, rows_stride, slot_row_ptr, offsets_ptr, out_ptr, hidden,
+                         num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_mask = ks < TOP_K
+    row = tl.load(slot_row_ptr + t * TOP_K + ks, mask=k_mask, other=0)
+    routed = k_mask & (row < tl.load(offsets_ptr + num_experts - 1))
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        col_mask = cols < hidden
+        g = tl.load(grad_ptr + t * grad_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = tl.load(rows_ptr + row[:, None] * rows_stride + cols[None, :], mask=routed[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(y * g[None, :], axis=1)
+    tl.store(out_ptr + t * TOP_K + ks, acc.to(out_ptr.dtype.element_ty), mask=k_mask)
+
+
+def routing_weight_grad(grad_out, rows, slot_row, offsets, num_tokens: int, top_k: int, dtype) -> torch.Tensor:
+    """[T, K]: <grad_out[t], rows[slot_row[t*K+k]]> in fp32, zero for dropped slots."""
+    out = torch.empty(num_tokens, top_k, dtype=dtype, device=rows.device)
+    if num_tokens == 0:
+        return out
+    grad_out = grad_out.contiguous()
+    _routing_weight_grad[(num_tokens,)](grad_out, grad_out.stride(0), rows, rows.stride(0), slot_row, offsets, out,
+                                        rows.shape[1], offsets.numel(), TOP_K=top_k,
+                                        BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_H=GRAD_W_BLOCK_H)
+    return out
