@@ -6,12 +6,15 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   sort_grouped_mm_inductor the strongest PyTorch-native path: stable sort + torch._grouped_mm + gather combine,
                            under inductor
   liger_fused_moe          Liger-Kernel's Triton fused MoE (if liger_kernel is installed)
-  uniep                    the same HF module under torch.compile(backend="uniep")
+  uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
+  uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
 
 For each: median time of fwd+bwd over --iters runs (CUDA events), TFLOP/s (fwd 2*T*K*3*H*I, bwd twice
 that), peak memory above the inputs, and whether two runs give bitwise equal output and gradients.
 
-    python benchmarks/bench_moe_layer.py --shapes mixtral,qwen3-30b-a3b --tokens 8192 --out results.json
+    python benchmarks/bench_moe_layer.py --shapes mixtral,qwen3-30b-a3b,qwen3-30b-a3b@32768 --out results.json
+
+A shape may carry its own token count after "@"; --tokens sets the others.
 """
 from __future__ import annotations
 
@@ -91,6 +94,15 @@ def providers(experts):
 
     uniep = torch.compile(experts, backend="uniep")
     out["uniep"] = lambda x, ids, w: uniep(x, ids, w)
+
+    def uniep_reference(x, ids, w):
+        os.environ["UNIEP_KERNELS"] = "reference"
+        try:
+            return uniep(x, ids, w)
+        finally:
+            os.environ.pop("UNIEP_KERNELS")
+
+    out["uniep_reference"] = uniep_reference
     return out
 
 
@@ -101,7 +113,12 @@ def step(fn, experts, x, ids, w, grad_out):
         xx = x.detach().requires_grad_()
         ww = w.detach().requires_grad_()
         out = fn(xx, ids, ww)
-        out.backward(grad_out)
+        if fn.__name__ == "uniep_reference":  # its backward must run the reference too
+            os.environ["UNIEP_KERNELS"] = "reference"
+        try:
+            out.backward(grad_out)
+        finally:
+            os.environ.pop("UNIEP_KERNELS", None)
         return out, xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad
     return run
 
@@ -133,7 +150,7 @@ def profile(run, label, rows=12):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
-def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=()):
+def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no automatic-dynamic carry-over from the previous shape
@@ -142,7 +159,7 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
     experts = hf_experts(H, I, E, K, dtype, device)
     x, ids, w, grad_out = make_inputs(H, I, E, K, T, dtype, device)
     flops = 3 * 2 * T * K * 3 * H * I
-    row = {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", "")}
+    row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", "")}
     reference = None
     for pname, fn in providers(experts).items():
         if pname in skip:
@@ -161,6 +178,8 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
             b = [t.detach().clone() for t in run()]
             row[f"{pname}_ms"] = round(ms, 3)
             row[f"{pname}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+            if peak_tflops:
+                row[f"{pname}_pct_peak"] = round(100 * row[f"{pname}_tflops"] / peak_tflops, 1)
             row[f"{pname}_bitwise"] = all(torch.equal(p, q) for p, q in zip(a, b))
             if pname == "uniep":
                 row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
@@ -214,10 +233,12 @@ def main():
         pass
     print(json.dumps(meta))
     rows = []
-    for name in args.shapes.split(","):
-        row = bench_shape(name, args.tokens, args.iters, args.warmup, dtype, device,
+    for spec in args.shapes.split(","):
+        name, _, tokens = spec.partition("@")
+        row = bench_shape(name, int(tokens or args.tokens), args.iters, args.warmup, dtype, device,
                           skip=tuple(filter(None, args.skip.split(","))),
-                          profile_providers=tuple(filter(None, args.profile.split(","))))
+                          profile_providers=tuple(filter(None, args.profile.split(","))),
+                          peak_tflops=meta["bf16_matmul_tflops"])
         print(json.dumps(row), flush=True)
         rows.append(row)
     print_table(rows)

@@ -139,8 +139,9 @@ def test_routing_plan_kernel_equals_reference():
 @pytest.mark.parametrize("change", [
     dict(num_programs=3),   # persistent grid: 3 programs walk every tile
     dict(group_m=1),        # no L2 swizzle
-    dict(fuse_gather=False),
-], ids=["persistent", "group_m1", "unfused_gather"])
+    dict(fuse_gather=True),  # gathers (and routing-weight scaling) inside the GEMMs
+    dict(pack_gate_up=False),  # gate and up halves in two accumulators
+], ids=["persistent", "group_m1", "fused_gather", "two_accumulators"])
 def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
     """Knobs that only schedule work give bitwise identical results (the GPU test sweeps all of them)."""
     args = make(37, 40, 24, 8, 2, GPT_OSS, "io", True)
@@ -174,3 +175,13 @@ def test_unsupported_calls_say_why():
                                                               [torch.ones(32)], spec)
     finally:
         del os.environ["UNIEP_KERNELS"]
+
+
+@pytest.mark.parametrize("gate", [SILU_GLU, GPT_OSS, RELU2], ids=["silu", "gpt_oss", "relu2"])
+def test_activation_backward_in_the_gemm_epilogue(gate, monkeypatch):
+    """The numerics knob act_grad_in_epilogue: the fused epilogue path also matches the reference."""
+    args = make(25, 32, 16, 4, 2, gate, "io", gate == GPT_OSS)
+    cfg = kconfig.heuristic_config(50, 4, 32, 16, interpret=True)
+    with kconfig.use_config(kconfig.MegaKernelConfig(**{**cfg.__dict__, "act_grad_in_epilogue": True})):
+        fused = run(args, "triton", monkeypatch)
+    assert_close(fused, run(args, "reference", monkeypatch), torch.float32)

@@ -9,7 +9,8 @@ Numerics contract (what a tuner may change freely):
 
 - ``block_k`` of a GEMM is the K-dimension blocking: each ``tl.dot`` sums ``block_k`` products in the
   tensor core and the kernel adds the chunks in order, so a different ``block_k`` may change the
-  rounding. It is the only knob that may change results ("numerics knob").
+  rounding. ``act_grad_in_epilogue`` takes the activation backward from the fp32 accumulator instead
+  of the rounded GEMM output. These two are the "numerics knobs".
 - Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
   ``num_programs`` (persistent grid size), ``fuse_gather`` -- only schedules the same arithmetic:
   each output element is the same chain of ``block_k``-wide MMAs in the same order, the combine and
@@ -26,9 +27,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-NUMERICS_KNOBS = ("block_k",)
+NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs")
-LAYER_SCHEDULING_KNOBS = ("fuse_gather",)
+LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
 
@@ -63,9 +64,18 @@ class MegaKernelConfig:
     grad_input: GemmConfig = GemmConfig()
     wgrad_up: GemmConfig = GemmConfig()
     wgrad_down: GemmConfig = GemmConfig()
-    # Gather token rows inside the up-projection GEMM (True) or copy them into an expert-sorted
-    # buffer first (False: one more pass over [rows, H], simpler loads for the GEMM).
-    fuse_gather: bool = True
+    # Gather token rows (and scale output-gradient rows by their routing weight) inside the GEMMs
+    # (True), or copy them into expert-sorted buffers first (False). Measured on an H200 (BENCHMARKS.md):
+    # the in-loop gather costs the weight-gradient GEMMs about half their speed, so False is the default.
+    fuse_gather: bool = False
+    # Gated up projection: one accumulator over a packed [gate block | up block] weight tile (True),
+    # or two accumulators (False). Bitwise the same; packing issues one wide MMA per K step.
+    pack_gate_up: bool = True
+    # Activation backward in the activation-gradient GEMM's epilogue, from its fp32 accumulator (True),
+    # or as an element-wise pass over its output rounded to the storage dtype (False, the reference's
+    # rounding; measured faster on an H200 because the epilogue's register pressure slows the GEMM).
+    # A numerics knob: the two round differently.
+    act_grad_in_epilogue: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
         """The same config with ``changes`` (GemmConfig fields) applied to every GEMM."""
@@ -73,38 +83,26 @@ class MegaKernelConfig:
 
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
-        return tuple(getattr(self, g).block_k for g in GEMMS)
-
-
-def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
-    v = floor
-    while v * 2 <= min(n, cap):
-        v *= 2
-    return v
+        return tuple(getattr(self, g).block_k for g in GEMMS) + (self.act_grad_in_epilogue,)
 
 
 def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int, num_sms: int = 132,
                      interpret: bool = False) -> MegaKernelConfig:
     """A config by shape. ``num_rows`` = T*K routed rows, ``inter`` = the expert's intermediate size.
 
-    Rules: 128x128 tiles with 64-wide K chunks, 8 warps and 3 stages (Hopper: the largest tile that
-    keeps two bf16 accumulators of the gated up projection in registers); smaller N tiles when the
-    intermediate size is small so that the grid still fills the machine; for the interpreter (CPU
-    tests) small tiles, since it runs each program serially in numpy.
+    For the interpreter (CPU tests) small tiles, since it runs each program serially in numpy.
     """
     if interpret:
         small = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1)
         return MegaKernelConfig(*(small,) * len(GEMMS))
-    rows_per_expert = max(1, num_rows // max(1, num_experts))
-    block_m = 64 if rows_per_expert <= 256 else 128
-    # Gated up projection: two accumulators per tile.
-    up = GemmConfig(block_m=block_m, block_n=_pow2_at_most(inter, 128, 32), block_k=64, num_warps=8, num_stages=3)
-    down = GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    grad_act = GemmConfig(block_m=block_m, block_n=_pow2_at_most(inter, 128, 32), block_k=64, num_warps=8,
-                          num_stages=3)
-    grad_input = down
-    wgrad = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return MegaKernelConfig(up, down, grad_act, grad_input, wgrad, wgrad)
+    # Picked from benchmarks/sweep_megakernel.py on an H200 (bf16, T=8192, Mixtral-8x7B and
+    # Qwen3-30B-A3B shapes); every GEMM keeps block_k=64, so all heuristic choices share numerics.
+    # Plain GEMMs: 128x256 tiles. The gated up projection: 128 activation columns per tile, that is a
+    # 128x256 accumulator over the packed gate and up blocks.
+    wide = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    up = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    grad_input = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    return MegaKernelConfig(up=up, down=wide, grad_act=wide, grad_input=grad_input, wgrad_up=wide, wgrad_down=wide)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []

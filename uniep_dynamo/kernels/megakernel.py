@@ -10,7 +10,8 @@ Forward (S = T*K slots, rows in the routing plan's (expert, token, k) order):
 Backward, from the same plan:
 
     d_w        = <dY[t], down[row]>                                   fixed-order kernel
-    grad_act   = dY[tok(r)] @ W_down[e]^T; epilogue: * w, d act/d h at the saved h -> d_h; act(h) again
+    grad_act   = (w * dY[tok(r)]) @ W_down[e]^T, then d act/d h at the saved h -> d_h and act(h) again
+               (an element-wise pass, or the GEMM's epilogue with act_grad_in_epilogue)
     d_W_down   = act^T @ (w * dY[tok(r)]) per expert (+ d_b_down)     no split over rows
     d_x rows   = d_h @ W_up[e]^T
     d_W_up     = X[tok(r)]^T @ d_h per expert (+ d_b_up)
@@ -131,7 +132,7 @@ def _grid(upper: int, cfg) -> int:
 
 
 def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c, d=None, h=None, w=None,
-               bias=None, offsets, two_halves=False, col_mult=1, up_shift=0):
+               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0):
     import triton
 
     from .triton_gemm import _rows_gemm as kernel
@@ -149,10 +150,25 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         c, c.stride(0), d, d.stride(0), h, h.stride(0), w if w is not None else c,
         up_shift, COL_MULT=col_mult, act_alpha=layer.act_params[0], act_limit=layer.act_params[1],
         act_up_add=layer.act_params[2],
-        GATHER=gather, EPILOGUE=epilogue, ACT=layer.act, TWO_HALVES=two_halves, TWO_ACC=two_halves and epilogue == 1, HAS_BIAS=bias is not None,
-        DOT_PRECISION=layer.dot_precision,
+        GATHER=gather, A_SCALE=a_scale, EPILOGUE=epilogue, ACT=layer.act, TWO_HALVES=two_halves,
+        TWO_ACC=two_halves and epilogue == 1 and not layer.config.pack_gate_up,
+        PACKED=two_halves and epilogue == 1 and layer.config.pack_gate_up, HAS_BIAS=bias is not None,
+        DOT_PRECISION=layer.dot_precision, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=layer.block_e,
         GROUP_M=cfg.group_m, num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _act_backward(layer: _Layer, *, d_act, up, d_up, offsets, two_halves, col_mult, up_shift):
+    import triton
+
+    from .triton_gemm import _act_backward as kernel
+
+    block_r, block_c = (16, 32) if layer.interpret else (16, 256)
+    grid = (triton.cdiv(max(layer.num_slots, 1), block_r), triton.cdiv(layer.inter, block_c))
+    kernel[grid](d_act, d_act.stride(0), up, up.stride(0), d_up, d_up.stride(0), offsets, layer.num_experts,
+                 layer.inter, up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act,
+                 act_alpha=layer.act_params[0], act_limit=layer.act_params[1], act_up_add=layer.act_params[2],
+                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
 def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
@@ -179,7 +195,17 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
 
 def _token_rows(layer: _Layer, x: torch.Tensor, row_order: torch.Tensor) -> torch.Tensor:
     """The unfused dispatch (fuse_gather=False): x's rows copied into expert-sorted order."""
-    return x.index_select(0, row_order // layer.top_k)
+    from .triton_routing import gather_rows
+
+    return gather_rows(x, row_order, layer.top_k)
+
+
+def _scaled_rows(layer: _Layer, grad_out, weights, row_order) -> torch.Tensor:
+    """w[slot] * grad_out[token] per expert-sorted row in fp32, rounded to grad_out's dtype -- bit for
+    bit what the fused gather computes in the GEMM prologue (A_SCALE / Q_SCALE)."""
+    from .triton_routing import gather_rows
+
+    return gather_rows(grad_out, row_order, layer.top_k, weights)
 
 
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
@@ -192,16 +218,18 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     row_order, slot_row, offsets = routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
     device = hidden.device
     up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
-    act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
     down = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_down.dtype, device=device)
     if layer.num_slots:
+        act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
         gather = cfg.fuse_gather
         x = hidden if gather else _token_rows(layer, hidden, row_order)
         _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                    k=layer.hidden_size, epilogue=1, c=up, d=act, bias=b_up, offsets=offsets,
                    two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+        del x
         _rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff, n=layer.hidden_size,
                    k=layer.inter, epilogue=0, c=down, bias=b_down, offsets=offsets)
+        del act
     out = combine(down, slot_row, topk_weights.reshape(layer.num_tokens, layer.top_k), offsets, layer.num_tokens,
                   layer.top_k, spec.out_dtype)
     return out, row_order, slot_row, offsets, up, down
@@ -209,7 +237,8 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                      row_order, slot_row, offsets, up, down, spec):
-    """Same contract as reference.experts_backward (without post programs)."""
+    """Same contract as reference.experts_backward (without post programs). Buffers are allocated
+    late and dropped early: the peak is the saved tensors plus d_up plus the weight gradients."""
     from .triton_routing import combine, routing_weight_grad
 
     counters["uniep_kernels"]["triton_backward"] += 1
@@ -220,30 +249,40 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     weights = topk_weights.reshape(-1).contiguous()
     d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
                                     topk_weights.dtype)
-    d_up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
-    act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
-    d_x_rows = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
-    d_w_up = torch.empty(w_up.shape, dtype=w_up.dtype, device=device)
-    d_w_down = torch.empty(w_down.shape, dtype=w_down.dtype, device=device)
     d_b_up = torch.empty(b_up.shape, dtype=b_up.dtype, device=device) if b_up is not None else None
     d_b_down = torch.empty(b_down.shape, dtype=b_down.dtype, device=device) if b_down is not None else None
     # Weight gradients in the [E, in, out] math: grad[e][i, o], i.e. dims (1, 2) for "io", (2, 1) for "oi".
     down_dims = (1, 2) if spec.down_layout == "io" else (2, 1)
     up_dims = (1, 2) if spec.up_layout == "io" else (2, 1)
     gather = cfg.fuse_gather
-    dy = grad_out if gather else _token_rows(layer, grad_out, row_order)
-    _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, row_order=row_order,
-               b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=2,
-               c=d_up, d=act, h=up, w=weights, offsets=offsets, two_halves=layer.gated,
-               col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
-    _weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=True,
+    d_up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
+    act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
+    dy = grad_out if gather else _scaled_rows(layer, grad_out, weights, row_order)
+    halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+    if cfg.act_grad_in_epilogue:
+        _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=2,
+                   c=d_up, d=act, h=up, w=weights, offsets=offsets, **halves)
+    else:
+        # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise
+        # pass turns it into d_up and act in place.
+        _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=0,
+                   c=act, w=weights, offsets=offsets)
+        _act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
+    d_w_down = torch.empty(w_down.shape, dtype=w_down.dtype, device=device)
+    _weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
                  row_order=row_order, w=weights, offsets=offsets, grad=d_w_down, m_dim=down_dims[0],
                  n_dim=down_dims[1], bias_grad=d_b_down)
+    del act, dy
+    d_x_rows = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
     _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order, b=layer.up_eff.transpose(1, 2),
                n=layer.hidden_size, k=layer.up_width, epilogue=0, c=d_x_rows, offsets=offsets)
+    d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
+    del d_x_rows
     x = hidden if gather else _token_rows(layer, hidden, row_order)
+    d_w_up = torch.empty(w_up.shape, dtype=w_up.dtype, device=device)
     _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
                  row_order=row_order, w=None, offsets=offsets, grad=d_w_up, m_dim=up_dims[0], n_dim=up_dims[1],
                  bias_grad=d_b_up)
-    d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
     return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, []

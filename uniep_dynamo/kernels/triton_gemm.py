@@ -7,11 +7,14 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
     cdiv(count_e, BLOCK_M) over the expert offsets, computed in each program from the routing plan
     (nothing on the host, no padding of the rows). With GATHER, a_row(r) = row_order[r] // TOP_K:
     the token rows are read straight from the hidden states or the output gradient, so the dispatch
-    never materialises a permuted copy. Epilogues:
+    never materialises a permuted copy; with A_SCALE each gathered row is multiplied by its routing
+    weight and rounded to the storage dtype first. Epilogues:
       STORE     out = acc (+ bias[e]), cast to the output dtype (down projection, input gradient)
-      GLU_FWD   gate and up halves in two accumulators; h = acc (+ bias) rounded to the storage dtype
+      GLU_FWD   gate and up halves in two accumulators, or (PACKED) one accumulator over a weight tile
+                that holds a gate block and its up block side by side, split in the epilogue -- the
+                same MMA chain per element either way; h = acc (+ bias) rounded to the storage dtype
                 is stored (saved for backward) and act(h) is stored for the down projection
-      GLU_BWD   acc is the activation gradient before the routing weight; times w[slot], through the
+      GLU_BWD   acc is the activation gradient (A = the weighted output-gradient rows); through the
                 activation's derivative at the saved h -> d_h (both halves), and act(h) recomputed
                 for the down-projection weight gradient
 ``_weight_grad_gemm`` -- G[e][m, n] = sum over expert e's rows r (in row order) of P[p_row(r), m] *
@@ -101,8 +104,9 @@ def _rows_gemm(
     offsets_ptr, num_experts, N, K,
     c_ptr, stride_cm, d_ptr, stride_dm, h_ptr, stride_hm, w_ptr,
     UP_SHIFT, COL_MULT: tl.constexpr, act_alpha, act_limit, act_up_add,
-    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, TWO_HALVES: tl.constexpr, TWO_ACC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATHER: tl.constexpr, A_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, TWO_HALVES: tl.constexpr, TWO_ACC: tl.constexpr,
+    PACKED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, num_programs,
 ):
@@ -125,28 +129,55 @@ def _rows_gemm(
         rows = row_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         if GATHER:
-            a_rows = tl.load(row_order_ptr + rows, mask=row_mask, other=0) // top_k
+            a_slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
+            a_rows = a_slots // top_k
+            if A_SCALE:
+                a_scale = tl.load(w_ptr + a_slots, mask=row_mask, other=0.0).to(tl.float32)
         else:
             a_rows = rows.to(tl.int64)
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
-        if EPILOGUE == 1:
-            b_ptrs = b_base + (cols * COL_MULT)[None, :] * stride_bn
+        if PACKED:
+            # One [BLOCK_K, 2*BLOCK_N] weight tile: the gate columns of this tile, then its up columns.
+            j = tl.arange(0, 2 * BLOCK_N)
+            packed_cols = tn * BLOCK_N + j % BLOCK_N
+            packed_mask = packed_cols < N
+            b_cols = packed_cols * COL_MULT + tl.where(j >= BLOCK_N, UP_SHIFT, 0)
+            b_ptrs = b_base + b_cols[None, :] * stride_bn
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         else:
-            b_ptrs = b_base + cols[None, :] * stride_bn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if EPILOGUE == 1:
+                b_ptrs = b_base + (cols * COL_MULT)[None, :] * stride_bn
+            else:
+                b_ptrs = b_base + cols[None, :] * stride_bn
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if TWO_ACC:
             b2_ptrs = b_base + (cols * COL_MULT + UP_SHIFT)[None, :] * stride_bn
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if PACKED:
+                b_col_mask = packed_mask
+            else:
+                b_col_mask = col_mask
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & b_col_mask[None, :], other=0.0)
+            if A_SCALE:
+                # Gathered output-gradient rows times their routing weight, rounded to the storage
+                # dtype: the same values the unfused path materialises (megakernel._scaled_rows).
+                a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             if TWO_ACC:
-                b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if EVEN_K:
+                    b2 = tl.load(b2_ptrs, mask=col_mask[None, :], other=0.0)
+                else:
+                    b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                 acc2 = tl.dot(a.to(b2.dtype), b2, acc2, input_precision=DOT_PRECISION)
                 b2_ptrs += BLOCK_K * stride_bk
             a_ptrs += BLOCK_K * stride_ak
@@ -159,6 +190,9 @@ def _rows_gemm(
                 acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
         elif EPILOGUE == 1:
+            if PACKED:
+                halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1))
+                acc, acc2 = tl.split(halves)
             gate_cols = cols * COL_MULT
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -175,9 +209,7 @@ def _rows_gemm(
                 act = _activation(h_gate.to(tl.float32), h_gate.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
             tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
         else:
-            slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
-            w = tl.load(w_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-            d_act = acc * w[:, None]
+            d_act = acc
             gate_cols = cols * COL_MULT
             g = tl.load(h_ptr + rows64[:, None] * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if TWO_HALVES:
@@ -257,3 +289,30 @@ def _weight_grad_gemm(
             col_sum = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, bias_acc, 0.0), axis=0)
             tl.store(bias_ptr + expert * stride_bias_e + offs_n, col_sum.to(bias_ptr.dtype.element_ty),
                      mask=n_mask & ((offs_n * 0 + tm) == 0))
+
+
+@triton.jit
+def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, offsets_ptr, num_experts, N,
+                  UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
+                  act_alpha, act_limit, act_up_add, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Activation backward over the routed rows, element-wise: reads d_act (the activation-gradient
+    GEMM's rounded output) and h, writes d_h (both halves) and overwrites d_act with act(h)."""
+    routed_rows = tl.load(offsets_ptr + num_experts - 1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    d = tl.load(d_act_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate_cols = cols * COL_MULT
+    g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TWO_HALVES:
+        u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    d_gate, d_up = _activation_grad(g, u, d, ACT, act_alpha, act_limit, act_up_add)
+    tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
+    if TWO_HALVES:
+        tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(d_h_ptr.dtype.element_ty),
+                 mask=mask)
+    act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
+    tl.store(d_act_ptr + rows64 * stride_dm + cols[None, :], act.to(d_act_ptr.dtype.element_ty), mask=mask)

@@ -19,6 +19,9 @@ K terms added in k order in fp32; rows past expert_offsets[E-1] (dropped slots) 
 Routing-weight gradient: d_w[t,k] = <grad_out[t], rows[slot_row[t*K+k]]>, fp32, summed over H in
 BLOCK_H chunks in order. Both kernels have a fixed configuration (no knobs), so their reduction
 order never changes with the GEMM configuration.
+
+Gather: the token rows (hidden states, or output-gradient rows times their routing weight) copied
+into expert-sorted order for the GEMMs that read them as plain operands.
 """
 from __future__ import annotations
 
@@ -169,4 +172,39 @@ def routing_weight_grad(grad_out, rows, slot_row, offsets, num_tokens: int, top_
     _routing_weight_grad[(num_tokens,)](grad_out, grad_out.stride(0), rows, rows.stride(0), slot_row, offsets, out,
                                         rows.shape[1], offsets.numel(), TOP_K=top_k,
                                         BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_H=GRAD_W_BLOCK_H)
+    return out
+
+
+GATHER_BLOCK_R, GATHER_BLOCK_C = 16, 256
+
+
+@triton.jit
+def _gather_rows(src_ptr, src_stride, row_order_ptr, weights_ptr, out_ptr, out_stride, num_rows, num_cols, top_k,
+                 SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (cols < num_cols)[None, :]
+    slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
+    vals = tl.load(src_ptr + (slots // top_k)[:, None] * src_stride + cols[None, :], mask=mask, other=0.0)
+    if SCALE:
+        w = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+        vals = vals.to(tl.float32) * w[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def gather_rows(src, row_order, top_k: int, weights=None) -> torch.Tensor:
+    """out[r] = src[row_order[r] // top_k] (times weights[row_order[r]] in fp32, rounded to src's dtype):
+    the token rows in expert-sorted order, for GEMMs that read them as plain strided operands."""
+    num_rows, num_cols = row_order.numel(), src.shape[1]
+    out = torch.empty(num_rows, num_cols, dtype=src.dtype, device=src.device)
+    if num_rows == 0 or num_cols == 0:
+        return out
+    if src.stride(1) != 1:
+        src = src.contiguous()
+    grid = (triton.cdiv(num_rows, GATHER_BLOCK_R), triton.cdiv(num_cols, GATHER_BLOCK_C))
+    _gather_rows[grid](src, src.stride(0), row_order, weights if weights is not None else src, out, out.stride(0),
+                       num_rows, num_cols, top_k, SCALE=weights is not None, BLOCK_R=GATHER_BLOCK_R,
+                       BLOCK_C=GATHER_BLOCK_C)
     return out

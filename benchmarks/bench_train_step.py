@@ -1,0 +1,105 @@
+"""End to end: one training step of a 2-layer HF Mixtral with Mixtral-8x7B dimensions (random weights).
+
+Batch 2 x 4096 tokens, bf16, forward + backward + AdamW, the whole model under
+torch.compile(backend="inductor") and torch.compile(backend="uniep"), timed in the same run on the
+same model (dynamo is reset between backends). Prints a table and writes JSON.
+
+    python benchmarks/bench_train_step.py --out train_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def build(layers: int, seq: int, dtype):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                        max_position_embeddings=seq)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = MixtralForCausalLM(cfg).to(dtype)
+    return model
+
+
+def time_backend(model, backend, input_ids, iters, warmup):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+
+    def step():
+        loss = compiled(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.time()
+    first_loss = step().item()
+    compile_s = time.time() - t0
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    del opt
+    return {"ms": round(times[len(times) // 2], 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
+            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "uniep_rewrites": counters["uniep"]["moe_experts"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--backends", default="inductor,uniep")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_train_step.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_train_step: needs a CUDA GPU")
+    import uniep_dynamo  # noqa: F401
+
+    model = build(args.layers, args.seq, torch.bfloat16)
+    input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda",
+                              generator=torch.Generator(device="cuda").manual_seed(0))
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
+            "batch": args.batch, "seq": args.seq}
+    rows = {}
+    for backend in args.backends.split(","):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        rows[backend] = time_backend(model, backend, input_ids, args.iters, args.warmup)
+        model.load_state_dict(state)  # every backend starts from the same weights
+        del state
+        print(json.dumps({backend: rows[backend]}), flush=True)
+    base = rows.get("inductor", {}).get("ms")
+    print(f"{'backend':10s} {'step ms':>10s} {'speedup':>8s} {'peak GB':>8s} {'first loss':>10s}")
+    for backend, row in rows.items():
+        speed = f"{base / row['ms']:.3f}x" if base else "-"
+        print(f"{backend:10s} {row['ms']:10.2f} {speed:>8s} {row['peak_gb']:8.2f} {row['first_loss']:10.4f}")
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Time each grouped GEMM of the MegaKernel alone over a list of tile configs (a manual tuning aid).
+
+For each shape: the six GEMMs (forward up/down, backward grad_act/grad_input, weight gradients) are
+launched on their real inputs with each candidate GemmConfig; prints the best per GEMM with TFLOP/s
+and writes JSON. Configs that do not compile or run out of resources are reported and skipped.
+
+    python benchmarks/sweep_megakernel.py --shapes mixtral,qwen3-30b-a3b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_moe_layer import SHAPES, make_inputs, time_cuda  # noqa: E402
+
+CANDIDATES = [  # (block_m, block_n, block_k, num_warps, num_stages)
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 256, 64, 4, 3),
+    (128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 4), (128, 64, 64, 8, 4),
+    (64, 128, 64, 4, 3),
+]
+
+
+def main():
+    from uniep_dynamo.kernels import megakernel
+    from uniep_dynamo.kernels.config import GemmConfig
+    from uniep_dynamo.kernels.gate_program import encode
+    from uniep_dynamo.kernels.triton_routing import routing_plan
+    from uniep_dynamo.spec import ExpertsSpec
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--gemms", default="up,down,grad_act,grad_input,wgrad_up,wgrad_down")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sweep_megakernel.json"))
+    args = parser.parse_args()
+    dtype, dev = torch.bfloat16, "cuda"
+    silu = encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
+    results = []
+    for name in args.shapes.split(","):
+        H, I, E, K = SHAPES[name]
+        T = args.tokens
+        x, ids, w, dy = make_inputs(H, I, E, K, T, dtype, dev)
+        w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
+        w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
+        spec = ExpertsSpec("oi", "oi", silu, dtype)
+        layer = megakernel._Layer(x, ids, w_up, w_down, spec)
+        row_order, slot_row, offsets = routing_plan(ids, E, clamp=False)
+        S = T * K
+        up = torch.randn(S, 2 * I, device=dev, dtype=dtype)
+        act = torch.randn(S, I, device=dev, dtype=dtype)
+        down = torch.empty(S, H, device=dev, dtype=dtype)
+        d_up = torch.empty_like(up)
+        d_w_up, d_w_down = torch.empty_like(w_up), torch.empty_like(w_down)
+        weights = w.reshape(-1).contiguous()
+        x_rows = x[row_order // K]
+        dy_rows = (dy[row_order // K] * weights[row_order, None]).to(dtype)
+        common = dict(row_order=row_order, offsets=offsets)
+        launches = {
+            "up": (2 * S * H * 2 * I, lambda c: megakernel._rows_gemm(
+                layer, c, a=x, gather=True, b=layer.up_eff, n=I, k=H, epilogue=1, c=up, d=act, two_halves=True,
+                col_mult=1, up_shift=I, **common)),
+            "down": (2 * S * I * H, lambda c: megakernel._rows_gemm(
+                layer, c, a=act, gather=False, b=layer.down_eff, n=H, k=I, epilogue=0, c=down, **common)),
+            "grad_act": (2 * S * H * I, lambda c: megakernel._rows_gemm(
+                layer, c, a=dy, gather=True, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=2, c=d_up, d=act,
+                h=up, w=weights, two_halves=True, col_mult=1, up_shift=I, **common)),
+            "grad_input": (2 * S * 2 * I * H, lambda c: megakernel._rows_gemm(
+                layer, c, a=d_up, gather=False, b=layer.up_eff.transpose(1, 2), n=H, k=2 * I, epilogue=0, c=down,
+                **common)),
+            "wgrad_up": (2 * S * H * 2 * I, lambda c: megakernel._weight_grad(
+                layer, c, p=x, p_gather=True, q=d_up, q_gather=False, q_scale=False, w=None, grad=d_w_up, m_dim=2,
+                n_dim=1, **common)),
+            "wgrad_down": (2 * S * I * H, lambda c: megakernel._weight_grad(
+                layer, c, p=act, p_gather=False, q=dy, q_gather=True, q_scale=True, w=weights, grad=d_w_down,
+                m_dim=2, n_dim=1, **common)),
+            # The weight gradients on operands gathered (and scaled) beforehand: plain strided GEMMs.
+            "wgrad_up_mat": (2 * S * H * 2 * I, lambda c: megakernel._weight_grad(
+                layer, c, p=x_rows, p_gather=False, q=d_up, q_gather=False, q_scale=False, w=None, grad=d_w_up,
+                m_dim=2, n_dim=1, **common)),
+            "wgrad_down_mat": (2 * S * I * H, lambda c: megakernel._weight_grad(
+                layer, c, p=act, p_gather=False, q=dy_rows, q_gather=False, q_scale=False, w=None, grad=d_w_down,
+                m_dim=2, n_dim=1, **common)),
+        }
+        for gemm in args.gemms.split(","):
+            if gemm.endswith("_cublas"):  # torch._grouped_mm on the same operands, for comparison
+                flops = launches[gemm[:-7] + "_mat"][0]
+                a, b = (x_rows, d_up) if gemm.startswith("wgrad_up") else (act, dy_rows)
+                offs = offsets.to(torch.int32)
+                ms = time_cuda(lambda: torch._grouped_mm(b.t(), a, offs=offs), iters=10, warmup=2)
+                print(json.dumps({"shape": name, "gemm": gemm, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}))
+                continue
+            flops, launch = launches[gemm]
+            rows = []
+            for bm, bn, bk, warps, stages in CANDIDATES:
+                cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                try:
+                    ms = time_cuda(lambda: launch(cfg), iters=10, warmup=2)
+                    rows.append({"config": [bm, bn, bk, warps, stages], "ms": round(ms, 4),
+                                 "tflops": round(flops / ms / 1e9, 1)})
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"config": [bm, bn, bk, warps, stages], "error": repr(exc)[:120]})
+            ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+            best = ok[0] if ok else None
+            print(json.dumps({"shape": name, "gemm": gemm, "best": best,
+                              "all": [(r["config"], r.get("tflops", r.get("error"))) for r in rows]}), flush=True)
+            results.append({"shape": name, "gemm": gemm, "rows": rows})
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
