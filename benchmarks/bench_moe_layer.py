@@ -139,7 +139,7 @@ def time_cuda(run, iters, warmup):
     return times[len(times) // 2]
 
 
-def profile(run, label, rows=12):
+def profile(run, label, rows=25):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

@@ -22,7 +22,7 @@ CANDIDATES = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
     (128, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 256, 64, 4, 3),
     (128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 4), (128, 64, 64, 8, 4),
-    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 3), (256, 64, 64, 8, 3), (128, 128, 64, 8, 5),
 ]
 
 
@@ -63,13 +63,16 @@ def main():
         common = dict(row_order=row_order, offsets=offsets)
         launches = {
             "up": (2 * S * H * 2 * I, lambda c: megakernel._rows_gemm(
-                layer, c, a=x, gather=True, b=layer.up_eff, n=I, k=H, epilogue=1, c=up, d=act, two_halves=True,
+                layer, c, a=x_rows, gather=False, b=layer.up_eff, n=I, k=H, epilogue=1, c=up, d=act, two_halves=True,
                 col_mult=1, up_shift=I, **common)),
             "down": (2 * S * I * H, lambda c: megakernel._rows_gemm(
                 layer, c, a=act, gather=False, b=layer.down_eff, n=H, k=I, epilogue=0, c=down, **common)),
             "grad_act": (2 * S * H * I, lambda c: megakernel._rows_gemm(
-                layer, c, a=dy, gather=True, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=2, c=d_up, d=act,
-                h=up, w=weights, two_halves=True, col_mult=1, up_shift=I, **common)),
+                layer, c, a=dy_rows, gather=False, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=0, c=act,
+                **common)),
+            "grad_act_epilogue": (2 * S * H * I, lambda c: megakernel._rows_gemm(
+                layer, c, a=dy, gather=True, a_scale=True, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=2,
+                c=d_up, d=act, h=up, w=weights, two_halves=True, col_mult=1, up_shift=I, **common)),
             "grad_input": (2 * S * 2 * I * H, lambda c: megakernel._rows_gemm(
                 layer, c, a=d_up, gather=False, b=layer.up_eff.transpose(1, 2), n=H, k=2 * I, epilogue=0, c=down,
                 **common)),

@@ -48,3 +48,38 @@ def test_tensorrt_without_torch_tensorrt_says_what_to_install():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(Exception, match="needs torch_tensorrt installed"):
         torch.compile(model, backend="uniep", options={"inner_backend": "tensorrt"})(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
+    """reuse_saved_buffers (default True) lowers to the in-place backward (auto-functionalized in the
+    AOT graph; inductor then runs it on the saved buffers); False keeps the out-of-place op, and a
+    second backward through the graph (retain_graph) adds up the same gradients again."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from test_patterns import HandWrittenExperts, routed
+    from uniep_dynamo.report import uniep_op_of
+
+    backward_targets = []
+
+    def fw(gm, _):
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, _):
+        backward_targets.extend((uniep_op_of(n), str(n.args[0]) if "auto_functionalized" in str(n.target) else str(n.target))
+                                for n in gm.graph.nodes if uniep_op_of(n))
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    module = HandWrittenExperts()
+    x, ids, w = routed()
+    x.requires_grad_()
+    options = {"inner_backend": aot_autograd(fw_compiler=fw, bw_compiler=bw), "reuse_saved_buffers": reuse}
+    out = torch.compile(module, backend="uniep", options=options)(x, ids, w)
+    out.sum().backward(retain_graph=True)
+    assert len(backward_targets) == 1 and backward_targets[0][0] == "moe_experts_backward"
+    assert backward_targets[0][1].endswith("moe_experts_backward_.default") == reuse
+    if not reuse:
+        first = x.grad.clone()
+        out.sum().backward()
+        assert torch.equal(x.grad, 2 * first)

@@ -185,3 +185,23 @@ def test_activation_backward_in_the_gemm_epilogue(gate, monkeypatch):
     with kconfig.use_config(kconfig.MegaKernelConfig(**{**cfg.__dict__, "act_grad_in_epilogue": True})):
         fused = run(args, "triton", monkeypatch)
     assert_close(fused, run(args, "reference", monkeypatch), torch.float32)
+
+
+def test_in_place_backward_reuses_saved_buffers_and_refuses_a_second_backward(monkeypatch):
+    """spec.reuse_saved (the backend's default): same bits as the out-of-place backward; the saved
+    buffers are consumed, so retain_graph's second backward raises instead of reading them."""
+    import dataclasses
+
+    args = make(29, 32, 16, 6, 2, GPT_OSS, "io", True)
+    in_place = dataclasses.replace(args[7], reuse_saved=True)
+    counters.clear()
+    a = run(args, "triton", monkeypatch, spec=in_place)
+    b = run(args, "triton", monkeypatch)
+    assert counters["uniep_kernels"]["triton_backward"] == 2
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    hidden = args[0].clone().requires_grad_()
+    out = torch.ops.uniep.moe_experts(hidden, args[1], *args[2:7], [], in_place.encode())[0]
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

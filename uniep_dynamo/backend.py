@@ -28,6 +28,9 @@ class UniepOptions:
     inner_backend: object = "inductor"  # a name from INNER_BACKENDS, or any torch.compile backend callable
     rewrite_experts: bool = True  # False: leave the graph as Dynamo made it (for A/B comparisons)
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
+    # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
+    # through the same graph (retain_graph=True) then raises. False keeps them intact.
+    reuse_saved_buffers: bool = True
 
     @classmethod
     def from_options(cls, options: dict | None) -> "UniepOptions":
@@ -51,7 +54,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     lowered = []  # (match, names of the nodes it replaced, names of the nodes added)
     for match in matches:
         replaced = [n.name for n in match.nodes]
-        call = lower_experts(gm, match)
+        call = lower_experts(gm, match, reuse_saved=opts.reuse_saved_buffers)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"]["moe_experts"] += 1
         log.info("uniep: rewrote %s (%s spelling, %d nodes) into uniep.moe_experts [%s]",

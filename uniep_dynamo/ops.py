@@ -53,14 +53,13 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
     return out, row_order, slot_row, offsets, up, down
 
 
-@torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
-def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                         row_order, slot_row, expert_offsets, up, down, spec):
+def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                   row_order, slot_row, expert_offsets, up, down, spec, reuse_saved):
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         *grads, d_operands = megakernel.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
-            expert_offsets, up, down, s)
+            expert_offsets, up, down, s, reuse_saved=reuse_saved)
     else:
         *grads, d_operands = reference.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
@@ -69,6 +68,13 @@ def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down,
     # contiguous, as the fake implementation promises.
     return (*(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads),
             [g.contiguous() for g in d_operands])
+
+
+@torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
+def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                         row_order, slot_row, expert_offsets, up, down, spec):
+    return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=False)
 
 
 @moe_experts_backward.register_fake
@@ -81,12 +87,38 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
             [like(t) for t in post_operands])
 
 
+# The in-place variant (spec.reuse_saved, the backend's default): the fused backward uses the saved
+# ``up`` as d_up and ``down`` as scratch for its [rows, H] buffers, so it needs no [rows, 2I] buffer of
+# its own. The schema says so; autograd then refuses a second backward through the same graph.
+# Auto-functionalization (torch.compile) takes no list return, so this variant serves layers without
+# post operands (the only ones the fused path runs) and returns the six gradients alone.
+_BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor up, Tensor down", "Tensor(a!) up, Tensor(b!) down")
+                       .replace(", Tensor[])", ")"))
+
+
+@torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=("up", "down"), schema=_BWD_INPLACE_SCHEMA)
+def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                          row_order, slot_row, expert_offsets, up, down, spec):
+    if post_operands:
+        raise ValueError("uniep: moe_experts_backward_ takes no post operands")
+    return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=True)[:6]
+
+
+@moe_experts_backward_.register_fake
+def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec):
+    return _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                      post_operands, row_order, slot_row, expert_offsets, up, down, spec)[:6]
+
+
 def _setup_context(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec = inputs
     _, row_order, slot_row, expert_offsets, up, down = output
     ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
                           row_order, slot_row, expert_offsets, up, down)
     ctx.spec = spec
+    ctx.reuse_saved = decode_spec(spec).reuse_saved and not post_operands
     ctx.num_operands = len(post_operands)
     ctx.has_bias = (b_up is not None, b_down is not None)
 
@@ -95,8 +127,13 @@ def _backward(ctx, grad_out, *_unused_grads):
     saved = list(ctx.saved_tensors)
     head, operands, plan = saved[:7], saved[7:7 + ctx.num_operands], saved[7 + ctx.num_operands:]
     grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
-    d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
-        grad_out, *head, operands, *plan, ctx.spec)
+    if ctx.reuse_saved:
+        d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
+            grad_out, *head, operands, *plan, ctx.spec)
+        d_operands = []
+    else:
+        d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
+            grad_out, *head, operands, *plan, ctx.spec)
     return (d_hidden, None, d_weights, d_w_up, d_w_down,
             d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, list(d_operands), None)
 

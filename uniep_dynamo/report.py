@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch.fx import Graph, Node
 
 from .patterns import graph_utils as gu
@@ -200,10 +201,24 @@ def _emit_trace_artifact(record: GraphRecord) -> None:
         pass
 
 
+def uniep_op_of(node) -> str | None:
+    """The uniep op a node calls -- directly, or wrapped by auto-functionalization (the in-place
+    backward under AOTAutograd) -- by name, the in-place backward counted as ``moe_experts_backward``."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if "auto_functionalized" in str(target) and node.args:
+        target = node.args[0]
+    if not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or "uniep" not in str(target):
+        return None
+    name = target.__name__.split(".")[0].rstrip("_")
+    return name if name in UNIEP_OPS else None
+
+
 def count_uniep_ops(graph: Graph) -> dict:
     counts = {}
     for node in graph.nodes:
-        name = gu.op_name(node)
-        if node.op == "call_function" and name in UNIEP_OPS and "uniep" in str(node.target):
+        name = uniep_op_of(node)
+        if name is not None:
             counts[name] = counts.get(name, 0) + 1
     return counts

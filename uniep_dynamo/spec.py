@@ -26,11 +26,14 @@ class ExpertsSpec:
     # An optional post program on each down-projection row before the routing weight (HF's
     # post-expert norm); it reads the op's post_operands.
     post: str | None = None
+    # Backward may reuse the forward's saved buffers as scratch (the in-place backward op): lower peak
+    # memory, but a second backward through the same graph (retain_graph=True) then raises.
+    reuse_saved: bool = False
 
     def encode(self) -> str:
         return json.dumps({"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
                            "out_dtype": str(self.out_dtype).replace("torch.", ""), "out_of_range": self.out_of_range,
-                           "post": self.post}, sort_keys=True, separators=(",", ":"))
+                           "post": self.post, "reuse_saved": self.reuse_saved}, sort_keys=True, separators=(",", ":"))
 
     def describe(self) -> str:
         post = f", post={gate_program.describe(self.post)}" if self.post else ""
@@ -51,4 +54,5 @@ def decode_spec(text: str) -> ExpertsSpec:
     post = data.get("post")
     if post is not None and gate_program.decode(post)[0] != "post":
         raise ValueError("uniep: malformed post program")
-    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range, post)
+    return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range, post,
+                       bool(data.get("reuse_saved", False)))

@@ -100,9 +100,9 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int, n
     # Plain GEMMs: 128x256 tiles. The gated up projection: 128 activation columns per tile, that is a
     # 128x256 accumulator over the packed gate and up blocks.
     wide = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-    up = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    grad_input = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
-    return MegaKernelConfig(up=up, down=wide, grad_act=wide, grad_input=grad_input, wgrad_up=wide, wgrad_down=wide)
+    deep = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    up = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=deep, wgrad_down=wide)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []

@@ -193,24 +193,9 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _token_rows(layer: _Layer, x: torch.Tensor, row_order: torch.Tensor) -> torch.Tensor:
-    """The unfused dispatch (fuse_gather=False): x's rows copied into expert-sorted order."""
-    from .triton_routing import gather_rows
-
-    return gather_rows(x, row_order, layer.top_k)
-
-
-def _scaled_rows(layer: _Layer, grad_out, weights, row_order) -> torch.Tensor:
-    """w[slot] * grad_out[token] per expert-sorted row in fp32, rounded to grad_out's dtype -- bit for
-    bit what the fused gather computes in the GEMM prologue (A_SCALE / Q_SCALE)."""
-    from .triton_routing import gather_rows
-
-    return gather_rows(grad_out, row_order, layer.top_k, weights)
-
-
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
     """Same contract as reference.experts_forward (without post programs)."""
-    from .triton_routing import combine, routing_plan
+    from .triton_routing import combine, gather_rows, routing_plan
 
     counters["uniep_kernels"]["triton_forward"] += 1
     layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
@@ -222,7 +207,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     if layer.num_slots:
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
         gather = cfg.fuse_gather
-        x = hidden if gather else _token_rows(layer, hidden, row_order)
+        x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
         _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                    k=layer.hidden_size, epilogue=1, c=up, d=act, bias=b_up, offsets=offsets,
                    two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
@@ -236,10 +221,15 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                     row_order, slot_row, offsets, up, down, spec):
-    """Same contract as reference.experts_backward (without post programs). Buffers are allocated
-    late and dropped early: the peak is the saved tensors plus d_up plus the weight gradients."""
-    from .triton_routing import combine, routing_weight_grad
+                     row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False):
+    """Same contract as reference.experts_backward (without post programs).
+
+    Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down`` ([rows, H]) is read by the routing-weight
+    gradient and then holds, in turn, the weighted output-gradient rows, the input-gradient rows and
+    the hidden rows; ``up`` ([rows, up_width]) becomes d_up in place (the activation backward reads
+    h and writes d_h at the same element). The peak is then the saved tensors, the [rows, I]
+    activation and the weight gradients, which are allocated as late as possible."""
+    from .triton_routing import combine, gather_rows, routing_weight_grad
 
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
@@ -255,9 +245,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     down_dims = (1, 2) if spec.down_layout == "io" else (2, 1)
     up_dims = (1, 2) if spec.up_layout == "io" else (2, 1)
     gather = cfg.fuse_gather
-    d_up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
+    scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() else None
+    d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
     act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
-    dy = grad_out if gather else _scaled_rows(layer, grad_out, weights, row_order)
+    dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     if cfg.act_grad_in_epilogue:
         _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
@@ -275,12 +266,13 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                  row_order=row_order, w=weights, offsets=offsets, grad=d_w_down, m_dim=down_dims[0],
                  n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
-    d_x_rows = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
+    d_x_rows = scratch if scratch is not None and scratch.dtype == w_up.dtype else torch.empty(
+        layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
     _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order, b=layer.up_eff.transpose(1, 2),
                n=layer.hidden_size, k=layer.up_width, epilogue=0, c=d_x_rows, offsets=offsets)
     d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
     del d_x_rows
-    x = hidden if gather else _token_rows(layer, hidden, row_order)
+    x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
     d_w_up = torch.empty(w_up.shape, dtype=w_up.dtype, device=device)
     _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
                  row_order=row_order, w=None, offsets=offsets, grad=d_w_up, m_dim=up_dims[0], n_dim=up_dims[1],

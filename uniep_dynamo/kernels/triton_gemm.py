@@ -170,7 +170,7 @@ def _rows_gemm(
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & b_col_mask[None, :], other=0.0)
             if A_SCALE:
                 # Gathered output-gradient rows times their routing weight, rounded to the storage
-                # dtype: the same values the unfused path materialises (megakernel._scaled_rows).
+                # dtype: the same values the unfused path materialises (triton_routing.gather_rows).
                 a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             if TWO_ACC:

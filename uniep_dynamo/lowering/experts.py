@@ -1,6 +1,7 @@
 """Replace a proven experts region by one call of torch.ops.uniep.moe_experts."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -9,9 +10,9 @@ from torch.fx import GraphModule
 from ..patterns.values import ExpertsMatch
 
 
-def lower_experts(gm: GraphModule, match: ExpertsMatch) -> torch.fx.Node:
+def lower_experts(gm: GraphModule, match: ExpertsMatch, reuse_saved: bool = True) -> torch.fx.Node:
     graph = gm.graph
-    spec_text = match.spec.encode()
+    spec_text = dataclasses.replace(match.spec, reuse_saved=reuse_saved).encode()
     root = match.root
     with graph.inserting_before(root):
         call = graph.call_function(
