@@ -99,10 +99,15 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int, n
     # Qwen3-30B-A3B shapes); every GEMM keeps block_k=64, so all heuristic choices share numerics.
     # Plain GEMMs: 128x256 tiles. The gated up projection: 128 activation columns per tile, that is a
     # 128x256 accumulator over the packed gate and up blocks.
-    wide = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-    deep = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
-    up = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-    return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=deep, wgrad_down=wide)
+    # Both shapes chose the same tiles. Few rows per expert (decoding-sized batches): 64-row tiles, so
+    # that a tile is not mostly padding (block_m only schedules: same numerics).
+    block_m = 64 if num_rows < 64 * num_experts else 128
+    wide = GemmConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    deep = GemmConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    up = GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    wgrad = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep,
+                            wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []
