@@ -127,3 +127,37 @@ def test_forward_and_backward_capture_in_a_cuda_graph():
     for a, b in zip(captured, fresh):
         assert torch.equal(a, b)
     assert not torch.equal(captured[0], eager[0])
+
+
+def test_in_place_backward_is_bitwise_equal_to_out_of_place():
+    args = list(cuda_args(900, 256, 384, 16, 4, GPT_OSS, "io", True))
+    expected = fwd_bwd(args)
+    args[7] = dataclasses.replace(args[7], reuse_saved=True)
+    for a, b in zip(fwd_bwd(args), expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_reduce_overhead_captures_forward_and_backward(reuse):
+    """mode="reduce-overhead": inductor's CUDA graphs take both graphs (no host sync in the op, and the
+    in-place backward's mutation of its saved inputs is handled)."""
+    from hf_families import build_experts, discover_experts_classes, routed_inputs
+
+    cls = {c.__name__: c for _, c in discover_experts_classes()}["MixtralExperts"]
+    experts = build_experts(cls, "grouped_mm", torch.bfloat16).cuda()
+    x, ids, w = routed_inputs(experts, tokens=256, top_k=2, dtype=torch.bfloat16)
+    x, ids, w = x.detach().cuda().requires_grad_(), ids.cuda(), w.detach().cuda().requires_grad_()
+    if reuse:  # the default; torch.compile takes mode= or options=, not both
+        compiled = torch.compile(experts, backend="uniep", mode="reduce-overhead")
+    else:
+        compiled = torch.compile(experts, backend="uniep", options={
+            "reuse_saved_buffers": False, "inductor": {"triton.cudagraphs": True}})
+    results = []
+    for _ in range(4):
+        out = compiled(x, ids, w)
+        grads = torch.autograd.grad(out.float().sum(), [x, w] + list(experts.parameters()))
+        results.append([out.clone()] + [g.clone() for g in grads])
+    assert counters["uniep"]["moe_experts"] == 1
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    for a, b in zip(results[-1], results[0]):
+        assert torch.equal(a, b)
