@@ -16,6 +16,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_moe_layer import time_cuda  # noqa: E402
+
 
 def build(layers: int, seq: int, dtype):
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -47,21 +50,11 @@ def time_backend(model, backend, input_ids, iters, warmup):
     t0 = time.time()
     first_loss = step().item()
     compile_s = time.time() - t0
-    for _ in range(warmup):
-        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+    ms = time_cuda(step, iters, warmup)
     del opt
-    return {"ms": round(times[len(times) // 2], 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
+    return {"ms": round(ms, 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "uniep_rewrites": counters["uniep"]["moe_experts"]}
 

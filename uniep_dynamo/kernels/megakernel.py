@@ -3,7 +3,8 @@
 Forward (S = T*K slots, rows in the routing plan's (expert, token, k) order):
 
     routing_plan                 counting sort of the slots by expert        (triton_routing)
-    up    = X[tok(r)] @ W_up[e]  gather fused in the GEMM; epilogue stores h (saved) and act(h)
+    up    = X[tok(r)] @ W_up[e]  token rows copied into row order by a gather kernel (or read by the
+                                 GEMM itself with fuse_gather); epilogue stores h (saved) and act(h)
     down  = act @ W_down[e]      (+ b_down); stored unweighted (saved: the routing-weight gradient)
     out   = combine(down, w)     k in order, fp32
 
@@ -135,6 +136,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
                a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0):
     import triton
 
+    from .triton_gemm import GLU_FWD
     from .triton_gemm import _rows_gemm as kernel
 
     cfg.validate(layer.interpret)
@@ -151,8 +153,8 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         up_shift, COL_MULT=col_mult, act_alpha=layer.act_params[0], act_limit=layer.act_params[1],
         act_up_add=layer.act_params[2],
         GATHER=gather, A_SCALE=a_scale, EPILOGUE=epilogue, ACT=layer.act, TWO_HALVES=two_halves,
-        TWO_ACC=two_halves and epilogue == 1 and not layer.config.pack_gate_up,
-        PACKED=two_halves and epilogue == 1 and layer.config.pack_gate_up, HAS_BIAS=bias is not None,
+        TWO_ACC=two_halves and epilogue == GLU_FWD and not layer.config.pack_gate_up,
+        PACKED=two_halves and epilogue == GLU_FWD and layer.config.pack_gate_up, HAS_BIAS=bias is not None,
         DOT_PRECISION=layer.dot_precision, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=layer.block_e,
         GROUP_M=cfg.group_m, num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -195,6 +197,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
 
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
     """Same contract as reference.experts_forward (without post programs)."""
+    from .triton_gemm import GLU_FWD, STORE
     from .triton_routing import combine, gather_rows, routing_plan
 
     counters["uniep_kernels"]["triton_forward"] += 1
@@ -209,11 +212,11 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
         gather = cfg.fuse_gather
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
         _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
-                   k=layer.hidden_size, epilogue=1, c=up, d=act, bias=b_up, offsets=offsets,
+                   k=layer.hidden_size, epilogue=GLU_FWD, c=up, d=act, bias=b_up, offsets=offsets,
                    two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
         del x
         _rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff, n=layer.hidden_size,
-                   k=layer.inter, epilogue=0, c=down, bias=b_down, offsets=offsets)
+                   k=layer.inter, epilogue=STORE, c=down, bias=b_down, offsets=offsets)
         del act
     out = combine(down, slot_row, topk_weights.reshape(layer.num_tokens, layer.top_k), offsets, layer.num_tokens,
                   layer.top_k, spec.out_dtype)
@@ -229,6 +232,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     the hidden rows; ``up`` ([rows, up_width]) becomes d_up in place (the activation backward reads
     h and writes d_h at the same element). The peak is then the saved tensors, the [rows, I]
     activation and the weight gradients, which are allocated as late as possible."""
+    from .triton_gemm import GLU_BWD, STORE
     from .triton_routing import combine, gather_rows, routing_weight_grad
 
     counters["uniep_kernels"]["triton_backward"] += 1
@@ -252,13 +256,13 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     if cfg.act_grad_in_epilogue:
         _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=2,
+                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=GLU_BWD,
                    c=d_up, d=act, h=up, w=weights, offsets=offsets, **halves)
     else:
         # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise
         # pass turns it into d_up and act in place.
         _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=0,
+                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
                    c=act, w=weights, offsets=offsets)
         _act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
     d_w_down = torch.empty(w_down.shape, dtype=w_down.dtype, device=device)
@@ -269,7 +273,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     d_x_rows = scratch if scratch is not None and scratch.dtype == w_up.dtype else torch.empty(
         layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
     _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order, b=layer.up_eff.transpose(1, 2),
-               n=layer.hidden_size, k=layer.up_width, epilogue=0, c=d_x_rows, offsets=offsets)
+               n=layer.hidden_size, k=layer.up_width, epilogue=STORE, c=d_x_rows, offsets=offsets)
     d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
     del d_x_rows
     x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)

@@ -5,9 +5,10 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
 ``_rows_gemm`` -- out[r, n] = sum_k A[a_row(r), k] * W[e(r)][k, n] for the expert-sorted rows r.
     Tiles: [BLOCK_M rows of one expert] x [BLOCK_N columns]; tile (m, n) -> expert by a prefix sum of
     cdiv(count_e, BLOCK_M) over the expert offsets, computed in each program from the routing plan
-    (nothing on the host, no padding of the rows). With GATHER, a_row(r) = row_order[r] // TOP_K:
-    the token rows are read straight from the hidden states or the output gradient, so the dispatch
-    never materialises a permuted copy; with A_SCALE each gathered row is multiplied by its routing
+    (nothing on the host, no padding of the rows). With GATHER (config.fuse_gather), a_row(r) =
+    row_order[r] // TOP_K: the token rows are read straight from the hidden states or the output
+    gradient, so the dispatch never materialises a permuted copy (measured slower on Hopper for the
+    weight gradients, hence not the default); with A_SCALE each gathered row is multiplied by its routing
     weight and rounded to the storage dtype first. Epilogues:
       STORE     out = acc (+ bias[e]), cast to the output dtype (down projection, input gradient)
       GLU_FWD   gate and up halves in two accumulators, or (PACKED) one accumulator over a weight tile
@@ -21,6 +22,8 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
     Q[q_row(r), n], optionally Q scaled by the routing weight; bias gradient = column sums of Q as a
     GEMM against ones (the same MMA chain, so it follows the same numerics contract). Experts with no
     rows get exact zeros.
+``_act_backward`` -- the element-wise activation backward over the routed rows (the default path,
+    after a STORE GEMM of the activation gradient): d_h from the rounded d_act and h; act(h) in place.
 
 Numerics: fp32 accumulation in tensor-core MMAs; the reduction dimension is walked in BLOCK_K chunks
 in order, with no split across programs and no atomics. Element-wise epilogue math in fp32.
