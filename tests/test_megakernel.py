@@ -205,3 +205,10 @@ def test_in_place_backward_reuses_saved_buffers_and_refuses_a_second_backward(mo
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("top_k", range(1, 9))
+def test_every_top_k_from_1_to_8(top_k, monkeypatch):
+    """K = 1..8 over 8 experts (K = 8: every token visits every expert), T = 13 (no tile multiple)."""
+    args = make(13, 32, 16, 8, top_k)
+    assert_close(run(args, "triton", monkeypatch), run(args, "reference", monkeypatch), torch.float32)
