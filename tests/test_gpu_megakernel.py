@@ -7,8 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import TOLERANCE, max_rel_err
-from test_megakernel import GELU_TANH_GLU
-from test_reference import GELU_GLU, GPT_OSS, RELU2, SILU_GLU, make
+from test_reference import GELU_GLU, GELU_TANH_GLU, GPT_OSS, RELU2, SILU_GLU, make
 from uniep_dynamo.kernels import config as kconfig
 from uniep_dynamo.spec import ExpertsSpec
 

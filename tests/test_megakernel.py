@@ -8,19 +8,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import TOLERANCE, max_rel_err
-from test_reference import GELU_GLU, GPT_OSS, RELU2, SILU_GLU, make
+from test_reference import GELU_GLU, GELU_TANH_GLU, GPT_OSS, RELU2, SILU_GLU, SILU_INTERLEAVED, make
 from uniep_dynamo.kernels import config as kconfig
 from uniep_dynamo.kernels import gate_program, reference
 from uniep_dynamo.spec import ExpertsSpec
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
-if not torch.cuda.is_available() and not kconfig.interpreting():
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-GELU_TANH_GLU = gate_program.encode("chunk", ["call", "mul", [
-    ["call", "gelu", [["gate"]], {"approximate": ["const", "tanh"]}], ["up"]], {}])
-SILU_INTERLEAVED = gate_program.encode("interleave", gate_program.decode(SILU_GLU)[1])
+if not kconfig.interpreting():
+    pytest.skip("these run the kernels on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, which "
+                "conftest sets on machines without a GPU); on a GPU, test_gpu_megakernel.py covers them",
+                allow_module_level=True)
+DEVICE = "cpu"
 
 
 def run(args, mode, monkeypatch, grad_seed=1, spec=None):

@@ -11,6 +11,9 @@ from uniep_dynamo.spec import ExpertsSpec
 SILU_GLU = gate_program.encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
 GELU_GLU = gate_program.encode("chunk", ["call", "mul", [["call", "gelu", [["gate"]], {}], ["up"]], {}])
 RELU2 = gate_program.encode("none", ["call", "square", [["call", "relu", [["h"]], {}]], {}])
+GELU_TANH_GLU = gate_program.encode("chunk", ["call", "mul", [
+    ["call", "gelu", [["gate"]], {"approximate": ["const", "tanh"]}], ["up"]], {}])
+SILU_INTERLEAVED = gate_program.encode("interleave", gate_program.decode(SILU_GLU)[1])
 # GPT-OSS: interleaved halves, clamps, alpha sigmoid, (up + 1)
 GPT_OSS = gate_program.encode("interleave", [
     "call", "mul", [
