@@ -4,7 +4,8 @@
 formula calls ``uniep::moe_experts_backward``, so AOTAutograd's backward graph holds one opaque node
 as well. Besides the output the forward returns the routing plan (row_order, slot_row,
 expert_offsets) and the two projections, which setup_context saves: backward reuses the forward's
-token order instead of recomputing it.
+token order instead of recomputing it. ``uniep::moe_experts_backward_`` is the same backward allowed
+to consume those saved buffers as scratch (spec.reuse_saved, the backend's default).
 
 Both ops run the Triton MegaKernel (kernels/megakernel.py) where it applies -- CUDA, bf16/fp16, a gate
 it implements -- and the pure-PyTorch reference otherwise. Both save the same tensors with the same
@@ -31,8 +32,7 @@ def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s)
-    return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                                     decode_spec(spec))
+    return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, s)
 
 
 @moe_experts.register_fake
