@@ -53,7 +53,6 @@ def time_backend(model, backend, input_ids, iters, warmup):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     ms = time_cuda(step, iters, warmup)
-    del opt
     return {"ms": round(ms, 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "uniep_rewrites": counters["uniep"]["moe_experts"]}
