@@ -85,6 +85,10 @@ def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operan
         return f"{w_up.shape[0]} experts; the fused tile schedule takes at most {MAX_EXPERTS}"
     if topk_ids.dtype not in (torch.int32, torch.int64):
         return f"top-k ids are {topk_ids.dtype}"
+    from .triton_routing import MAX_SLOTS
+
+    if topk_ids.numel() >= MAX_SLOTS:
+        return f"{topk_ids.numel()} routed slots; the routing-plan kernels count in int32 (< {MAX_SLOTS})"
     return None
 
 

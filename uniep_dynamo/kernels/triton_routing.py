@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 PLAN_BLOCK = 1024      # slots per histogram/scatter program: one tl.sort of 1024 keys
+MAX_SLOTS = 2**31 - PLAN_BLOCK  # counts, bases and in-block ranks are int32
 COMBINE_BLOCK_H = 256  # hidden columns per combine program
 GRAD_W_BLOCK_H = 256   # hidden columns per step of the routing-weight gradient
 
@@ -99,8 +100,8 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
         return row_order, slot_row, offsets
     # One key per expert, one for dropped slots and one for the padding of the last block.
     num_keys = triton.next_power_of_2(num_experts + 2)
-    if num_slots * num_keys >= 2**31 or num_keys * PLAN_BLOCK >= 2**31:
-        raise ValueError("uniep: routing plan too large for int32 keys")
+    if num_slots >= MAX_SLOTS:
+        raise ValueError(f"uniep: {num_slots} routed slots; the routing-plan kernels count in int32 (< {MAX_SLOTS})")
     num_blocks = triton.cdiv(num_slots, PLAN_BLOCK)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=device)
     base = torch.empty_like(hist)
