@@ -3,6 +3,8 @@
 Each case runs the op twice through autograd -- once with UNIEP_KERNELS=triton, once with the
 reference -- and compares the output and every gradient. The kernel counter proves the fused path ran.
 """
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -146,7 +148,7 @@ def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
     base = kconfig.heuristic_config(74, 8, 40, 24, interpret=True)
     layer_knobs = {k: v for k, v in change.items() if k in kconfig.LAYER_SCHEDULING_KNOBS}
     other = base.replace_gemms(**{k: v for k, v in change.items() if k not in layer_knobs})
-    other = kconfig.MegaKernelConfig(**{**other.__dict__, **layer_knobs})
+    other = dataclasses.replace(other, **layer_knobs)
     with kconfig.use_config(base):
         a = run(args, "triton", monkeypatch)
     with kconfig.use_config(other):
@@ -180,7 +182,7 @@ def test_activation_backward_in_the_gemm_epilogue(gate, monkeypatch):
     """The numerics knob act_grad_in_epilogue: the fused epilogue path also matches the reference."""
     args = make(25, 32, 16, 4, 2, gate, "io", gate == GPT_OSS)
     cfg = kconfig.heuristic_config(50, 4, 32, 16, interpret=True)
-    with kconfig.use_config(kconfig.MegaKernelConfig(**{**cfg.__dict__, "act_grad_in_epilogue": True})):
+    with kconfig.use_config(dataclasses.replace(cfg, act_grad_in_epilogue=True)):
         fused = run(args, "triton", monkeypatch)
     assert_close(fused, run(args, "reference", monkeypatch), torch.float32)
 
@@ -188,8 +190,6 @@ def test_activation_backward_in_the_gemm_epilogue(gate, monkeypatch):
 def test_in_place_backward_reuses_saved_buffers_and_refuses_a_second_backward(monkeypatch):
     """spec.reuse_saved (the backend's default): same bits as the out-of-place backward; the saved
     buffers are consumed, so retain_graph's second backward raises instead of reading them."""
-    import dataclasses
-
     args = make(29, 32, 16, 6, 2, GPT_OSS, "io", True)
     in_place = dataclasses.replace(args[7], reuse_saved=True)
     counters.clear()

@@ -86,7 +86,7 @@ class MegaKernelConfig:
         return tuple(getattr(self, g).block_k for g in GEMMS) + (self.act_grad_in_epilogue,)
 
 
-def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int, num_sms: int = 132,
+def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
                      interpret: bool = False) -> MegaKernelConfig:
     """A config by shape. ``num_rows`` = T*K routed rows, ``inter`` = the expert's intermediate size.
 
@@ -125,11 +125,10 @@ def use_config(config: MegaKernelConfig):
         _OVERRIDE.pop()
 
 
-def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, num_sms: int,
-                   interpret: bool) -> MegaKernelConfig:
+def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, interpret: bool) -> MegaKernelConfig:
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    return heuristic_config(num_rows, num_experts, hidden, inter, num_sms, interpret)
+    return heuristic_config(num_rows, num_experts, hidden, inter, interpret)
 
 
 def interpreting() -> bool:

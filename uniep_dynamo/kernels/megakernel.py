@@ -25,6 +25,7 @@ either implementation's backward can consume either forward's results.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -78,8 +79,7 @@ def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operan
                 f"{', '.join(str(d).replace('torch.', '') for d in fused)} (float32 on CUDA runs the cuBLAS reference)")
     if spec.post is not None or post_operands:
         return "the layer has a post-expert program or program operands, which only the reference evaluates"
-    kind = gate_program.classify(spec.gate)
-    if kind is None:
+    if _gate_plan(spec.gate)[0] is None:
         return f"gate program {gate_program.describe(spec.gate)} has no fused kernel"
     if w_up.shape[0] > MAX_EXPERTS:
         return f"{w_up.shape[0]} experts; the fused tile schedule takes at most {MAX_EXPERTS}"
@@ -90,6 +90,14 @@ def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operan
     if topk_ids.numel() >= MAX_SLOTS:
         return f"{topk_ids.numel()} routed slots; the routing-plan kernels count in int32 (< {MAX_SLOTS})"
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _gate_plan(gate: str):
+    """(activation name or None, (alpha, limit, up_add), split) of a gate program: decoded once per
+    program, not on every op call."""
+    return (gate_program.classify(gate), gate_program.clamped_glu_params(gate) or (0.0, 0.0, 0.0),
+            gate_program.decode(gate)[0])
 
 
 def use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> bool:
@@ -117,18 +125,15 @@ class _Layer:
         self.hidden_size = self.up_eff.shape[1]
         self.up_width = self.up_eff.shape[2]
         self.inter = self.down_eff.shape[1]
-        kind = gate_program.classify(spec.gate)
+        kind, self.act_params, split = _gate_plan(spec.gate)
         self.act = ACTIVATIONS[kind]
-        self.act_params = gate_program.clamped_glu_params(spec.gate) or (0.0, 0.0, 0.0)
         self.gated = kind in GATED
-        split = gate_program.decode(spec.gate)[0]
         # Column j of the activation reads gate column j*COL_MULT and up column j*COL_MULT + UP_SHIFT.
         self.col_mult, self.up_shift = (2, 1) if split == "interleave" else (1, self.inter)
         self.interpret = hidden.device.type != "cuda"
         self.dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-        num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 1
         self.config = config_mod.current_config(self.num_slots, self.num_experts, self.hidden_size, self.inter,
-                                                num_sms, self.interpret)
+                                                self.interpret)
         self.block_e = max(16, 1 << (self.num_experts - 1).bit_length())
 
 

@@ -100,6 +100,28 @@ def _activation_grad(g, u, d, ACT: tl.constexpr, alpha, limit, up_add):
 
 
 @triton.jit
+def _act_backward_tile(d_act, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
+                       UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
+                       act_alpha, act_limit, act_up_add):
+    """One tile of the activation backward: d_act (fp32, [rows, cols]) and the saved h of those rows
+    -> d_h (both halves) and act(h). ``rows64`` is a [R, 1] column of int64 row indices. Each element
+    of h is read before the same element of d_h is written, so d_h may be h itself."""
+    gate_cols = cols * COL_MULT
+    g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TWO_HALVES:
+        u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
+    tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
+    if TWO_HALVES:
+        tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(d_h_ptr.dtype.element_ty),
+                 mask=mask)
+    act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
+    tl.store(act_ptr + rows64 * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rows_gemm(
     a_ptr, stride_am, stride_ak, row_order_ptr, top_k,
     b_ptr, stride_be, stride_bk, stride_bn,
@@ -212,22 +234,8 @@ def _rows_gemm(
                 act = _activation(h_gate.to(tl.float32), h_gate.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
             tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
         else:
-            d_act = acc
-            gate_cols = cols * COL_MULT
-            g = tl.load(h_ptr + rows64[:, None] * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if TWO_HALVES:
-                up_cols = gate_cols + UP_SHIFT
-                u = tl.load(h_ptr + rows64[:, None] * stride_hm + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            else:
-                u = g
-            d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
-            tl.store(c_ptr + rows64[:, None] * stride_cm + gate_cols[None, :], d_gate.to(c_ptr.dtype.element_ty),
-                     mask=mask)
-            if TWO_HALVES:
-                tl.store(c_ptr + rows64[:, None] * stride_cm + up_cols[None, :], d_up.to(c_ptr.dtype.element_ty),
-                         mask=mask)
-            act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
-            tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
+            _act_backward_tile(acc, rows64[:, None], cols, mask, h_ptr, stride_hm, c_ptr, stride_cm, d_ptr, stride_dm,
+                               UP_SHIFT, COL_MULT, TWO_HALVES, ACT, act_alpha, act_limit, act_up_add)
 
 
 @triton.jit
@@ -306,16 +314,5 @@ def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, of
     mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     d = tl.load(d_act_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gate_cols = cols * COL_MULT
-    g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if TWO_HALVES:
-        u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
-    else:
-        u = g
-    d_gate, d_up = _activation_grad(g, u, d, ACT, act_alpha, act_limit, act_up_add)
-    tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
-    if TWO_HALVES:
-        tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(d_h_ptr.dtype.element_ty),
-                 mask=mask)
-    act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
-    tl.store(d_act_ptr + rows64 * stride_dm + cols[None, :], act.to(d_act_ptr.dtype.element_ty), mask=mask)
+    _act_backward_tile(d, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, d_act_ptr, stride_dm,
+                       UP_SHIFT, COL_MULT, TWO_HALVES, ACT, act_alpha, act_limit, act_up_add)
