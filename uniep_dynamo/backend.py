@@ -15,8 +15,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import report
-from .lowering import lower_experts
-from .patterns import find_experts_regions
+from .lowering import lower_experts, lower_router
+from .patterns import find_experts_regions, find_router_regions
 
 log = logging.getLogger("uniep")
 
@@ -26,7 +26,8 @@ INNER_BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
 @dataclass(frozen=True)
 class UniepOptions:
     inner_backend: object = "inductor"  # a name from INNER_BACKENDS, or any torch.compile backend callable
-    rewrite_experts: bool = True  # False: leave the graph as Dynamo made it (for A/B comparisons)
+    rewrite_experts: bool = True  # False: leave the experts regions as Dynamo made them (for A/B comparisons)
+    rewrite_router: bool = True  # False: leave the router regions to the inner backend
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
     # through the same graph (retain_graph=True) then raises. False keeps them intact.
@@ -47,11 +48,15 @@ class UniepOptions:
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
-    """Rewrite every proven experts region of `gm` in place. Returns (matches, near_misses)."""
+    """Rewrite every proven experts and router region of `gm` in place. Returns (matches, near_misses);
+    matches hold the experts matches first, then the router matches."""
     opts = opts or UniepOptions()
     before = report.snapshot(gm.graph) if report.active() else None
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
+    routers, router_misses = find_router_regions(gm.graph) if opts.rewrite_router else ([], [])
     lowered = []  # (match, names of the nodes it replaced, names of the nodes added)
+    # Experts first: their calls read the router's ids and weights nodes, which the router lowering
+    # then rewires to its own outputs.
     for match in matches:
         replaced = [n.name for n in match.nodes]
         call = lower_experts(gm, match, reuse_saved=opts.reuse_saved_buffers)
@@ -59,17 +64,27 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         counters["uniep"]["moe_experts"] += 1
         log.info("uniep: rewrote %s (%s spelling, %d nodes) into uniep.moe_experts [%s]",
                  match.module, match.spelling, len(match.nodes), match.spec.describe())
+    for match in routers:
+        replaced = [n.name for n in match.nodes]
+        call = lower_router(gm, match)
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
+        counters["uniep"]["moe_router"] += 1
+        log.info("uniep: rewrote %s (%d nodes) into uniep.moe_router [%s]", match.module, len(match.nodes),
+                 match.spec.describe())
     for miss in misses:
         counters["uniep"]["unfused"] += 1
         log.warning("uniep: %s runs unfused: %s", miss.module, miss.reason)
+    for miss in router_misses:
+        counters["uniep"]["router_unfused"] += 1
+        log.warning("uniep: router %s runs unfused: %s", miss.module, miss.reason)
     if before is not None:
-        gm.meta["uniep_record"] = report.record_graph(before, gm, lowered, misses)
-    if matches:
+        gm.meta["uniep_record"] = report.record_graph(before, gm, lowered, misses, router_misses)
+    if matches or routers:
         # No graph-wide eliminate_dead_code here: Dynamo graphs hold in-place ops without users
         # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
         gm.graph.lint()
         gm.recompile()
-    return matches, misses
+    return matches + routers, misses + router_misses
 
 
 def _needs_grad(gm, example_inputs) -> bool:

@@ -17,6 +17,7 @@ import json
 import torch
 
 from .report import Recorder, recording
+from .spec import ROUTER_MODES
 
 
 def _first_tensor(out):
@@ -91,7 +92,8 @@ class Report:
 
     def summary(self) -> str:
         t = self.totals
-        lines = [f"uniep: {t['moe_experts']} rewrite(s) (moe_experts), {t['unfused']} unfused, "
+        lines = [f"uniep: {t['moe_experts']} rewrite(s) (moe_experts), {t.get('moe_router', 0)} (moe_router), "
+                 f"{t['unfused']} unfused, "
                  f"{len(self.data['graphs'])} graph(s)"]
         for g in self.data["graphs"]:
             lines.append(f"graph {g['compile_id']}: {len(g['before'])} -> {len(g['after'])} nodes")
@@ -101,7 +103,8 @@ class Report:
                 groups.setdefault(key, []).append(r["module"])
             for (spelling, spec, removed, added), modules in groups.items():
                 same = " (same match)" if len(modules) > 1 else ""
-                lines.append(f"  rewrote {collapse_modules(modules)}{same}: {spelling} spelling, "
+                what = f"router ({spelling})" if spelling in ROUTER_MODES else f"{spelling} spelling"
+                lines.append(f"  rewrote {collapse_modules(modules)}{same}: {what}, "
                              f"-{removed}/+{added} nodes each [{spec}]")
             if g["aot_graphs"] is not None:
                 lines.append("  " + "; ".join(f"{kind} graph: " + (", ".join(f"{n} uniep.{op}" for op, n in ops.items())
@@ -219,7 +222,7 @@ table {{ border-collapse: collapse; width: 100%; }} td, th {{ border-bottom: 1px
 tr.miss {{ outline: 2px solid #d33; }} .gap {{ color: #b00; font-weight: bold; }}
 </style></head><body>
 <h1>uniep report</h1>
-<p id="totals">{totals['moe_experts']} rewrite(s), {totals['unfused']} unfused, {len(data['graphs'])} graph(s);
+<p id="totals">{totals['moe_experts']} experts and {totals.get('moe_router', 0)} router rewrite(s), {totals['unfused']} unfused, {len(data['graphs'])} graph(s);
 uniep {html.escape(str(data['uniep']))}, torch {html.escape(str(data['torch']))}</p>
 {''.join(sections)}
 </body></html>

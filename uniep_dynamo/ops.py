@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import megakernel, reference
-from .spec import decode_spec
+from .kernels import megakernel, reference, router_reference
+from .spec import decode_router_spec, decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
                "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec) "
@@ -146,3 +146,64 @@ def moe_experts_out(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     """Eager convenience: the op's output alone."""
     return torch.ops.uniep.moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                        list(post_operands), spec)[0]
+
+
+# -- the router ---------------------------------------------------------------------------------
+# ``uniep::moe_router`` is what a matched router region becomes: (logits, routing weights, top-k ids).
+# Forward runs the fused routing kernel (kernels/triton_router.py) where it applies, else the
+# reference. The backward formula is plain torch ops (router_reference.router_backward) recomputing
+# the scores from the saved logits: AOTAutograd traces it into the backward graph for inductor.
+
+_ROUTER_SCHEMA = "(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bias, str spec) -> (Tensor, Tensor, Tensor)"
+
+
+def _router_kernel_applies(hidden, weight, bias, score_bias, spec) -> bool:
+    mode = megakernel.kernels_mode()
+    if mode == "reference" or (hidden.device.type != "cuda" and mode != "triton"):
+        return False  # the reference is the CPU path; no need to import triton
+    if not megakernel._triton_available():
+        reason = "triton is not installed (pip install uniep[triton])"
+        if reason not in megakernel._LOGGED:
+            megakernel._LOGGED.add(reason)
+            megakernel.log.warning("uniep: router op runs the PyTorch reference: %s", reason)
+        return False
+    from .kernels import triton_router
+    return triton_router.use_kernel(hidden, weight, bias, score_bias, spec)
+
+
+@torch.library.custom_op("uniep::moe_router", mutates_args=(), schema=_ROUTER_SCHEMA)
+def moe_router(hidden, weight, bias, score_bias, spec):
+    s = decode_router_spec(spec)
+    if _router_kernel_applies(hidden, weight, bias, score_bias, s):
+        from .kernels import triton_router
+        return triton_router.router_forward(hidden, weight, bias, score_bias, s)
+    logits, weights, ids = router_reference.router_forward(hidden, weight, bias, score_bias, s)
+    return logits.contiguous(), weights.contiguous(), ids.contiguous()
+
+
+@moe_router.register_fake
+def _moe_router_fake(hidden, weight, bias, score_bias, spec):
+    s = decode_router_spec(spec)
+    num_tokens = hidden.shape[0]
+    logits = hidden.new_empty(num_tokens, s.num_experts, dtype=torch.float32 if s.linear_fp32 else hidden.dtype)
+    weights = hidden.new_empty(num_tokens, s.top_k, dtype=s.weights_dtype)
+    ids = hidden.new_empty(num_tokens, s.top_k, dtype=torch.int64)
+    return logits, weights, ids
+
+
+def _router_setup_context(ctx, inputs, output):
+    hidden, weight, bias, _score_bias, spec = inputs
+    logits, _weights, ids = output
+    ctx.save_for_backward(hidden, weight, bias, logits, ids)
+    ctx.spec = spec
+    ctx.mark_non_differentiable(ids)
+
+
+def _router_backward(ctx, grad_logits, grad_weights, _grad_ids):
+    hidden, weight, bias, logits, ids = ctx.saved_tensors
+    d_hidden, d_weight, d_bias = router_reference.router_backward(
+        grad_logits, grad_weights, hidden, weight, bias, logits, ids, decode_router_spec(ctx.spec))
+    return d_hidden, d_weight, d_bias, None, None
+
+
+moe_router.register_autograd(_router_backward, setup_context=_router_setup_context)

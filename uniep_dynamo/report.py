@@ -18,10 +18,9 @@ from torch.fx import Graph, Node
 
 from .patterns import graph_utils as gu
 
-UNIEP_OPS = ("moe_experts", "moe_experts_backward")
+UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_router")
 _A2A = ("all_to_all", "expert-parallel patterns are not supported yet: the all-to-all runs in the inner backend")
 _UNSUPPORTED_ANCHORS = {
-    "topk": ("router", "router patterns are not supported yet: the router's top-k runs in the inner backend"),
     "all_to_all_single": _A2A, "all_to_all_single_autograd": _A2A, "all_to_all": _A2A,
 }
 
@@ -79,13 +78,14 @@ class GraphRecord:
             return []
         gaps = []
         forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
-        if forward.get("moe_experts", 0) < len(self.rewrites):
-            gaps.append(f"forward graph holds {forward.get('moe_experts', 0)} uniep.moe_experts for "
-                        f"{len(self.rewrites)} rewrites")
-        if "backward" in self.aot_graphs and self.aot_graphs["backward"].get("moe_experts_backward", 0) < \
-                len(self.rewrites):
+        for op in ("moe_experts", "moe_router"):
+            count = sum(1 for r in self.rewrites if r.op == op)
+            if forward.get(op, 0) < count:
+                gaps.append(f"forward graph holds {forward.get(op, 0)} uniep.{op} for {count} rewrites")
+        experts = sum(1 for r in self.rewrites if r.op == "moe_experts")
+        if "backward" in self.aot_graphs and self.aot_graphs["backward"].get("moe_experts_backward", 0) < experts:
             gaps.append(f"backward graph holds {self.aot_graphs['backward'].get('moe_experts_backward', 0)} "
-                        f"uniep.moe_experts_backward for {len(self.rewrites)} rewrites")
+                        f"uniep.moe_experts_backward for {experts} rewrites")
         return gaps
 
 
@@ -122,9 +122,10 @@ class Recorder:
         self.graphs: list[GraphRecord] = []
 
     def totals(self) -> dict:
-        totals = {"moe_experts": 0, "unfused": 0, "router_unmatched": 0, "all_to_all_unmatched": 0}
+        totals = {"moe_experts": 0, "moe_router": 0, "unfused": 0, "router_unmatched": 0, "all_to_all_unmatched": 0}
         for g in self.graphs:
-            totals["moe_experts"] += len(g.rewrites)
+            totals["moe_experts"] += sum(1 for r in g.rewrites if r.op == "moe_experts")
+            totals["moe_router"] += sum(1 for r in g.rewrites if r.op == "moe_router")
             totals["unfused"] += sum(1 for m in g.near_misses if m.pattern == "experts")
             totals["router_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "router")
             totals["all_to_all_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "all_to_all")
@@ -167,16 +168,18 @@ def _compile_id() -> str:
         return "?"
 
 
-def record_graph(before: list, gm, lowered: list, misses) -> GraphRecord:
+def record_graph(before: list, gm, lowered: list, misses, router_misses=()) -> GraphRecord:
     """Called by the backend after a rewrite while recording is active; `lowered` holds
     (match, names of the replaced nodes, names of the added nodes) per rewrite."""
     record = GraphRecord(_compile_id(), before, snapshot(gm.graph))
     for match, replaced, added in lowered:
-        record.rewrites.append(Rewrite("moe_experts", match.module, match.spelling, match.spec.describe(),
-                                       replaced, added))
-    for miss in misses:
-        record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, "experts", miss.expected,
-                                                 miss.actual, miss.matched_nodes, list(miss.rejections)))
+        op = "moe_router" if hasattr(match, "ids") else "moe_experts"
+        record.rewrites.append(Rewrite(op, match.module, getattr(match, "spelling", match.spec.mode),
+                                       match.spec.describe(), replaced, added))
+    for pattern, found in (("experts", misses), ("router", router_misses)):
+        for miss in found:
+            record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, pattern, miss.expected,
+                                                     miss.actual, miss.matched_nodes, list(miss.rejections)))
     for node in gm.graph.nodes:  # patterns that do not exist yet: every anchor of theirs is a near miss
         name = gu.op_name(node)
         if name in _UNSUPPORTED_ANCHORS:

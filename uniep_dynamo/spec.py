@@ -56,3 +56,66 @@ def decode_spec(text: str) -> ExpertsSpec:
         raise ValueError("uniep: malformed post program")
     return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range, post,
                        bool(data.get("reuse_saved", False)))
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The static attributes of one matched router region (see kernels/router_reference.py for the math).
+
+    mode "softmax_topk": p = softmax(z) over experts; ids, v = topk(p); HF Mixtral, Qwen2/3-MoE, OLMoE.
+    mode "sigmoid_topk": s = sigmoid(z); choice c = s (+ score bias), optionally limited to the
+        topk_group best of n_group expert groups (a group scores the sum of its two best choices);
+        ids = topk(c).indices; v = s[ids]. DeepSeek-V3 and the families that copy it.
+    mode "topk_softmax": ids, top = topk(z); v = softmax(top) over the K slots. GPT-OSS.
+    Then v / (sum_k v + renorm_eps) when renorm, times scale, cast to weights_dtype.
+    """
+
+    mode: str
+    num_experts: int
+    top_k: int
+    linear_fp32: bool = False  # the linear runs on fp32 casts of hidden and weight (logits are fp32)
+    score_fp32: bool = True  # scores are computed in fp32 (else rounded to the logits dtype)
+    has_bias: bool = False  # the linear has a bias [E]
+    has_score_bias: bool = False  # sigmoid_topk: a correction added to the scores for the choice only
+    n_group: int = 1
+    topk_group: int = 1
+    renorm: bool = False
+    renorm_eps: float = 0.0
+    scale: float = 1.0
+    weights_dtype: torch.dtype = torch.float32
+
+    def encode(self) -> str:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data["weights_dtype"] = str(self.weights_dtype).replace("torch.", "")
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    def describe(self) -> str:
+        parts = [self.mode, f"E={self.num_experts}", f"K={self.top_k}"]
+        if self.n_group > 1:
+            parts.append(f"groups {self.topk_group}/{self.n_group}")
+        if self.has_score_bias:
+            parts.append("score bias")
+        if self.renorm:
+            parts.append("renorm" + (f"+{self.renorm_eps:g}" if self.renorm_eps else ""))
+        if self.scale != 1.0:
+            parts.append(f"scale {self.scale:g}")
+        if self.linear_fp32:
+            parts.append("fp32 linear")
+        return ", ".join(parts) + f", weights {str(self.weights_dtype).replace('torch.', '')}"
+
+
+ROUTER_MODES = ("softmax_topk", "sigmoid_topk", "topk_softmax")
+
+
+@functools.lru_cache(maxsize=256)
+def decode_router_spec(text: str) -> RouterSpec:
+    data = json.loads(text)
+    if data["mode"] not in ROUTER_MODES:
+        raise ValueError(f"uniep: unknown router mode {data['mode']!r}")
+    data["weights_dtype"] = _DTYPES[data["weights_dtype"]]
+    spec = RouterSpec(**data)
+    if not 1 <= spec.top_k <= spec.num_experts:
+        raise ValueError(f"uniep: router top_k={spec.top_k} outside [1, {spec.num_experts}]")
+    if spec.num_experts % spec.n_group or not 1 <= spec.topk_group <= spec.n_group:
+        raise ValueError(f"uniep: router groups {spec.topk_group}/{spec.n_group} do not divide E={spec.num_experts}")
+    return spec

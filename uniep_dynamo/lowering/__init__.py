@@ -1,4 +1,5 @@
 """Matched region -> uniep op call."""
 from .experts import lower_experts
+from .router import lower_router
 
-__all__ = ["lower_experts"]
+__all__ = ["lower_experts", "lower_router"]

@@ -1,0 +1,105 @@
+"""Pure-PyTorch reference of ``uniep::moe_router`` (the oracle and the CPU path) and its backward.
+
+Forward, for a RouterSpec (spec.py), on hidden [T, H], gate weight [E, H], bias [E]:
+
+    logits = linear(hidden, weight, bias)              (on fp32 casts when spec.linear_fp32)
+    z      = logits, in fp32 when spec.score_fp32
+    softmax_topk:  p = softmax(z);  v, ids = topk(p, K)
+    sigmoid_topk:  s = sigmoid(z);  c = s (+ score_bias);  group limit;  ids = topk(c, K);  v = s[ids]
+    topk_softmax:  top, ids = topk(z, K);  v = softmax(top)
+    w = v / (sum_k v + eps) if renorm;  w = w * scale;  w.to(weights_dtype)
+
+Top-k order: descending value, ties to the lower expert index, NaN above every number (torch.topk's
+order). HF calls topk with ``sorted=False`` in some routers; that order is unspecified, and uniep
+returns the sorted one, so the K slots may be permuted against eager (their sum is the same set).
+
+The backward is written with torch ops on purpose: AOTAutograd traces it into the backward graph,
+where inductor fuses it; its reductions run in inductor's fixed order (no atomics), and the scatter
+writes distinct ids per row, so it is deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _linear(hidden, weight, bias, spec):
+    if spec.linear_fp32:
+        return F.linear(hidden.float(), weight.float(), bias.float() if bias is not None else None)
+    return F.linear(hidden, weight, bias)
+
+
+def group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Mask (to -inf) every expert outside the topk_group groups whose two best choices sum highest."""
+    num_experts = choice.shape[-1]
+    grouped = choice.view(-1, n_group, num_experts // n_group)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
+    return choice.masked_fill(~score_mask.bool(), float("-inf"))
+
+
+def router_forward(hidden, weight, bias, score_bias, spec):
+    """(logits, weights, ids) of the router; ids are int64."""
+    logits = _linear(hidden, weight, bias, spec)
+    z = logits.float() if spec.score_fp32 else logits
+    k = spec.top_k
+    if spec.mode == "softmax_topk":
+        v, ids = torch.topk(torch.softmax(z, dim=-1), k, dim=-1)
+    elif spec.mode == "sigmoid_topk":
+        s = torch.sigmoid(z)
+        choice = s + score_bias if score_bias is not None else s
+        if spec.n_group > 1:
+            choice = group_limited(choice, spec.n_group, spec.topk_group)
+        ids = torch.topk(choice, k, dim=-1)[1]
+        v = s.gather(1, ids)
+    elif spec.mode == "topk_softmax":
+        top, ids = torch.topk(z, k, dim=-1)
+        v = torch.softmax(top, dim=-1)
+    else:
+        raise ValueError(f"uniep: unknown router mode {spec.mode!r}")
+    if spec.renorm:
+        v = v / (v.sum(dim=-1, keepdim=True) + spec.renorm_eps)
+    if spec.scale != 1.0:
+        v = v * spec.scale
+    return logits, v.to(spec.weights_dtype), ids
+
+
+def router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):
+    """Gradients (hidden, weight, bias) from the gradients of the logits and of the routing weights,
+    recomputing the scores from the saved logits. Either gradient may be None (output unused)."""
+    z = logits.float()
+    g_logits = None
+    if grad_weights is not None:
+        g_v = grad_weights.float() * spec.scale
+        if spec.mode == "softmax_topk":
+            p = torch.softmax(z, dim=-1)
+            v = p.gather(1, ids)
+        elif spec.mode == "sigmoid_topk":
+            v = torch.sigmoid(z).gather(1, ids)
+        else:
+            v = torch.softmax(z.gather(1, ids), dim=-1)
+        if spec.renorm:
+            total = v.sum(dim=-1, keepdim=True) + spec.renorm_eps
+            g_v = g_v / total - (g_v * v).sum(dim=-1, keepdim=True) / (total * total)
+        if spec.mode == "softmax_topk":
+            g_p = torch.zeros_like(p).scatter(1, ids, g_v)
+            g_z = p * (g_p - (g_p * p).sum(dim=-1, keepdim=True))
+        elif spec.mode == "sigmoid_topk":
+            g_z = torch.zeros_like(z).scatter(1, ids, g_v * v * (1 - v))
+        else:
+            g_z = torch.zeros_like(z).scatter(1, ids, v * (g_v - (g_v * v).sum(dim=-1, keepdim=True)))
+        g_logits = g_z.to(logits.dtype)
+    if grad_logits is not None:
+        g_logits = grad_logits if g_logits is None else g_logits + grad_logits
+    if g_logits is None:
+        g_logits = torch.zeros_like(logits)
+    if spec.linear_fp32:
+        d_hidden = (g_logits @ weight.float()).to(hidden.dtype)
+        d_weight = (g_logits.t() @ hidden.float()).to(weight.dtype)
+    else:
+        d_hidden = g_logits @ weight
+        d_weight = g_logits.t() @ hidden
+    d_bias = g_logits.sum(0).to(bias.dtype) if bias is not None else None
+    return d_hidden, d_weight, d_bias

@@ -1,0 +1,29 @@
+"""Replace a proven router region by one call of torch.ops.uniep.moe_router."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule
+
+from ..patterns.router import RouterMatch
+
+
+def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
+    graph = gm.graph
+    first = match.nodes[0]
+    with graph.inserting_before(first):
+        call = graph.call_function(torch.ops.uniep.moe_router.default,
+                                   (match.hidden, match.weight, match.bias, match.score_bias, match.spec.encode()))
+        outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
+    for new, old in zip(outs, (match.logits, match.weights, match.ids)):
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in old.meta:
+                new.meta[key] = old.meta[key]
+                call.meta.setdefault(key, old.meta[key])
+        if "example_value" in old.meta:
+            new.meta["example_value"] = old.meta["example_value"]
+        old.replace_all_uses_with(new)
+    for node in reversed(match.nodes):
+        graph.erase_node(node)
+    return call
