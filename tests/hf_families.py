@@ -132,6 +132,18 @@ SMALL_MODEL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_hea
                    max_position_embeddings=64, first_k_dense_replace=0, decoder_sparse_step=1)
 
 
+def break_router_ties(model, seed=0):
+    """HF initializes some routers (and score-correction biases) to zero, so every expert ties for every
+    token. torch.topk's choice among ties is implementation-defined and uniep's is the lower id, so a
+    comparison with eager needs distinct scores: all-zero floating parameters get small random values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
 def build_causal_lm(cls, implementation="grouped_mm", seed=0):
     """A tiny AutoModelForCausalLM of the family of experts class `cls`, from its config's defaults
     shrunk; raises where the family's defaults do not shrink this simply (composite or hybrid configs)."""

@@ -25,6 +25,8 @@ def test_whole_model_matches_eager_under_inductor(family):
     compiled = torch.compile(model, backend="uniep")
     c_loss, c_logits, c_grads = loss_and_grads(model, input_ids, compiled)
     assert counters["uniep"]["moe_experts"] == moe_layer_count(model) == 2
+    # the rewrite count per layer covers the router too: one moe_router and one moe_experts per layer
+    assert counters["uniep"]["moe_router"] == 2 and counters["uniep"]["router_unfused"] == 0
     assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
     assert max_rel_err(c_logits, logits) <= TOLERANCE[torch.float32]
     assert c_grads.keys() == grads.keys()
@@ -70,7 +72,7 @@ def test_whole_model_batched_mm_and_inference(family):
     assert counters["uniep"]["moe_experts"] == 2
 
 
-from hf_families import build_causal_lm, discover_experts_classes  # noqa: E402
+from hf_families import break_router_ties, build_causal_lm, discover_experts_classes  # noqa: E402
 
 DISCOVERED = discover_experts_classes()
 
@@ -80,7 +82,7 @@ def test_every_family_whole_model_rewrites_each_moe_layer(family, cls):
     """Whole tiny models of every discovered family whose config shrinks generically: one rewrite per
     experts module, logits equal to eager."""
     try:
-        model = build_causal_lm(cls)
+        model = break_router_ties(build_causal_lm(cls))
         ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             eager = model(input_ids=ids).logits
@@ -93,4 +95,5 @@ def test_every_family_whole_model_rewrites_each_moe_layer(family, cls):
     with torch.no_grad():
         out = torch.compile(model, backend="uniep", options={"inner_backend": "eager"})(input_ids=ids).logits
     assert counters["uniep"]["moe_experts"] == layers
+    assert counters["uniep"]["moe_router"] <= layers
     assert max_rel_err(out, eager) <= TOLERANCE[torch.float32]

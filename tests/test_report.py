@@ -27,10 +27,13 @@ def test_explain_full_match_json():
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     report = uniep_dynamo.explain(model, input_ids=ids, labels=ids)
     data = json.loads(report.to_json())
-    assert data["totals"] == {"moe_experts": 2, "unfused": 0, "router_unmatched": 2, "all_to_all_unmatched": 0}
+    assert data["totals"] == {"moe_experts": 2, "moe_router": 2, "unfused": 0, "router_unmatched": 0,
+                              "all_to_all_unmatched": 0}
     (graph,) = data["graphs"]
-    assert [r["module"] for r in graph["rewrites"]] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    assert graph["aot_graphs"]["forward"] == {"moe_experts": 2}
+    assert [(r["op"], r["module"]) for r in graph["rewrites"]] == [
+        ("moe_experts", "model.layers.0.mlp.experts"), ("moe_experts", "model.layers.1.mlp.experts"),
+        ("moe_router", "model.layers.0.mlp.gate"), ("moe_router", "model.layers.1.mlp.gate")]
+    assert graph["aot_graphs"]["forward"] == {"moe_experts": 2, "moe_router": 2}
     assert graph["aot_graphs"]["backward"] == {"moe_experts_backward": 2}
     assert graph["coverage_gaps"] == []
     before_ids = {n["id"] for n in graph["before"]}
@@ -40,6 +43,7 @@ def test_explain_full_match_json():
         assert set(rewrite["added"]) <= after_ids
     assert all(p.grad is None for p in model.parameters()), "explain leaves .grad as it found it"
     assert "model.layers.{0-1}.mlp.experts (same match)" in report.summary()
+    assert "model.layers.{0-1}.mlp.gate (same match): router (softmax_topk)" in report.summary()
 
 
 def test_node_ids_are_stable_between_runs():
@@ -71,16 +75,21 @@ def test_near_miss_names_module_anchor_and_reason():
     assert "expected sort(dim=-1 or 0, descending=False), got sort(dim=-1, descending=True)" in summary
 
 
-def test_routers_are_reported_as_near_misses_of_the_router_pattern():
-    model = tiny_mixtral()
-    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
-    data = uniep_dynamo.explain(model, input_ids=ids).data
-    routers = [m for m in data["graphs"][0]["near_misses"] if m["pattern"] == "router"]
-    assert [m["module"] for m in routers] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+def test_unmatched_router_is_a_near_miss_of_the_router_pattern():
+    from test_router import HandRouter
+
+    torch.manual_seed(0)
+    data = uniep_dynamo.explain(HandRouter("smallest"), torch.randn(4, 16)).data
+    (miss,) = [m for m in data["graphs"][0]["near_misses"] if m["pattern"] == "router"]
+    assert miss["anchor"] == "topk" and "top-k of the smallest scores" in miss["reason"]
+    assert data["totals"]["router_unmatched"] == 1 and data["totals"]["moe_router"] == 0
 
 
 def test_coverage_gap_is_flagged():
-    record = GraphRecord("0/0", rewrites=[object(), object()],
+    from uniep_dynamo.report import Rewrite
+
+    rewrite = Rewrite("moe_experts", "m", "grouped_mm", "", [], [])
+    record = GraphRecord("0/0", rewrites=[rewrite, rewrite],
                          aot_graphs={"forward": {"moe_experts": 2}, "backward": {"moe_experts_backward": 1}})
     assert record.coverage_gaps() == ["backward graph holds 1 uniep.moe_experts_backward for 2 rewrites"]
 

@@ -9,9 +9,12 @@ Forward, for a RouterSpec (spec.py), on hidden [T, H], gate weight [E, H], bias 
     topk_softmax:  top, ids = topk(z, K);  v = softmax(top)
     w = v / (sum_k v + eps) if renorm;  w = w * scale;  w.to(weights_dtype)
 
-Top-k order: descending value, ties to the lower expert index, NaN above every number (torch.topk's
-order). HF calls topk with ``sorted=False`` in some routers; that order is unspecified, and uniep
-returns the sorted one, so the K slots may be permuted against eager (their sum is the same set).
+Top-k order: descending value, ties to the lower expert index, NaN above every number, on every
+device (``topk`` below; the fused kernel keeps the same order). torch.topk's order among equal values
+is implementation-defined (on CPU, 16 equal values gave ids [10, 11, 12, 9] for K=4), so where scores
+tie exactly at the K-th place eager may pick other, equally top, experts. HF calls topk with
+``sorted=False`` in some routers; that order is unspecified too, and uniep returns the sorted one, so
+the K slots may be permuted against eager (the same set of experts and weights).
 
 The backward is written with torch ops on purpose: AOTAutograd traces it into the backward graph,
 where inductor fuses it; its reductions run in inductor's fixed order (no atomics), and the scatter
@@ -29,12 +32,19 @@ def _linear(hidden, weight, bias, spec):
     return F.linear(hidden, weight, bias)
 
 
+def topk(x: torch.Tensor, k: int):
+    """torch.topk along the last dim with a defined order: descending, ties to the lower index, NaN
+    first (a stable descending sort). torch.topk's own order among ties is implementation-defined."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
     """Mask (to -inf) every expert outside the topk_group groups whose two best choices sum highest."""
     num_experts = choice.shape[-1]
     grouped = choice.view(-1, n_group, num_experts // n_group)
-    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1)[1]
+    group_scores = topk(grouped, 2)[0].sum(dim=-1)
+    group_idx = topk(group_scores, topk_group)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
     return choice.masked_fill(~score_mask.bool(), float("-inf"))
@@ -46,16 +56,16 @@ def router_forward(hidden, weight, bias, score_bias, spec):
     z = logits.float() if spec.score_fp32 else logits
     k = spec.top_k
     if spec.mode == "softmax_topk":
-        v, ids = torch.topk(torch.softmax(z, dim=-1), k, dim=-1)
+        v, ids = topk(torch.softmax(z, dim=-1), k)
     elif spec.mode == "sigmoid_topk":
         s = torch.sigmoid(z)
         choice = s + score_bias if score_bias is not None else s
         if spec.n_group > 1:
             choice = group_limited(choice, spec.n_group, spec.topk_group)
-        ids = torch.topk(choice, k, dim=-1)[1]
+        ids = topk(choice, k)[1]
         v = s.gather(1, ids)
     elif spec.mode == "topk_softmax":
-        top, ids = torch.topk(z, k, dim=-1)
+        top, ids = topk(z, k)
         v = torch.softmax(top, dim=-1)
     else:
         raise ValueError(f"uniep: unknown router mode {spec.mode!r}")

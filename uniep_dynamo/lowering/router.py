@@ -11,8 +11,10 @@ from ..patterns.router import RouterMatch
 
 def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
     graph = gm.graph
-    first = match.nodes[0]
-    with graph.inserting_before(first):
+    # At the region's last node every input is defined (the region reads them all); the matcher made
+    # sure no outside reader of the outputs comes earlier.
+    last = match.nodes[-1]
+    with graph.inserting_before(last):
         call = graph.call_function(torch.ops.uniep.moe_router.default,
                                    (match.hidden, match.weight, match.bias, match.score_bias, match.spec.encode()))
         outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]

@@ -474,9 +474,11 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
         candidates = [n for n, t in env.items() if n is not topk_node and weights_of(t)]
         ends = [n for n in candidates if not any(u in candidates for u in n.users)]
         module = gu.module_path(topk_node)
+        if not ends:
+            continue  # the top-k values make no routing weights (a top-k of some projection's indices)
         try:
             _require(len(ids_nodes) == 1, "the top-k ids are read more than once or not at all")
-            _require(len(ends) == 1, "no single routing-weights value" if ends else "the top-k values are unused")
+            _require(len(ends) == 1, "the top-k values make more than one routing-weights value")
             ids_node, weights_node = ids_nodes[0], ends[0]
             weights_term = env[weights_node]
             # an in-place renorm: the weights are the tensor written, as later readers see it
@@ -494,13 +496,32 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
                 _require(not outside, f"router intermediate {node.name} is also used by {outside[0].name if outside else ''}"
                                       ", outside the router region")
             _require_no_writes(nodes, [x, w, bias, score_bias])
+            early = [u for out in (linear, ids_node, weights_node) for u in out.users
+                     if u not in region and order[u] < order[nodes[-1]]]
+            _require(not early, f"{early[0].name if early else ''} reads a router output before the router ends")
             matches.append(RouterMatch(linear, weights_node, ids_node, nodes, x, w, bias, score_bias, spec, module))
         except Mismatch as exc:
             reasons = [interp.failures[n] for n in sorted(interp.failures, key=order.get)
                        if gu.module_path(n) == module]
             misses.append(NearMiss(topk_node, reasons[0] if reasons else str(exc), module, exc.expected, exc.actual,
                                    0, reasons + [str(exc)]))
-    # a top-k inside a group score is proposed as its own region only through its outer top-k
+    # A top-k that a failed router step feeds: report the earliest failure upstream in its module.
+    for node in graph.nodes:
+        if gu.op_name(node) != "topk" or node in env:
+            continue
+        module = gu.module_path(node)
+        upstream, seen, stack = [], set(), list(node.all_input_nodes) + [node]
+        while stack:
+            n = stack.pop()
+            if n in seen or gu.module_path(n) != module:
+                continue
+            seen.add(n)
+            if n in interp.failures:
+                upstream.append(n)
+            stack.extend(n.all_input_nodes)
+        if upstream:
+            reasons = [interp.failures[n] for n in sorted(upstream, key=order.get)]
+            misses.append(NearMiss(node, reasons[0], module, None, None, 0, reasons))
     return matches, misses
 
 
