@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_layer import time_cuda  # noqa: E402
 
+import uniep_dynamo  # noqa: E402,F401  (registers backend="uniep" when the package is not installed)
+
 # name: (family, config class, router class, block class, config overrides)
 SHAPES = {
     "mixtral": ("mixtral", "MixtralConfig", "MixtralTopKRouter", "MixtralSparseMoeBlock",

@@ -102,7 +102,8 @@ def test_fused_router_against_float64_reference():
     logits, weights, ids = torch.ops.uniep.moe_router(x, w, None, sb, spec.encode())
     assert counters["uniep_kernels"]["triton_router"] == 1
     ref = router_reference.router_forward(x.double(), w.double(), None, sb.double(),
-                                          RouterSpec(**{**spec.__dict__, "weights_dtype": torch.float64}))
+                                          RouterSpec(**{**spec.__dict__, "weights_dtype": torch.float64,
+                                                                 "linear_fp32": False}))
     assert (ids == ref[2]).all(dim=-1).float().mean() > 0.99
     torch.testing.assert_close(logits.double(), ref[0], atol=1e-5, rtol=1e-5)
 

@@ -34,7 +34,7 @@ def test_explain_full_match_json():
         ("moe_experts", "model.layers.0.mlp.experts"), ("moe_experts", "model.layers.1.mlp.experts"),
         ("moe_router", "model.layers.0.mlp.gate"), ("moe_router", "model.layers.1.mlp.gate")]
     assert graph["aot_graphs"]["forward"] == {"moe_experts": 2, "moe_router": 2}
-    assert graph["aot_graphs"]["backward"] == {"moe_experts_backward": 2}
+    assert graph["aot_graphs"]["backward"] == {"moe_experts_backward": 2, "moe_router_backward": 2}
     assert graph["coverage_gaps"] == []
     before_ids = {n["id"] for n in graph["before"]}
     after_ids = {n["id"] for n in graph["after"]}
@@ -155,7 +155,7 @@ def test_html_loads_in_headless_chromium(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
     assert 'class="side before"' in dom and 'class="side after"' in dom
-    assert "background:#cfe8ff" in dom and "2 rewrite(s)" in dom
+    assert "background:#cfe8ff" in dom and "2 experts and 2 router rewrite(s)" in dom
     console_errors = [line for line in done.stderr.splitlines() if "CONSOLE" in line and "ERROR" in line.upper()]
     assert not console_errors, console_errors
     shot = tmp_path / "shot.png"

@@ -310,6 +310,16 @@ def _compare_kernel(spec, x, w, b, sb, monkeypatch):
     tol = 2e-3 if x.dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got[0], ref[0], atol=tol, rtol=tol)
     torch.testing.assert_close(got[1], ref[1], atol=tol, rtol=tol)
+    # backward: the d_logits kernel + GEMMs against the reference formulas, with and without each gradient
+    g = torch.Generator().manual_seed(5)
+    gw = torch.randn(ref[1].shape, generator=g).to(ref[1].dtype)
+    gl = torch.randn(ref[0].shape, generator=g).to(ref[0].dtype)
+    for grads in ((gl, gw), (None, gw), (gl, None)):
+        expect = router_reference.router_backward(*grads, x, w, b, ref[0], ref[2], spec)
+        actual = triton_router.router_backward(*grads, x, w, b, ref[0], ref[2], spec)
+        for a, e in zip(actual, expect):
+            if e is not None:
+                torch.testing.assert_close(a, e, atol=5 * tol, rtol=5 * tol)
     return got
 
 
@@ -357,3 +367,58 @@ def test_fused_router_through_the_op_and_autograd(monkeypatch):
         assert counters["uniep_kernels"]["triton_router"] == (1 if mode == "triton" else 0)
     for a, b in zip(results["triton"], results["reference"]):
         torch.testing.assert_close(a, b)
+
+
+# Triton's interpreter accepts some code the compiler refuses (a plain global in a kernel, say): compile
+# every variant of the routing kernel for Hopper ahead of time, which needs no GPU. A subprocess, since
+# conftest turns the interpreter on for this one.
+AOT_VARIANTS = [
+    # (logits dtype, weights dtype, constexprs beyond the defaults)
+    ("bf16", "fp32", dict(MODE=0, E_PAD=16, K=2, K_PAD=2, BLOCK_T=64)),  # Mixtral
+    ("bf16", "bf16", dict(MODE=0, E_PAD=128)),  # Qwen3
+    ("fp16", "fp16", dict(MODE=2, E_PAD=32, K=4, K_PAD=4, RENORM=False, BLOCK_T=64)),  # GPT-OSS
+    ("fp32", "fp32", dict(MODE=1, E_PAD=256, N_GROUP=8, TOPK_GROUP=4, HAS_SB=True, BLOCK_T=16)),  # DeepSeek-V3
+    ("bf16", "bf16", dict(MODE=1, E_PAD=64, ROUND_SCORES=True)),
+]
+
+_AOT_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from uniep_dynamo.kernels.triton_router import _router_grad, _router_select
+target = GPUTarget("cuda", 90, 32)
+common = {{"num_tokens": "i32", "num_experts": "i32", "scale": "fp32", "renorm_eps": "fp32"}}
+for ldt, wdt, extra in {variants!r}:
+    consts = {{**dict(K=8, K_PAD=8, N_GROUP=1, TOPK_GROUP=1, HAS_SB=False, ROUND_SCORES=False, RENORM=True,
+                      BLOCK_T=32), **extra}}
+    sig = {{"logits_ptr": "*" + ldt, "sb_ptr": "*fp32", "weights_ptr": "*" + wdt, "ids_ptr": "*i64", **common}}
+    sig.update({{k: "constexpr" for k in consts}})
+    kernel = triton.compile(triton.compiler.ASTSource(fn=_router_select, signature=sig, constexprs=consts),
+                            target=target)
+    assert "ptx" in kernel.asm
+    grad = {{k: consts[k] for k in ("MODE", "K", "E_PAD", "RENORM", "BLOCK_T")}}
+    grad.update(HAS_GW=True, HAS_GL=True)
+    sig = {{"logits_ptr": "*" + ldt, "ids_ptr": "*i64", "gw_ptr": "*" + wdt, "gl_ptr": "*" + ldt, "dl_ptr": "*" + ldt,
+            **common}}
+    sig.update({{k: "constexpr" for k in grad}})
+    kernel = triton.compile(triton.compiler.ASTSource(fn=_router_grad, signature=sig, constexprs=grad),
+                            target=target)
+    assert "ptx" in kernel.asm
+    print("compiled", ldt, extra)
+"""
+
+
+def test_routing_kernel_compiles_for_hopper():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT.format(variants=AOT_VARIANTS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
+        pytest.skip("this triton has no ahead-of-time compilation API (triton.backends.compiler.GPUTarget)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == len(AOT_VARIANTS)

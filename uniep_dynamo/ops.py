@@ -150,9 +150,9 @@ def moe_experts_out(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 # -- the router ---------------------------------------------------------------------------------
 # ``uniep::moe_router`` is what a matched router region becomes: (logits, routing weights, top-k ids).
-# Forward runs the fused routing kernel (kernels/triton_router.py) where it applies, else the
-# reference. The backward formula is plain torch ops (router_reference.router_backward) recomputing
-# the scores from the saved logits: AOTAutograd traces it into the backward graph for inductor.
+# Its backward calls ``uniep::moe_router_backward``, which recomputes the scores from the saved logits
+# with the forward's ids. Both run the fused routing kernels (kernels/triton_router.py) where they
+# apply, else the reference (kernels/router_reference.py).
 
 _ROUTER_SCHEMA = "(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bias, str spec) -> (Tensor, Tensor, Tensor)"
 
@@ -191,19 +191,42 @@ def _moe_router_fake(hidden, weight, bias, score_bias, spec):
     return logits, weights, ids
 
 
+_ROUTER_BWD_SCHEMA = ("(Tensor? grad_logits, Tensor? grad_weights, Tensor hidden, Tensor weight, Tensor? bias, "
+                      "Tensor logits, Tensor ids, str spec) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("uniep::moe_router_backward", mutates_args=(), schema=_ROUTER_BWD_SCHEMA)
+def moe_router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):
+    s = decode_router_spec(spec)
+    if _router_kernel_applies(hidden, weight, bias, None, s):
+        from .kernels import triton_router
+        grads = triton_router.router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, s)
+    else:
+        grads = router_reference.router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, s)
+    # a schema cannot return None: an absent bias gradient travels as an empty tensor
+    return tuple(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads)
+
+
+@moe_router_backward.register_fake
+def _moe_router_backward_fake(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):
+    return (hidden.new_empty(hidden.shape), weight.new_empty(weight.shape),
+            bias.new_empty(bias.shape) if bias is not None else hidden.new_empty(0))
+
+
 def _router_setup_context(ctx, inputs, output):
     hidden, weight, bias, _score_bias, spec = inputs
     logits, _weights, ids = output
     ctx.save_for_backward(hidden, weight, bias, logits, ids)
     ctx.spec = spec
+    ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(ids)
 
 
 def _router_backward(ctx, grad_logits, grad_weights, _grad_ids):
     hidden, weight, bias, logits, ids = ctx.saved_tensors
-    d_hidden, d_weight, d_bias = router_reference.router_backward(
-        grad_logits, grad_weights, hidden, weight, bias, logits, ids, decode_router_spec(ctx.spec))
-    return d_hidden, d_weight, d_bias, None, None
+    d_hidden, d_weight, d_bias = torch.ops.uniep.moe_router_backward(grad_logits, grad_weights, hidden, weight, bias,
+                                                                     logits, ids, ctx.spec)
+    return d_hidden, d_weight, d_bias if ctx.has_bias else None, None, None
 
 
 moe_router.register_autograd(_router_backward, setup_context=_router_setup_context)

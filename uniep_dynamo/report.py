@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 
 from .patterns import graph_utils as gu
 
-UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_router")
+UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_router", "moe_router_backward")
 _A2A = ("all_to_all", "expert-parallel patterns are not supported yet: the all-to-all runs in the inner backend")
 _UNSUPPORTED_ANCHORS = {
     "all_to_all_single": _A2A, "all_to_all_single_autograd": _A2A, "all_to_all": _A2A,
@@ -174,8 +174,7 @@ def record_graph(before: list, gm, lowered: list, misses, router_misses=()) -> G
     record = GraphRecord(_compile_id(), before, snapshot(gm.graph))
     for match, replaced, added in lowered:
         op = "moe_router" if hasattr(match, "ids") else "moe_experts"
-        record.rewrites.append(Rewrite(op, match.module, getattr(match, "spelling", match.spec.mode),
-                                       match.spec.describe(), replaced, added))
+        record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(), replaced, added))
     for pattern, found in (("experts", misses), ("router", router_misses)):
         for miss in found:
             record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, pattern, miss.expected,

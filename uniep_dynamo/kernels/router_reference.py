@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _linear(hidden, weight, bias, spec):
+def router_logits(hidden, weight, bias, spec):
     if spec.linear_fp32:
         return F.linear(hidden.float(), weight.float(), bias.float() if bias is not None else None)
     return F.linear(hidden, weight, bias)
@@ -52,7 +52,7 @@ def group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.
 
 def router_forward(hidden, weight, bias, score_bias, spec):
     """(logits, weights, ids) of the router; ids are int64."""
-    logits = _linear(hidden, weight, bias, spec)
+    logits = router_logits(hidden, weight, bias, spec)
     z = logits.float() if spec.score_fp32 else logits
     k = spec.top_k
     if spec.mode == "softmax_topk":
@@ -105,6 +105,11 @@ def router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids
         g_logits = grad_logits if g_logits is None else g_logits + grad_logits
     if g_logits is None:
         g_logits = torch.zeros_like(logits)
+    return linear_backward(g_logits, hidden, weight, bias, spec)
+
+
+def linear_backward(g_logits, hidden, weight, bias, spec):
+    """(d_hidden, d_weight, d_bias) of the router's linear from the logits' gradient."""
     if spec.linear_fp32:
         d_hidden = (g_logits @ weight.float()).to(hidden.dtype)
         d_weight = (g_logits.t() @ hidden.float()).to(weight.dtype)

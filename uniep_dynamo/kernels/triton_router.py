@@ -1,13 +1,16 @@
-"""The fused routing kernel: logits, scores, (group-limited) top-k and routing weights in one pass.
+"""The fused routing kernels: scores, (group-limited) top-k and routing weights in one pass over the
+logits, and the logits gradient of the routing weights in one pass back.
 
-One program takes BLOCK_T tokens and all E (padded to a power of two) experts: it accumulates the
-router logits over H in BLOCK_H steps (a fixed order: the config is fixed, so results never depend on
-a knob), stores them (they escape to the auxiliary loss), then computes the scores, the group limit,
-the K selections and the weights in registers and stores ids and weights. Nothing goes through
-memory between those steps and there is no host synchronization.
+The router's linear runs on cuBLAS (the same F.linear call as eager, so the logits are eager's; its
+reduction order is cuBLAS's fixed one). ``_router_select`` then takes BLOCK_T tokens and all E experts
+(padded to a power of two) per program: softmax or sigmoid, the score-correction bias, the group limit,
+the K selections and the weights stay in registers; ids and weights are stored. ``_router_grad``
+recomputes the scores from the logits and writes d_logits (plus the logits' own gradient), which two
+cuBLAS GEMMs turn into the hidden-state and gate-weight gradients. Every reduction runs in a fixed order;
+nothing is atomic; there is no host synchronization.
 
-Selection order is torch.topk's: descending value, ties to the lower expert index, NaN above every
-number (values are compared through a monotone int32 key that maps every NaN to the top).
+Selection order: descending value, ties to the lower expert index, NaN above every number (values are
+compared through a monotone int32 key that maps every NaN to the top).
 """
 from __future__ import annotations
 
@@ -18,12 +21,13 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
+from .router_reference import linear_backward, router_logits
 
 log = logging.getLogger("uniep")
 
-MAX_EXPERTS = 256
+MAX_EXPERTS = 1024
 _MODES = {"softmax_topk": 0, "sigmoid_topk": 1, "topk_softmax": 2}
-_INT_MIN = -2147483648
+_INT_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
@@ -37,7 +41,7 @@ def _order_key(x):
 
 @triton.jit
 def _take_max(key, values, idx, NONE: tl.constexpr):
-    """Per row: the index of the largest key (lowest index on ties) and its value."""
+    """Per row: the index of the largest key (lowest index on ties), where it is, and its value."""
     best = tl.max(key, axis=1)
     pick = tl.min(tl.where(key == best[:, None], idx, NONE), axis=1)
     chosen = idx == pick[:, None]
@@ -45,51 +49,46 @@ def _take_max(key, values, idx, NONE: tl.constexpr):
 
 
 @triton.jit
-def _router_fwd(x_ptr, w_ptr, b_ptr, sb_ptr, logits_ptr, weights_ptr, ids_ptr, num_tokens, hidden_size,
-                num_experts, stride_x, stride_w, scale, renorm_eps,
-                MODE: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SB: tl.constexpr,
-                DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr, ROUND_SCORES: tl.constexpr,
-                RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts):
+    return tl.load(logits_ptr + rows64[:, None] * num_experts + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scores(z, col_ok, MODE: tl.constexpr, ROUND_SCORES: tl.constexpr, round_ty):
+    """softmax over the experts (MODE 0), sigmoid (MODE 1) or the logits themselves (MODE 2), fp32."""
+    if MODE == 0:
+        zm = tl.where(col_ok[None, :], z, float("-inf"))
+        e = tl.exp(zm - tl.max(zm, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
+    elif MODE == 1:
+        scores = 1.0 / (1.0 + tl.exp(-z))
+    else:
+        scores = z
+    if ROUND_SCORES:
+        scores = scores.to(round_ty).to(tl.float32)
+    return scores
+
+
+@triton.jit
+def _router_select(logits_ptr, sb_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, scale, renorm_eps,
+                   MODE: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_SB: tl.constexpr,
+                   ROUND_SCORES: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
     rows64 = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
-    for h0 in range(0, hidden_size, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hs < hidden_size
-        a = tl.load(x_ptr + rows64[:, None] * stride_x + hs[None, :], mask=row_ok[:, None] & h_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_w + hs[:, None], mask=col_ok[None, :] & h_ok[:, None], other=0.0)
-        if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out_ok = row_ok[:, None] & col_ok[None, :]
-    logits = acc.to(logits_ptr.dtype.element_ty)
-    tl.store(logits_ptr + rows64[:, None] * num_experts + cols[None, :], logits, mask=out_ok)
-    z = logits.to(tl.float32) if ROUND_LOGITS else acc
-    neg_inf = float("-inf")
-
-    if MODE == 0:  # softmax over the experts, then top-k of the probabilities
-        zm = tl.where(col_ok[None, :], z, neg_inf)
-        e = tl.exp(zm - tl.max(zm, axis=1)[:, None])
-        scores = e / tl.sum(e, axis=1)[:, None]
-        if ROUND_SCORES:
-            scores = scores.to(logits_ptr.dtype.element_ty).to(tl.float32)
-        choice = scores
-    elif MODE == 1:  # sigmoid scores; the choice adds the correction bias and the group limit
-        scores = 1.0 / (1.0 + tl.exp(-z))
-        if ROUND_SCORES:
-            scores = scores.to(logits_ptr.dtype.element_ty).to(tl.float32)
-        choice = scores
+    z = _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts)
+    scores = _scores(z, col_ok, MODE, ROUND_SCORES, logits_ptr.dtype.element_ty)
+    choice = scores
+    if MODE == 1:
         if HAS_SB:
             choice = choice + tl.load(sb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if N_GROUP > 1:
+            # a group scores the sum of its two best choices; the TOPK_GROUP best groups stay eligible
             GROUP: tl.constexpr = E_PAD // N_GROUP
             c3 = tl.reshape(choice, [BLOCK_T, N_GROUP, GROUP])
             k3 = _order_key(c3)
@@ -107,14 +106,11 @@ def _router_fwd(x_ptr, w_ptr, b_ptr, sb_ptr, logits_ptr, weights_ptr, ids_ptr, n
             gidx = tl.arange(0, N_GROUP)[None, :]
             keep = tl.zeros([BLOCK_T, N_GROUP], dtype=tl.int32)
             for _g in tl.static_range(TOPK_GROUP):
-                pick, chosen, _v = _take_max(gkey, group_scores, gidx, N_GROUP)
+                _pick, chosen, _v = _take_max(gkey, group_scores, gidx, N_GROUP)
                 keep = tl.where(chosen, 1, keep)
                 gkey = tl.where(chosen, _INT_MIN, gkey)
             keep3 = tl.broadcast_to(keep[:, :, None], [BLOCK_T, N_GROUP, GROUP])
-            choice = tl.where(tl.reshape(keep3, [BLOCK_T, E_PAD]) != 0, choice, neg_inf)
-    else:  # top-k of the logits, then softmax over the K chosen
-        scores = z
-        choice = z
+            choice = tl.where(tl.reshape(keep3, [BLOCK_T, E_PAD]) != 0, choice, float("-inf"))
 
     key = tl.where(col_ok[None, :], _order_key(choice), _INT_MIN)
     kcols = tl.arange(0, K_PAD)[None, :]
@@ -126,8 +122,8 @@ def _router_fwd(x_ptr, w_ptr, b_ptr, sb_ptr, logits_ptr, weights_ptr, ids_ptr, n
         ids = tl.where(kcols == k, pick[:, None], ids)
         key = tl.where(chosen, _INT_MIN, key)
     k_ok = kcols < K
-    if MODE == 2:
-        vm = tl.where(k_ok, vals, neg_inf)
+    if MODE == 2:  # softmax over the K chosen logits
+        vm = tl.where(k_ok, vals, float("-inf"))
         e = tl.where(k_ok, tl.exp(vm - tl.max(vm, axis=1)[:, None]), 0.0)
         vals = e / tl.sum(e, axis=1)[:, None]
     if RENORM:
@@ -136,6 +132,76 @@ def _router_fwd(x_ptr, w_ptr, b_ptr, sb_ptr, logits_ptr, weights_ptr, ids_ptr, n
     out = rows64[:, None] * K + kcols
     tl.store(weights_ptr + out, vals.to(weights_ptr.dtype.element_ty), mask=row_ok[:, None] & k_ok)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=row_ok[:, None] & k_ok)
+
+
+@triton.jit
+def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_experts, scale, renorm_eps,
+                 MODE: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, HAS_GW: tl.constexpr,
+                 HAS_GL: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """d_logits = d(weights)/d(logits)^T grad_weights (+ grad_logits), with the forward's ids."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    rows64 = rows.to(tl.int64)
+    g_z = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+    if HAS_GW:
+        z = _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts)
+        scores = _scores(z, col_ok, MODE, False, tl.float32)
+        # pass 1: v_k (the weights before renorm and scale) and the sums the chain rule needs
+        v_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+        vmax = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+        for k in tl.static_range(K):
+            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
+            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1)
+            vmax = tl.maximum(vmax, vk)
+        if MODE == 2:  # the K chosen logits -> their softmax
+            e_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for k in tl.static_range(K):
+                idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
+                e_sum += tl.exp(tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1) - vmax)
+        gv_v = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k in tl.static_range(K):
+            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
+            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1)
+            if MODE == 2:
+                vk = tl.exp(vk - vmax) / e_sum
+            gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
+            v_sum += vk
+            gv_v += gk * vk
+        total = v_sum + renorm_eps
+        # pass 2: g_v per slot, then its share of g_z; sums over k run in k order
+        gvv_renormed = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k in tl.static_range(K):
+            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
+            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1)
+            if MODE == 2:
+                vk = tl.exp(vk - vmax) / e_sum
+            gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
+            if RENORM:
+                gk = gk / total - gv_v / (total * total)
+            gvv_renormed += gk * vk
+            if MODE == 0:
+                share = gk
+            elif MODE == 1:
+                share = gk * vk * (1.0 - vk)
+            else:
+                share = gk * vk  # minus v_k * sum_j g_j v_j, added after the loop
+            g_z += tl.where(cols[None, :] == idk[:, None], share[:, None], 0.0)
+        if MODE == 0:  # softmax backward over all experts
+            g_z = scores * (g_z - tl.sum(g_z * scores, axis=1)[:, None])
+        elif MODE == 2:
+            for k in tl.static_range(K):
+                idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
+                vk = tl.exp(tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1) - vmax) / e_sum
+                g_z -= tl.where(cols[None, :] == idk[:, None], (vk * gvv_renormed)[:, None], 0.0)
+    ptrs = rows64[:, None] * num_experts + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    d = g_z.to(dl_ptr.dtype.element_ty)
+    if HAS_GL:
+        d = (d.to(tl.float32) + tl.load(gl_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)).to(dl_ptr.dtype.element_ty)
+    tl.store(dl_ptr + ptrs, d, mask=mask)
 
 
 def unsupported_reason(hidden, weight, bias, score_bias, spec) -> str | None:
@@ -160,8 +226,8 @@ def unsupported_reason(hidden, weight, bias, score_bias, spec) -> str | None:
                              or spec.n_group & (spec.n_group - 1) or spec.num_experts // spec.n_group < 2):
         return (f"group-limited routing over E={spec.num_experts} in {spec.n_group} groups: the fused router "
                 "takes E a power of two >= 16 in power-of-two groups of at least 2")
-    if hidden.dim() != 2 or hidden.stride(-1) != 1 or weight.stride(-1) != 1:
-        return "hidden states or router weight are not row-major 2-D"
+    if hidden.dim() != 2:
+        return "hidden states are not 2-D"
     return None
 
 
@@ -178,29 +244,46 @@ def use_kernel(hidden, weight, bias, score_bias, spec) -> bool:
     return False
 
 
+def _launch(num_tokens, num_experts):
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    block_t = 16 if interpreting() else max(1, min(64, 4096 // e_pad))
+    return e_pad, block_t, (triton.cdiv(num_tokens, block_t),)
+
+
 def router_forward(hidden, weight, bias, score_bias, spec):
-    num_tokens, hidden_size = hidden.shape
-    num_experts, k = spec.num_experts, spec.top_k
-    logits_dtype = torch.float32 if spec.linear_fp32 else hidden.dtype
-    logits = hidden.new_empty(num_tokens, num_experts, dtype=logits_dtype)
-    weights = hidden.new_empty(num_tokens, k, dtype=spec.weights_dtype)
-    ids = hidden.new_empty(num_tokens, k, dtype=torch.int64)
+    """(logits, weights, ids): the logits from cuBLAS, the rest from one _router_select launch."""
+    num_tokens = hidden.shape[0]
+    logits = router_logits(hidden, weight, bias, spec).contiguous()
+    weights = hidden.new_empty(num_tokens, spec.top_k, dtype=spec.weights_dtype)
+    ids = hidden.new_empty(num_tokens, spec.top_k, dtype=torch.int64)
     if num_tokens == 0:
         return logits, weights, ids
-    e_pad = max(16, triton.next_power_of_2(num_experts))
-    interp = interpreting()
-    block_t = 16 if interp else (64 if e_pad <= 64 else 32)
-    block_h = 32 if interp else 64
-    dot_fp32 = spec.linear_fp32 or hidden.dtype == torch.float32
-    _router_fwd[(triton.cdiv(num_tokens, block_t),)](
-        hidden, weight, bias if bias is not None else weight, score_bias if score_bias is not None else weight,
-        logits, weights, ids, num_tokens, hidden_size, num_experts, hidden.stride(0), weight.stride(0),
-        float(spec.scale), float(spec.renorm_eps),
-        MODE=_MODES[spec.mode], K=k, K_PAD=max(2, triton.next_power_of_2(k)), E_PAD=e_pad,
-        N_GROUP=spec.n_group, TOPK_GROUP=spec.topk_group, HAS_BIAS=bias is not None,
-        HAS_SB=score_bias is not None, DOT_FP32=dot_fp32, ROUND_LOGITS=logits_dtype != torch.float32,
-        ROUND_SCORES=not spec.score_fp32 and logits_dtype != torch.float32, RENORM=spec.renorm,
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4 if e_pad <= 64 else 8)
+    e_pad, block_t, grid = _launch(num_tokens, spec.num_experts)
+    _router_select[grid](
+        logits, score_bias if score_bias is not None else logits, weights, ids, num_tokens, spec.num_experts,
+        float(spec.scale), float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k,
+        K_PAD=max(2, triton.next_power_of_2(spec.top_k)), E_PAD=e_pad, N_GROUP=spec.n_group,
+        TOPK_GROUP=spec.topk_group, HAS_SB=score_bias is not None,
+        ROUND_SCORES=not spec.score_fp32 and logits.dtype != torch.float32, RENORM=spec.renorm, BLOCK_T=block_t,
+        num_warps=4)
     from torch._dynamo.utils import counters
     counters["uniep_kernels"]["triton_router"] += 1
     return logits, weights, ids
+
+
+def router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):
+    """(d_hidden, d_weight, d_bias): d_logits from one _router_grad launch, then two cuBLAS GEMMs."""
+    num_tokens = hidden.shape[0]
+    logits, ids = logits.contiguous(), ids.contiguous()
+    d_logits = torch.empty_like(logits)
+    if num_tokens:
+        e_pad, block_t, grid = _launch(num_tokens, spec.num_experts)
+        gw = grad_weights.contiguous() if grad_weights is not None else logits
+        gl = grad_logits.contiguous() if grad_logits is not None else logits
+        _router_grad[grid](logits, ids, gw, gl, d_logits, num_tokens, spec.num_experts, float(spec.scale),
+                           float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, E_PAD=e_pad,
+                           HAS_GW=grad_weights is not None, HAS_GL=grad_logits is not None, RENORM=spec.renorm,
+                           BLOCK_T=block_t, num_warps=4)
+        from torch._dynamo.utils import counters
+        counters["uniep_kernels"]["triton_router_backward"] += 1
+    return linear_backward(d_logits, hidden, weight, bias, spec)

@@ -22,7 +22,7 @@ Terms:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, Node
@@ -47,7 +47,10 @@ class RouterMatch:
     score_bias: Node | None
     spec: RouterSpec
     module: str
-    erase_logits: bool = field(default=True)
+
+    @property
+    def spelling(self) -> str:
+        return self.spec.mode
 
 
 def _dtype(node):
