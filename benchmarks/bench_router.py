@@ -6,8 +6,11 @@ batches, where launches dominate). Providers:
   eager      the HF module
   inductor   torch.compile(router)                       (the unfused router as inductor compiles it)
   uniep      torch.compile(router, backend="uniep")      (uniep.moe_router: the fused routing kernel)
-Each uniep row also says how many ids differ from eager's (exact ties aside, none should) and the
-largest relative difference of the routing weights.
+Two timings each: wall time per call (CUDA events around the call: on these microsecond kernels it is
+mostly host time, Dynamo's guards and the autograd engine included), and the time of one replay of the
+calls captured in a CUDA graph (the device's own time: kernels and the gaps between them, no host
+work). Each uniep row also says how many tokens chose other experts than eager (exact ties aside, none
+should) and the largest relative difference of the routing weights.
 
 Part 2, whole-layer effect: the HF sparse MoE block (router + experts) at T=8192, forward + backward,
 under inductor, under uniep with the router left to inductor (rewrite_router=False) and under uniep
@@ -79,6 +82,20 @@ def compiled(mod, provider):
     raise ValueError(provider)
 
 
+def time_graph(run, iters, warmup):
+    """Median time of one replay of `run` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return time_cuda(graph.replay, iters, warmup)
+
+
 def bench_router(name, tokens, iters, warmup, dtype, device):
     from torch._dynamo.utils import counters
 
@@ -111,6 +128,8 @@ def bench_router(name, tokens, iters, warmup, dtype, device):
         results[provider] = out
         row[f"{provider}_fwd_ms"] = round(time_cuda(fwd, iters, warmup), 4)
         row[f"{provider}_fwd_bwd_ms"] = round(time_cuda(fwd_bwd, iters, warmup), 4)
+        row[f"{provider}_fwd_graph_ms"] = round(time_graph(fwd, iters, warmup), 4)
+        row[f"{provider}_fwd_bwd_graph_ms"] = round(time_graph(fwd_bwd, iters, warmup), 4)
         if provider == "uniep":
             row["uniep_rewrites"] = counters["uniep"]["moe_router"]
             row["uniep_fused_kernel_calls"] = counters["uniep_kernels"]["triton_router"]
@@ -189,8 +208,9 @@ def main():
         print(json.dumps(row), flush=True)
         layers.append(row)
     if routers:
-        print_rows("router (ms)", routers, [f"{p}_{m}_ms" for m in ("fwd", "fwd_bwd")
-                                            for p in ("eager", "inductor", "uniep")])
+        for mode in ("fwd", "fwd_bwd"):
+            print_rows(f"router {mode}, ms per call (wall) and per CUDA-graph replay (device)", routers,
+                       [f"{p}_{mode}{g}_ms" for g in ("", "_graph") for p in ("eager", "inductor", "uniep")])
     if layers:
         print_rows("MoE layer, fwd+bwd (ms)", layers, ["inductor_ms", "uniep_experts_only_ms", "uniep_ms"])
     with open(args.out, "w") as f:
