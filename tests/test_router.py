@@ -235,7 +235,7 @@ def test_empty_batch():
     spec = RouterSpec("softmax_topk", 8, 2, renorm=True)
     x = torch.randn(0, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)
-    logits, weights, ids = torch.ops.uniep.moe_router(x, w, None, None, spec.encode())
+    logits, weights, ids = torch.ops.uniep.moe_router(x, w, None, None, spec.encode())[:3]
     assert logits.shape == (0, 8) and weights.shape == (0, 2) and ids.shape == (0, 2)
     weights.sum().backward()
     assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
@@ -310,6 +310,14 @@ def _compare_kernel(spec, x, w, b, sb, monkeypatch):
     tol = 2e-3 if x.dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got[0], ref[0], atol=tol, rtol=tol)
     torch.testing.assert_close(got[1], ref[1], atol=tol, rtol=tol)
+    # the routing plan from the select kernel's histograms equals the reference's stable sort of the ids
+    import dataclasses
+
+    from uniep_dynamo.kernels import reference
+    with_plan = triton_router.router_forward(x, w, b, sb, dataclasses.replace(spec, plan=True))
+    assert torch.equal(with_plan[2], got[2])
+    for a, e in zip(with_plan[3:], reference.routing_plan(got[2], spec.num_experts)):
+        assert torch.equal(a, e)
     # backward: the d_logits kernel + GEMMs against the reference formulas, with and without each gradient
     g = torch.Generator().manual_seed(5)
     gw = torch.randn(ref[1].shape, generator=g).to(ref[1].dtype)
@@ -348,7 +356,7 @@ def test_fused_router_kernel_ties_nan_and_empty(monkeypatch):
     keep = torch.arange(12) != 4
     assert torch.equal(got[2][keep], ref[2][keep])
     empty = triton_router.router_forward(x[:0], w, None, None, spec)
-    assert [t.shape for t in empty] == [(0, 16), (0, 4), (0, 4)]
+    assert [t.shape for t in empty[:3]] == [(0, 16), (0, 4), (0, 4)]
 
 
 @needs_interpreter
@@ -361,7 +369,7 @@ def test_fused_router_through_the_op_and_autograd(monkeypatch):
         monkeypatch.setenv("UNIEP_KERNELS", mode)
         counters.clear()
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        logits, weights, ids = torch.ops.uniep.moe_router(xs, ws, None, sb, spec.encode())
+        logits, weights, ids = torch.ops.uniep.moe_router(xs, ws, None, sb, spec.encode())[:3]
         (weights * torch.arange(4.0)).sum().backward()
         results[mode] = (weights, ids, xs.grad, ws.grad)
         assert counters["uniep_kernels"]["triton_router"] == (1 if mode == "triton" else 0)
@@ -390,7 +398,9 @@ common = {{"num_tokens": "i32", "num_experts": "i32", "scale": "fp32", "renorm_e
 for ldt, wdt, extra in {variants!r}:
     consts = {{**dict(K=8, K_PAD=8, N_GROUP=1, TOPK_GROUP=1, HAS_SB=False, ROUND_SCORES=False, RENORM=True,
                       BLOCK_T=32), **extra}}
-    sig = {{"logits_ptr": "*" + ldt, "sb_ptr": "*fp32", "weights_ptr": "*" + wdt, "ids_ptr": "*i64", **common}}
+    consts.update(PLAN=True, NUM_KEYS=max(16, 2 * consts["E_PAD"]))
+    sig = {{"logits_ptr": "*" + ldt, "sb_ptr": "*fp32", "weights_ptr": "*" + wdt, "ids_ptr": "*i64",
+            "hist_ptr": "*i32", **common}}
     sig.update({{k: "constexpr" for k in consts}})
     kernel = triton.compile(triton.compiler.ASTSource(fn=_router_select, signature=sig, constexprs=consts),
                             target=target)
@@ -422,3 +432,52 @@ def test_routing_kernel_compiles_for_hopper():
         pytest.skip("this triton has no ahead-of-time compilation API (triton.backends.compiler.GPUTarget)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("compiled") == len(AOT_VARIANTS)
+
+
+# -- the routing plan, computed by the router op for its experts op --------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_router_shares_its_routing_plan_with_the_experts_op(family):
+    from hf_models import build_model
+
+    from uniep_dynamo import explain
+
+    model = build_model(family)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    report = explain(model, input_ids=ids, labels=ids)
+    specs = [r["spec"] for r in report.data["graphs"][0]["rewrites"] if r["op"] == "moe_router"]
+    assert len(specs) == 2 and all("routing plan" in spec for spec in specs)
+    results = []
+    for share in (True, False):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        compiled = torch.compile(model, backend="uniep", options={"share_routing_plan": share})
+        out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.loss, out.logits] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*results):  # the same plan either way: bitwise equal
+        assert torch.equal(a, b)
+
+
+@needs_interpreter
+def test_experts_op_with_the_routers_plan_is_bitwise_equal(monkeypatch):
+    # the MegaKernel fed the router's plan against the same MegaKernel building its own
+    import dataclasses
+
+    from test_reference import SILU_GLU, make
+
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    hidden, _ids, _w, w_up, w_down, _b_up, _b_down, spec = make(19, 16, 24, 8, 3, gate=SILU_GLU)
+    rspec = RouterSpec("softmax_topk", 8, 3, renorm=True, plan=True)
+    router_w = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    results = []
+    for plan_in in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (hidden, router_w, w_up, w_down)]
+        logits, weights, ids, *plan = torch.ops.uniep.moe_router(leaves[0], leaves[1], None, None, rspec.encode())
+        given = tuple(plan) if plan_in else ()
+        out = torch.ops.uniep.moe_experts(leaves[0], ids, weights, leaves[2], leaves[3], None, None, [],
+                                          spec.encode(), *given)[0]
+        out.backward(torch.ones_like(out))
+        results.append([out] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -7,6 +7,7 @@ Options (``options={...}``): see ``UniepOptions``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field, fields
@@ -15,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import report
-from .lowering import lower_experts, lower_router
+from .lowering import lower_experts, lower_router, share_routing_plan
 from .patterns import find_experts_regions, find_router_regions
 
 log = logging.getLogger("uniep")
@@ -28,6 +29,9 @@ class UniepOptions:
     inner_backend: object = "inductor"  # a name from INNER_BACKENDS, or any torch.compile backend callable
     rewrite_experts: bool = True  # False: leave the experts regions as Dynamo made them (for A/B comparisons)
     rewrite_router: bool = True  # False: leave the router regions to the inner backend
+    # The router op also builds the routing plan its experts op consumes (one sort of the ids, in the
+    # router's pass); False: the experts op builds its own (for A/B comparisons)
+    share_routing_plan: bool = True
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
     # through the same graph (retain_graph=True) then raises. False keeps them intact.
@@ -55,11 +59,13 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
     routers, router_misses = find_router_regions(gm.graph) if opts.rewrite_router else ([], [])
     lowered = []  # (match, names of the nodes it replaced, names of the nodes added)
+    experts_calls = []
     # Experts first: their calls read the router's ids and weights nodes, which the router lowering
     # then rewires to its own outputs.
     for match in matches:
         replaced = [n.name for n in match.nodes]
         call = lower_experts(gm, match, reuse_saved=opts.reuse_saved_buffers)
+        experts_calls.append(call)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"]["moe_experts"] += 1
         log.info("uniep: rewrote %s (%s spelling, %d nodes) into uniep.moe_experts [%s]",
@@ -67,6 +73,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     for match in routers:
         replaced = [n.name for n in match.nodes]
         call = lower_router(gm, match)
+        if opts.share_routing_plan and share_routing_plan(gm, call, experts_calls) is not None:
+            match.spec = dataclasses.replace(match.spec, plan=True)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"]["moe_router"] += 1
         log.info("uniep: rewrote %s (%d nodes) into uniep.moe_router [%s]", match.module, len(match.nodes),

@@ -19,7 +19,8 @@ from .kernels import megakernel, reference, router_reference
 from .spec import decode_router_spec, decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
-               "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec) "
+               "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec, Tensor? plan_row_order=None, Tensor? plan_slot_row=None, "
+               "Tensor? plan_offsets=None) "
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
                "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor[] post_operands, Tensor row_order, "
@@ -28,15 +29,34 @@ _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_we
 
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
-def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
+def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec,
+                plan_row_order=None, plan_slot_row=None, plan_offsets=None):
     s = decode_spec(spec)
+    plan = _checked_plan((plan_row_order, plan_slot_row, plan_offsets), topk_ids, w_up.shape[0])
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
-        return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s)
-    return reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, s)
+        out = megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, plan=plan)
+    else:
+        out = reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, s,
+                                        plan=plan)
+    if plan is not None:  # outputs may not alias inputs: the given plan is saved from the inputs instead
+        out = (out[0],) + tuple(topk_ids.new_empty(0) for _ in range(3)) + tuple(out[4:])
+    return out
+
+
+def _checked_plan(plan, topk_ids, num_experts):
+    """The routing plan the router op computed for these ids (row_order, slot_row, expert_offsets), or None."""
+    if all(p is None for p in plan):
+        return None
+    if any(p is None for p in plan) or plan[0].shape != (topk_ids.numel(),) or plan[1].shape != (topk_ids.numel(),) \
+            or plan[2].shape != (num_experts,):
+        raise ValueError(f"uniep: moe_experts got a routing plan of shapes {[tuple(p.shape) for p in plan]} for "
+                         f"{topk_ids.numel()} slots over {num_experts} experts")
+    return tuple(plan)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
+def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec,
+                      plan_row_order=None, plan_slot_row=None, plan_offsets=None):
     s = decode_spec(spec)
     num_tokens, top_k = topk_ids.shape
     rows = num_tokens * top_k
@@ -50,6 +70,8 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
     down_dtype = torch.promote_types(w_down.dtype, b_down.dtype) if b_down is not None else w_down.dtype
     up = hidden.new_empty(rows, up_width, dtype=up_dtype)
     down = hidden.new_empty(rows, hidden_size, dtype=down_dtype)
+    if plan_row_order is not None:
+        row_order, slot_row, offsets = (topk_ids.new_empty(0, dtype=torch.int64) for _ in range(3))
     return out, row_order, slot_row, offsets, up, down
 
 
@@ -113,8 +135,13 @@ def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights,
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec = inputs
+    hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec, *given_plan = inputs
     _, row_order, slot_row, expert_offsets, up, down = output
+    # Autograd wants one gradient per argument passed (defaults left out), and the plan is passed whole
+    # (the lowering's plan_row_order=, plan_slot_row=, plan_offsets=) or not at all.
+    ctx.num_plan_inputs = 3 if given_plan and given_plan[0] is not None else 0
+    if given_plan and given_plan[0] is not None:
+        row_order, slot_row, expert_offsets = given_plan
     ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
                           row_order, slot_row, expert_offsets, up, down)
     ctx.spec = spec
@@ -135,7 +162,7 @@ def _backward(ctx, grad_out, *_unused_grads):
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
             grad_out, *head, operands, *plan, ctx.spec)
     return (d_hidden, None, d_weights, d_w_up, d_w_down,
-            d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, list(d_operands), None)
+            d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, list(d_operands), None) + (None,) * ctx.num_plan_inputs
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
@@ -154,7 +181,8 @@ def moe_experts_out(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 # with the forward's ids. Both run the fused routing kernels (kernels/triton_router.py) where they
 # apply, else the reference (kernels/router_reference.py).
 
-_ROUTER_SCHEMA = "(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bias, str spec) -> (Tensor, Tensor, Tensor)"
+_ROUTER_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bias, str spec) "
+                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _router_kernel_applies(hidden, weight, bias, score_bias, spec) -> bool:
@@ -177,8 +205,12 @@ def moe_router(hidden, weight, bias, score_bias, spec):
     if _router_kernel_applies(hidden, weight, bias, score_bias, s):
         from .kernels import triton_router
         return triton_router.router_forward(hidden, weight, bias, score_bias, s)
-    logits, weights, ids = router_reference.router_forward(hidden, weight, bias, score_bias, s)
-    return logits.contiguous(), weights.contiguous(), ids.contiguous()
+    logits, weights, ids = (t.contiguous() for t in router_reference.router_forward(hidden, weight, bias, score_bias, s))
+    if s.plan:
+        plan = reference.routing_plan(ids, s.num_experts)
+    else:
+        plan = tuple(ids.new_empty(0) for _ in range(3))
+    return (logits, weights, ids) + tuple(plan)
 
 
 @moe_router.register_fake
@@ -188,7 +220,9 @@ def _moe_router_fake(hidden, weight, bias, score_bias, spec):
     logits = hidden.new_empty(num_tokens, s.num_experts, dtype=torch.float32 if s.linear_fp32 else hidden.dtype)
     weights = hidden.new_empty(num_tokens, s.top_k, dtype=s.weights_dtype)
     ids = hidden.new_empty(num_tokens, s.top_k, dtype=torch.int64)
-    return logits, weights, ids
+    slots = num_tokens * s.top_k if s.plan else 0
+    plan = (ids.new_empty(slots), ids.new_empty(slots), ids.new_empty(s.num_experts if s.plan else 0))
+    return (logits, weights, ids) + plan
 
 
 _ROUTER_BWD_SCHEMA = ("(Tensor? grad_logits, Tensor? grad_weights, Tensor hidden, Tensor weight, Tensor? bias, "
@@ -215,14 +249,14 @@ def _moe_router_backward_fake(grad_logits, grad_weights, hidden, weight, bias, l
 
 def _router_setup_context(ctx, inputs, output):
     hidden, weight, bias, _score_bias, spec = inputs
-    logits, _weights, ids = output
+    logits, _weights, ids, *plan = output
     ctx.save_for_backward(hidden, weight, bias, logits, ids)
     ctx.spec = spec
     ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(ids)
+    ctx.mark_non_differentiable(ids, *plan)
 
 
-def _router_backward(ctx, grad_logits, grad_weights, _grad_ids):
+def _router_backward(ctx, grad_logits, grad_weights, _grad_ids, *_grad_plan):
     hidden, weight, bias, logits, ids = ctx.saved_tensors
     d_hidden, d_weight, d_bias = torch.ops.uniep.moe_router_backward(grad_logits, grad_weights, hidden, weight, bias,
                                                                      logits, ids, ctx.spec)

@@ -83,6 +83,9 @@ class RouterSpec:
     renorm_eps: float = 0.0
     scale: float = 1.0
     weights_dtype: torch.dtype = torch.float32
+    # The op also returns the routing plan of its ids (row_order, slot_row, expert_offsets), for the
+    # experts op those ids feed (the lowering sets it); else those three outputs are empty.
+    plan: bool = False
 
     def encode(self) -> str:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -101,6 +104,8 @@ class RouterSpec:
             parts.append(f"scale {self.scale:g}")
         if self.linear_fp32:
             parts.append("fp32 linear")
+        if self.plan:
+            parts.append("routing plan")
         return ", ".join(parts) + f", weights {str(self.weights_dtype).replace('torch.', '')}"
 
 

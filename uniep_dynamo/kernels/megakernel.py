@@ -204,15 +204,17 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec):
-    """Same contract as reference.experts_forward (without post programs)."""
+def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
+    """Same contract as reference.experts_forward (without post programs); `plan` is the routing plan
+    of topk_ids when the router op computed it already."""
     from .triton_gemm import GLU_FWD, STORE
     from .triton_routing import combine, gather_rows, routing_plan
 
     counters["uniep_kernels"]["triton_forward"] += 1
     layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
     cfg = layer.config
-    row_order, slot_row, offsets = routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
+    row_order, slot_row, offsets = plan if plan is not None else \
+        routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
     device = hidden.device
     up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
     down = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_down.dtype, device=device)

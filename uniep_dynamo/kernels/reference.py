@@ -223,13 +223,14 @@ def post_glue(program: str, device: torch.device):
     return _program_glue(program, device, _post_functions)
 
 
-def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec):
-    """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for backward."""
+def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec, plan=None):
+    """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for
+    backward. `plan`: the routing plan of topk_ids, when the router op computed it already."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0]
     if spec.out_of_range == "clamp":
         topk_ids = topk_ids.clamp(0, num_experts - 1)
-    row_order, slot_row, expert_offsets = routing_plan(topk_ids, num_experts)
+    row_order, slot_row, expert_offsets = plan if plan is not None else routing_plan(topk_ids, num_experts)
     routed = _routed_rows_mask(expert_offsets, row_order.numel())
     if b_up is not None or b_down is not None:
         row_expert = topk_ids.reshape(-1)[row_order].clamp(0, num_experts - 1)

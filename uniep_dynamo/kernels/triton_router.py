@@ -71,10 +71,11 @@ def _scores(z, col_ok, MODE: tl.constexpr, ROUND_SCORES: tl.constexpr, round_ty)
 
 
 @triton.jit
-def _router_select(logits_ptr, sb_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, scale, renorm_eps,
+def _router_select(logits_ptr, sb_ptr, weights_ptr, ids_ptr, hist_ptr, num_tokens, num_experts, scale, renorm_eps,
                    MODE: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_SB: tl.constexpr,
-                   ROUND_SCORES: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr):
+                   ROUND_SCORES: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                   PLAN: tl.constexpr, NUM_KEYS: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
@@ -132,6 +133,10 @@ def _router_select(logits_ptr, sb_ptr, weights_ptr, ids_ptr, num_tokens, num_exp
     out = rows64[:, None] * K + kcols
     tl.store(weights_ptr + out, vals.to(weights_ptr.dtype.element_ty), mask=row_ok[:, None] & k_ok)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=row_ok[:, None] & k_ok)
+    if PLAN:  # the routing plan's histogram of this block of BLOCK_T * K slots (padding counts as the last key)
+        pkey = tl.where(row_ok[:, None] & k_ok, ids, NUM_KEYS - 1)
+        tl.store(hist_ptr + pid * NUM_KEYS + tl.arange(0, NUM_KEYS),
+                 tl.histogram(tl.reshape(pkey, [BLOCK_T * K_PAD]), NUM_KEYS))
 
 
 @triton.jit
@@ -228,6 +233,10 @@ def unsupported_reason(hidden, weight, bias, score_bias, spec) -> str | None:
                 "takes E a power of two >= 16 in power-of-two groups of at least 2")
     if hidden.dim() != 2:
         return "hidden states are not 2-D"
+    from .triton_routing import MAX_SLOTS
+
+    if spec.plan and hidden.shape[0] * spec.top_k >= MAX_SLOTS:
+        return f"{hidden.shape[0] * spec.top_k} routed slots; the routing-plan kernels count in int32"
     return None
 
 
@@ -251,24 +260,34 @@ def _launch(num_tokens, num_experts):
 
 
 def router_forward(hidden, weight, bias, score_bias, spec):
-    """(logits, weights, ids): the logits from cuBLAS, the rest from one _router_select launch."""
+    """(logits, weights, ids, row_order, slot_row, expert_offsets): the logits from cuBLAS; weights, ids
+    and the histograms of the routing plan from one _router_select launch; with spec.plan, the plan's
+    scan and scatter after it (else the plan tensors are empty)."""
+    from .triton_routing import plan_buffers, plan_from_histogram, plan_num_keys
+
     num_tokens = hidden.shape[0]
     logits = router_logits(hidden, weight, bias, spec).contiguous()
     weights = hidden.new_empty(num_tokens, spec.top_k, dtype=spec.weights_dtype)
     ids = hidden.new_empty(num_tokens, spec.top_k, dtype=torch.int64)
+    plan = plan_buffers(num_tokens * spec.top_k if spec.plan else 0, spec.num_experts if spec.plan else 0,
+                        hidden.device)
     if num_tokens == 0:
-        return logits, weights, ids
+        return (logits, weights, ids) + plan
     e_pad, block_t, grid = _launch(num_tokens, spec.num_experts)
+    num_keys = plan_num_keys(spec.num_experts)
+    hist = torch.empty(grid[0], num_keys, dtype=torch.int32, device=hidden.device) if spec.plan else ids
+    k_pad = max(2, triton.next_power_of_2(spec.top_k))
     _router_select[grid](
-        logits, score_bias if score_bias is not None else logits, weights, ids, num_tokens, spec.num_experts,
-        float(spec.scale), float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k,
-        K_PAD=max(2, triton.next_power_of_2(spec.top_k)), E_PAD=e_pad, N_GROUP=spec.n_group,
-        TOPK_GROUP=spec.topk_group, HAS_SB=score_bias is not None,
+        logits, score_bias if score_bias is not None else logits, weights, ids, hist, num_tokens, spec.num_experts,
+        float(spec.scale), float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, K_PAD=k_pad, E_PAD=e_pad,
+        N_GROUP=spec.n_group, TOPK_GROUP=spec.topk_group, HAS_SB=score_bias is not None,
         ROUND_SCORES=not spec.score_fp32 and logits.dtype != torch.float32, RENORM=spec.renorm, BLOCK_T=block_t,
-        num_warps=4)
+        PLAN=spec.plan, NUM_KEYS=num_keys, num_warps=4)
     from torch._dynamo.utils import counters
     counters["uniep_kernels"]["triton_router"] += 1
-    return logits, weights, ids
+    if spec.plan:
+        plan_from_histogram(ids.reshape(-1), hist, block_t * spec.top_k, spec.num_experts, False, plan)
+    return (logits, weights, ids) + plan
 
 
 def router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):

@@ -73,44 +73,65 @@ def _plan_scan(hist_ptr, base_ptr, offsets_ptr, num_blocks, num_experts, NUM_KEY
 
 
 @triton.jit
-def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num_experts, CLAMP: tl.constexpr,
-                  BLOCK: tl.constexpr, NUM_KEYS: tl.constexpr):
+def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num_experts, slots_per_block,
+                  CLAMP: tl.constexpr, BLOCK: tl.constexpr, NUM_KEYS: tl.constexpr):
+    """Block b holds slots [b * slots_per_block, (b + 1) * slots_per_block), slots_per_block <= BLOCK."""
     b = tl.program_id(0)
     local = tl.arange(0, BLOCK)
-    key = _plan_key(ids_ptr, b * BLOCK + local, num_slots, num_experts, CLAMP, NUM_KEYS - 1)
+    slots = b * slots_per_block + local
+    key = _plan_key(ids_ptr, slots, num_slots, num_experts, CLAMP, NUM_KEYS - 1)
+    key = tl.where(local < slots_per_block, key, NUM_KEYS - 1)
     packed = tl.sort(key * BLOCK + local)
     sorted_key = packed // BLOCK
-    slot = b * BLOCK + packed % BLOCK
+    slot = b * slots_per_block + packed % BLOCK
     row = tl.load(base_ptr + b * NUM_KEYS + sorted_key) + local
-    valid = slot < num_slots
+    valid = (slot < num_slots) & (packed % BLOCK < slots_per_block)
     tl.store(row_order_ptr + row, slot.to(tl.int64), mask=valid)
     tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=valid)
+
+
+def plan_num_keys(num_experts: int) -> int:
+    """Histogram bins: one per expert, one for dropped slots, one for the padding of a block."""
+    return triton.next_power_of_2(num_experts + 2)
+
+
+def plan_buffers(num_slots: int, num_experts: int, device):
+    if num_slots >= MAX_SLOTS:
+        raise ValueError(f"uniep: {num_slots} routed slots; the routing-plan kernels count in int32 (< {MAX_SLOTS})")
+    row_order = torch.empty(num_slots, dtype=torch.int64, device=device)
+    slot_row = torch.empty(num_slots, dtype=torch.int64, device=device)
+    offsets = torch.empty(num_experts, dtype=torch.int64, device=device)
+    if num_slots == 0:
+        offsets.zero_()
+    return row_order, slot_row, offsets
+
+
+def plan_from_histogram(flat_ids, hist, slots_per_block: int, num_experts: int, clamp: bool, plan):
+    """Finish a plan whose per-block histograms are computed (by _plan_histogram, or by the router's
+    select kernel in the same pass as the ids): the scan and the scatter. Fills `plan` in place."""
+    row_order, slot_row, offsets = plan
+    num_blocks, num_keys = hist.shape
+    base = torch.empty_like(hist)
+    _plan_scan[(1,)](hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
+    _plan_scatter[(num_blocks,)](flat_ids, base, row_order, slot_row, flat_ids.numel(), num_experts,
+                                 slots_per_block, CLAMP=clamp, BLOCK=triton.next_power_of_2(slots_per_block),
+                                 NUM_KEYS=num_keys)
+    return plan
 
 
 def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     """(row_order, slot_row, expert_offsets), int64, equal to reference.routing_plan's."""
     flat = topk_ids.reshape(-1).contiguous()
     num_slots = flat.numel()
-    device = flat.device
-    row_order = torch.empty(num_slots, dtype=torch.int64, device=device)
-    slot_row = torch.empty(num_slots, dtype=torch.int64, device=device)
-    offsets = torch.empty(num_experts, dtype=torch.int64, device=device)
+    plan = plan_buffers(num_slots, num_experts, flat.device)
     if num_slots == 0:
-        offsets.zero_()
-        return row_order, slot_row, offsets
-    # One key per expert, one for dropped slots and one for the padding of the last block.
-    num_keys = triton.next_power_of_2(num_experts + 2)
-    if num_slots >= MAX_SLOTS:
-        raise ValueError(f"uniep: {num_slots} routed slots; the routing-plan kernels count in int32 (< {MAX_SLOTS})")
+        return plan
+    num_keys = plan_num_keys(num_experts)
     num_blocks = triton.cdiv(num_slots, PLAN_BLOCK)
-    hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=device)
-    base = torch.empty_like(hist)
+    hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
     _plan_histogram[(num_blocks,)](flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
                                    NUM_KEYS=num_keys)
-    _plan_scan[(1,)](hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
-    _plan_scatter[(num_blocks,)](flat, base, row_order, slot_row, num_slots, num_experts, CLAMP=clamp,
-                                 BLOCK=PLAN_BLOCK, NUM_KEYS=num_keys)
-    return row_order, slot_row, offsets
+    return plan_from_histogram(flat, hist, PLAN_BLOCK, num_experts, clamp, plan)
 
 
 @triton.jit

@@ -29,3 +29,29 @@ def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
     for node in reversed(match.nodes):
         graph.erase_node(node)
     return call
+
+
+def share_routing_plan(gm: GraphModule, router_call: torch.fx.Node, experts_calls: list) -> torch.fx.Node | None:
+    """When the router's ids feed exactly one experts op over the same experts, the router op also
+    computes the routing plan (its select kernel counts the experts of each block in the pass that picks
+    them) and the experts op takes it instead of sorting the ids again. Returns that experts call."""
+    import dataclasses
+
+    from ..patterns import graph_utils as gu
+    from ..spec import decode_router_spec
+
+    ids_out = next((u for u in router_call.users if u.target is operator.getitem and u.args[1] == 2), None)
+    readers = [c for c in experts_calls if ids_out is not None and c.args[1] is ids_out]
+    if len(readers) != 1 or readers[0].kwargs.get("plan_row_order") is not None:
+        return None
+    experts = readers[0]
+    spec = decode_router_spec(router_call.args[4])
+    w_up = gu.tensor_meta(experts.args[3])
+    if w_up is None or w_up.shape[0] != spec.num_experts:
+        return None
+    router_call.args = router_call.args[:4] + (dataclasses.replace(spec, plan=True).encode(),)
+    graph = gm.graph
+    with graph.inserting_after(ids_out):
+        plan = [graph.call_function(operator.getitem, (router_call, i)) for i in (5, 4, 3)][::-1]
+    experts.kwargs = {**experts.kwargs, "plan_row_order": plan[0], "plan_slot_row": plan[1], "plan_offsets": plan[2]}
+    return experts
