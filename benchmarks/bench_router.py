@@ -13,8 +13,9 @@ work). Each uniep row also says how many tokens chose other experts than eager (
 should) and the largest relative difference of the routing weights.
 
 Part 2, whole-layer effect: the HF sparse MoE block (router + experts) at T=8192, forward + backward,
-under inductor, under uniep with the router left to inductor (rewrite_router=False) and under uniep
-with both rewritten.
+under inductor, under uniep with the router left to inductor (rewrite_router=False), under uniep with
+both rewritten but the experts op sorting the ids itself (share_routing_plan=False), and under uniep
+with the router op building the plan for the experts op (the default).
 
     python benchmarks/bench_router.py --shapes mixtral,qwen3-30b-a3b --layers mixtral,qwen3-30b-a3b
 """
@@ -79,6 +80,8 @@ def compiled(mod, provider):
         return torch.compile(mod, backend="uniep", dynamic=False)
     if provider == "uniep_experts_only":
         return torch.compile(mod, backend="uniep", dynamic=False, options={"rewrite_router": False})
+    if provider == "uniep_own_plan":
+        return torch.compile(mod, backend="uniep", dynamic=False, options={"share_routing_plan": False})
     raise ValueError(provider)
 
 
@@ -151,7 +154,7 @@ def bench_layer(name, tokens, iters, warmup, dtype, device):
     x = torch.randn(1, tokens, hidden, device=device, dtype=dtype)
     g = torch.randn(1, tokens, hidden, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(2))
     row = {"shape": name, "tokens": tokens}
-    for provider in ("inductor", "uniep_experts_only", "uniep"):
+    for provider in ("inductor", "uniep_experts_only", "uniep_own_plan", "uniep"):
         fn = compiled(block, provider)
         xs = x.clone().requires_grad_()
 
@@ -212,7 +215,8 @@ def main():
             print_rows(f"router {mode}, ms per call (wall) and per CUDA-graph replay (device)", routers,
                        [f"{p}_{mode}{g}_ms" for g in ("", "_graph") for p in ("eager", "inductor", "uniep")])
     if layers:
-        print_rows("MoE layer, fwd+bwd (ms)", layers, ["inductor_ms", "uniep_experts_only_ms", "uniep_ms"])
+        print_rows("MoE layer, fwd+bwd (ms)", layers, ["inductor_ms", "uniep_experts_only_ms", "uniep_own_plan_ms",
+                                                       "uniep_ms"])
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "router": routers, "layer": layers}, f, indent=1)
 

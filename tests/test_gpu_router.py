@@ -133,3 +133,25 @@ def test_whole_model_bf16_router_and_experts_rewritten(family):
     loss.backward()
     assert counters["uniep"]["moe_router"] == 2 and counters["uniep"]["moe_experts"] == 2
     torch.testing.assert_close(loss.float(), eager.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_shared_routing_plan_is_bitwise_neutral_on_gpu():
+    """The router op's plan (histograms from the select kernel) against the experts op's own sort."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_models import build_model
+
+    model = build_model("qwen3_moe", dtype=torch.bfloat16).cuda()
+    ids = torch.randint(0, 96, (4, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    results = []
+    for share in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        model.zero_grad(set_to_none=True)
+        out = torch.compile(model, backend="uniep", options={"share_routing_plan": share})(input_ids=ids, labels=ids)
+        out.loss.backward()
+        assert counters["uniep_kernels"]["triton_router"] >= 2 and counters["uniep_kernels"]["triton_forward"] >= 2
+        results.append([out.loss, out.logits] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
