@@ -75,6 +75,12 @@ def test_whole_model_batched_mm_and_inference(family):
 from hf_families import break_router_ties, build_causal_lm, discover_experts_classes  # noqa: E402
 
 DISCOVERED = discover_experts_classes()
+# Families whose every router the router pattern rewrites (measured with transformers 5.23); the others
+# (DeepSeek-V4's hash routing, PhiMoE's sparsemixer, ...) keep their router in the inner backend.
+ROUTER_FAMILIES = {"afmoe", "aria", "cohere2_moe", "exaone_moe", "glm4_moe", "gpt_oss", "granitemoe", "granitemoe_swa",
+                   "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "inkling2", "laguna", "mellum", "mimo_v2_flash",
+                   "minimax", "minimax_m2", "minimax_m3_vl", "mixtral", "nemotron_h", "olmoe", "qwen2_moe", "qwen3_moe",
+                   "solar_open"}
 
 
 @pytest.mark.parametrize("family, cls", DISCOVERED, ids=[c.__name__ for _, c in DISCOVERED])
@@ -95,5 +101,6 @@ def test_every_family_whole_model_rewrites_each_moe_layer(family, cls):
     with torch.no_grad():
         out = torch.compile(model, backend="uniep", options={"inner_backend": "eager"})(input_ids=ids).logits
     assert counters["uniep"]["moe_experts"] == layers
-    assert counters["uniep"]["moe_router"] <= layers
+    assert counters["uniep"]["moe_router"] == layers if family in ROUTER_FAMILIES else \
+        counters["uniep"]["moe_router"] <= layers
     assert max_rel_err(out, eager) <= TOLERANCE[torch.float32]

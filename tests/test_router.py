@@ -481,3 +481,51 @@ def test_experts_op_with_the_routers_plan_is_bitwise_equal(monkeypatch):
         results.append([out] + [t.grad for t in leaves])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_topk_then_fp32_softmax_keeps_fp32_weights():
+    # a GPT-OSS-like router in fp16 whose softmax over the K logits asks for float32
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16) * 0.3)
+            self.bias = torch.nn.Parameter(torch.randn(8) * 0.1)
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight, self.bias)
+            top, ids = torch.topk(logits, 2, dim=-1)
+            return logits, torch.softmax(top, dim=-1, dtype=torch.float32), ids
+
+    torch.manual_seed(0)
+    router = Router().half()
+    x = torch.randn(7, 16).half()
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(router, backend="uniep", options={"inner_backend": "eager"})(x)
+    assert counters["uniep"]["moe_router"] == 1
+    ref = router(x)
+    assert got[1].dtype == torch.float32 and torch.equal(got[2], ref[2])
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
+
+
+def test_cast_feeding_the_linear_stays_an_input():
+    # a no-op cast right before the linear is the op's hidden input, not part of the region
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(6, 16) * 0.3)
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x.to(torch.float16), self.weight)
+            values, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), 2, dim=-1)
+            return values / values.sum(dim=-1, keepdim=True), ids
+
+    torch.manual_seed(0)
+    router = Router().half()
+    x = torch.randn(5, 16).half()
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(router, backend="uniep", options={"inner_backend": "eager"})(x)
+    assert counters["uniep"]["moe_router"] == 1
+    for a, b in zip(got, router(x)):
+        torch.testing.assert_close(a, b)

@@ -5,7 +5,9 @@ formula calls ``uniep::moe_experts_backward``, so AOTAutograd's backward graph h
 as well. Besides the output the forward returns the routing plan (row_order, slot_row,
 expert_offsets) and the two projections, which setup_context saves: backward reuses the forward's
 token order instead of recomputing it. ``uniep::moe_experts_backward_`` is the same backward allowed
-to consume those saved buffers as scratch (spec.reuse_saved, the backend's default).
+to consume those saved buffers as scratch (spec.reuse_saved, the backend's default). When the router
+op has built the plan already (``plan_row_order=``, ``plan_slot_row=``, ``plan_offsets=``), the
+forward uses it and returns empty tensors in its place; the given plan is what backward gets.
 
 Both ops run the Triton MegaKernel (kernels/megakernel.py) where it applies -- CUDA, bf16/fp16, a gate
 it implements -- and the pure-PyTorch reference otherwise. Both save the same tensors with the same
@@ -19,8 +21,8 @@ from .kernels import megakernel, reference, router_reference
 from .spec import decode_router_spec, decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
-               "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec, Tensor? plan_row_order=None, Tensor? plan_slot_row=None, "
-               "Tensor? plan_offsets=None) "
+               "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec, Tensor? plan_row_order=None, "
+               "Tensor? plan_slot_row=None, Tensor? plan_offsets=None) "
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
                "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor[] post_operands, Tensor row_order, "
@@ -161,8 +163,8 @@ def _backward(ctx, grad_out, *_unused_grads):
     else:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
             grad_out, *head, operands, *plan, ctx.spec)
-    return (d_hidden, None, d_weights, d_w_up, d_w_down,
-            d_b_up if ctx.has_bias[0] else None, d_b_down if ctx.has_bias[1] else None, list(d_operands), None) + (None,) * ctx.num_plan_inputs
+    return (d_hidden, None, d_weights, d_w_up, d_w_down, d_b_up if ctx.has_bias[0] else None,
+            d_b_down if ctx.has_bias[1] else None, list(d_operands), None) + (None,) * ctx.num_plan_inputs
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
@@ -190,10 +192,7 @@ def _router_kernel_applies(hidden, weight, bias, score_bias, spec) -> bool:
     if mode == "reference" or (hidden.device.type != "cuda" and mode != "triton"):
         return False  # the reference is the CPU path; no need to import triton
     if not megakernel._triton_available():
-        reason = "triton is not installed (pip install uniep[triton])"
-        if reason not in megakernel._LOGGED:
-            megakernel._LOGGED.add(reason)
-            megakernel.log.warning("uniep: router op runs the PyTorch reference: %s", reason)
+        megakernel.log_fallback("router op", "triton is not installed (pip install uniep[triton])", hidden)
         return False
     from .kernels import triton_router
     return triton_router.use_kernel(hidden, weight, bias, score_bias, spec)
@@ -205,7 +204,8 @@ def moe_router(hidden, weight, bias, score_bias, spec):
     if _router_kernel_applies(hidden, weight, bias, score_bias, s):
         from .kernels import triton_router
         return triton_router.router_forward(hidden, weight, bias, score_bias, s)
-    logits, weights, ids = (t.contiguous() for t in router_reference.router_forward(hidden, weight, bias, score_bias, s))
+    logits, weights, ids = (t.contiguous() for t in
+                            router_reference.router_forward(hidden, weight, bias, score_bias, s))
     if s.plan:
         plan = reference.routing_plan(ids, s.num_experts)
     else:

@@ -36,7 +36,7 @@ from . import config as config_mod
 from . import gate_program
 
 log = logging.getLogger("uniep")
-_LOGGED: set[str] = set()
+_LOGGED: set = set()  # (op, reason) pairs already logged
 FUSED_DTYPES_GPU = (torch.bfloat16, torch.float16)
 FUSED_DTYPES_INTERPRETER = (torch.float32, torch.float16)
 MAX_EXPERTS = 1024
@@ -100,14 +100,18 @@ def _gate_plan(gate: str):
             gate_program.decode(gate)[0])
 
 
+def log_fallback(op: str, reason: str, hidden) -> None:
+    """One log line per (op, reason) on CUDA, where the reference is the slow path."""
+    if (op, reason) not in _LOGGED and hidden.device.type == "cuda":
+        _LOGGED.add((op, reason))
+        log.warning("uniep: %s runs the PyTorch reference, not the fused kernels: %s", op, reason)
+
+
 def use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> bool:
     reason = unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec)
-    if reason is None:
-        return True
-    if reason not in _LOGGED and hidden.device.type == "cuda":
-        _LOGGED.add(reason)
-        log.warning("uniep: experts op runs the PyTorch reference, not the fused kernels: %s", reason)
-    return False
+    if reason is not None:
+        log_fallback("experts op", reason, hidden)
+    return reason is None
 
 
 class _Layer:

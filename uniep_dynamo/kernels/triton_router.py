@@ -14,16 +14,12 @@ compared through a monotone int32 key that maps every NaN to the top).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
 from .config import interpreting
 from .router_reference import linear_backward, router_logits
-
-log = logging.getLogger("uniep")
 
 MAX_EXPERTS = 1024
 _MODES = {"softmax_topk": 0, "sigmoid_topk": 1, "topk_softmax": 2}
@@ -140,10 +136,19 @@ def _router_select(logits_ptr, sb_ptr, weights_ptr, ids_ptr, hist_ptr, num_token
 
 
 @triton.jit
+def _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K: tl.constexpr):
+    """Where slot k's expert sits in each row, and its score there."""
+    idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
+    hit = cols[None, :] == idk[:, None]
+    return hit, tl.sum(tl.where(hit, scores, 0.0), axis=1)
+
+
+@triton.jit
 def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_experts, scale, renorm_eps,
                  MODE: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, HAS_GW: tl.constexpr,
                  HAS_GL: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """d_logits = d(weights)/d(logits)^T grad_weights (+ grad_logits), with the forward's ids."""
+    """d_logits = d(weights)/d(logits)^T grad_weights (+ grad_logits), with the forward's ids. Every sum
+    over the K slots runs in k order."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
@@ -154,33 +159,29 @@ def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_ex
     if HAS_GW:
         z = _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts)
         scores = _scores(z, col_ok, MODE, False, tl.float32)
-        # pass 1: v_k (the weights before renorm and scale) and the sums the chain rule needs
-        v_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+        # MODE 2: v is the softmax of the K chosen logits; its max and normalizer first
         vmax = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-        for k in tl.static_range(K):
-            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
-            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1)
-            vmax = tl.maximum(vmax, vk)
-        if MODE == 2:  # the K chosen logits -> their softmax
-            e_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+        e_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+        if MODE == 2:
             for k in tl.static_range(K):
-                idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
-                e_sum += tl.exp(tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1) - vmax)
+                vmax = tl.maximum(vmax, _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)[1])
+            for k in tl.static_range(K):
+                e_sum += tl.exp(_chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)[1] - vmax)
+        # sum_k v_k and sum_k g_k v_k, with g_k = grad_weights * scale (the gradient of v before renorm)
+        v_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
         gv_v = tl.zeros([BLOCK_T], dtype=tl.float32)
         for k in tl.static_range(K):
-            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
-            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1)
+            _hit, vk = _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)
             if MODE == 2:
                 vk = tl.exp(vk - vmax) / e_sum
             gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
             v_sum += vk
             gv_v += gk * vk
         total = v_sum + renorm_eps
-        # pass 2: g_v per slot, then its share of g_z; sums over k run in k order
+        # each slot's gradient through the renorm, then its share of g_z
         gvv_renormed = tl.zeros([BLOCK_T], dtype=tl.float32)
         for k in tl.static_range(K):
-            idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
-            vk = tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1)
+            hit, vk = _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)
             if MODE == 2:
                 vk = tl.exp(vk - vmax) / e_sum
             gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
@@ -192,15 +193,14 @@ def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_ex
             elif MODE == 1:
                 share = gk * vk * (1.0 - vk)
             else:
-                share = gk * vk  # minus v_k * sum_j g_j v_j, added after the loop
-            g_z += tl.where(cols[None, :] == idk[:, None], share[:, None], 0.0)
+                share = gk * vk  # minus v_k * sum_j g_j v_j, subtracted below
+            g_z += tl.where(hit, share[:, None], 0.0)
         if MODE == 0:  # softmax backward over all experts
             g_z = scores * (g_z - tl.sum(g_z * scores, axis=1)[:, None])
         elif MODE == 2:
             for k in tl.static_range(K):
-                idk = tl.load(ids_ptr + rows64 * K + k, mask=row_ok, other=0).to(tl.int32)
-                vk = tl.exp(tl.sum(tl.where(cols[None, :] == idk[:, None], scores, 0.0), axis=1) - vmax) / e_sum
-                g_z -= tl.where(cols[None, :] == idk[:, None], (vk * gvv_renormed)[:, None], 0.0)
+                hit, vk = _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)
+                g_z -= tl.where(hit, ((tl.exp(vk - vmax) / e_sum) * gvv_renormed)[:, None], 0.0)
     ptrs = rows64[:, None] * num_experts + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     d = g_z.to(dl_ptr.dtype.element_ty)
@@ -240,17 +240,13 @@ def unsupported_reason(hidden, weight, bias, score_bias, spec) -> str | None:
     return None
 
 
-_LOGGED: set = set()
-
-
 def use_kernel(hidden, weight, bias, score_bias, spec) -> bool:
+    from .megakernel import log_fallback
+
     reason = unsupported_reason(hidden, weight, bias, score_bias, spec)
-    if reason is None:
-        return True
-    if reason not in _LOGGED and hidden.device.type == "cuda":
-        _LOGGED.add(reason)
-        log.warning("uniep: router op runs the PyTorch reference, not the fused kernel: %s", reason)
-    return False
+    if reason is not None:
+        log_fallback("router op", reason, hidden)
+    return reason is None
 
 
 def _launch(num_tokens, num_experts):

@@ -7,6 +7,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..patterns.router import RouterMatch
+from .experts import take_place
 
 
 def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
@@ -19,13 +20,7 @@ def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
                                    (match.hidden, match.weight, match.bias, match.score_bias, match.spec.encode()))
         outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
     for new, old in zip(outs, (match.logits, match.weights, match.ids)):
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in old.meta:
-                new.meta[key] = old.meta[key]
-                call.meta.setdefault(key, old.meta[key])
-        if "example_value" in old.meta:
-            new.meta["example_value"] = old.meta["example_value"]
-        old.replace_all_uses_with(new)
+        take_place(old, new, call)
     for node in reversed(match.nodes):
         graph.erase_node(node)
     return call

@@ -170,10 +170,9 @@ class RouterInterp:
             raise Mismatch(f"softmax over dim {dim}, not the last")
         dtype = node.kwargs.get("dtype", node.args[3] if len(node.args) > 3 else None)
         if dtype is not None and gu.constant(dtype) != _dtype(node.args[0]):
-            if gu.constant(dtype) == torch.float32 and t[0] == "logits":
-                t = ("f32", t)
-            elif gu.constant(dtype) != torch.float32:
+            if gu.constant(dtype) != torch.float32:
                 raise Mismatch(f"softmax to {dtype}")
+            t = ("f32", t)  # computed on an fp32 upcast of its input
         return ("softmax", node, t)
 
     def _r_sigmoid(self, node):
@@ -433,7 +432,7 @@ def classify(weights_term, ids_term) -> tuple:
     return fields, logits, score_bias, cast
 
 
-def _region(outputs, env, logits_node):
+def _region(outputs, env, logits_node, inputs):
     """The router terms the outputs are computed from, back to the linear, plus the in-place writes
     into them (the group mask's scatter_, a renorm's /=) and what those writes read."""
     region, stack = set(), list(outputs)
@@ -451,7 +450,7 @@ def _region(outputs, env, logits_node):
         if not stack:
             break
     for arg in logits_node.all_input_nodes:  # fp32 casts of hidden or weight that only the linear reads
-        if gu.op_name(arg) in _F32_CASTS and all(u is logits_node for u in arg.users):
+        if arg not in inputs and gu.op_name(arg) in _F32_CASTS and all(u is logits_node for u in arg.users):
             region.add(arg)
     return region
 
@@ -488,16 +487,16 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
             fields, logits, score_bias, cast = classify(weights_term, env[ids_node])
             linear, x, w, bias, cast32 = logits[1], logits[2], logits[3], logits[4], logits[5]
             spec = _build_spec(fields, linear, x, w, bias, score_bias, cast32, weights_node, cast)
-            region = _region([ids_node, weights_node], env, linear)
+            region = _region([ids_node, weights_node], env, linear, (x, w, bias))
             _require(not any(n.op == "call_function" and gu.op_name(n) == "topk" and env.get(n, (None,))[0] == "topk"
                              and n is not topk_node for n in region), "two top-k selections in one router")
             nodes = sorted(region, key=order.get)
             for node in nodes:
                 if node in (linear, ids_node, weights_node):
                     continue
-                outside = [u for u in node.users if u not in region]
-                _require(not outside, f"router intermediate {node.name} is also used by {outside[0].name if outside else ''}"
-                                      ", outside the router region")
+                outside = [u.name for u in node.users if u not in region]
+                _require(not outside, f"router intermediate {node.name} is also used by "
+                                      f"{outside[0] if outside else ''}, outside the router region")
             _require_no_writes(nodes, [x, w, bias, score_bias])
             early = [u for out in (linear, ids_node, weights_node) for u in out.users
                      if u not in region and order[u] < order[nodes[-1]]]
