@@ -507,23 +507,17 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
                        if gu.module_path(n) == module]
             misses.append(NearMiss(topk_node, reasons[0] if reasons else str(exc), module, exc.expected, exc.actual,
                                    0, reasons + [str(exc)]))
-    # A top-k that a failed router step feeds: report the earliest failure upstream in its module.
+    # A top-k that is itself a failed router step, or that a failed step on the router logits feeds
+    # directly (a softmax over the wrong dim, say): a near miss. A top-k further away from the logits
+    # (the load-balancing loss re-ranking the returned logits) is not a router.
     for node in graph.nodes:
         if gu.op_name(node) != "topk" or node in env:
             continue
-        module = gu.module_path(node)
-        upstream, seen, stack = [], set(), list(node.all_input_nodes) + [node]
-        while stack:
-            n = stack.pop()
-            if n in seen or gu.module_path(n) != module:
-                continue
-            seen.add(n)
-            if n in interp.failures:
-                upstream.append(n)
-            stack.extend(n.all_input_nodes)
-        if upstream:
-            reasons = [interp.failures[n] for n in sorted(upstream, key=order.get)]
-            misses.append(NearMiss(node, reasons[0], module, None, None, 0, reasons))
+        failed = [node] if node in interp.failures else \
+            [a for a in node.all_input_nodes if a in interp.failures and any(b in env for b in a.all_input_nodes)]
+        if failed:
+            reason = interp.failures[failed[0]]
+            misses.append(NearMiss(node, reason, gu.module_path(node), None, None, 0, [reason]))
     return matches, misses
 
 
