@@ -158,3 +158,55 @@ def build_causal_lm(cls, implementation="grouped_mm", seed=0):
     config._experts_implementation = implementation
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def discover_router_classes() -> tuple:
+    """((family, class), ...): the router modules of the families with decorated experts: classes named
+    *Router or *Gate whose forward takes the hidden states alone."""
+    found = []
+    for family in sorted({f for f, _ in discover_experts_classes()}):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name, obj in vars(module).items():
+            if not (isinstance(obj, type) and obj.__module__ == module.__name__ and issubclass(obj, torch.nn.Module)):
+                continue
+            if not (name.endswith("Router") or name.endswith("Gate")):
+                continue
+            params = list(inspect.signature(obj.forward).parameters.values())[1:]
+            required = [p for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                                                   p.POSITIONAL_OR_KEYWORD)]
+            if len(required) == 1:
+                found.append((family, obj))
+    return tuple(found)
+
+
+def build_router(cls, num_experts=8, top_k=2, seed=0):
+    """A tiny instance of router class `cls` with random weights; raises if no config of its family fits."""
+    errors = []
+    for config_cls in _config_candidates(cls):
+        try:
+            base = config_cls()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{config_cls.__name__}(): {exc!r}"[:200])
+            continue
+        for config in _sub_configs(base):
+            shrink(config, num_experts=num_experts, top_k=top_k)
+            if hasattr(config, "num_experts_per_tok") and getattr(config, "num_experts_per_tok") is None:
+                config.num_experts_per_tok = top_k  # a dense default config
+            for key, value in (("n_group", 4), ("topk_group", 2), ("num_expert_group", 4)):
+                if isinstance(getattr(config, key, None), int):
+                    setattr(config, key, value)
+            try:
+                torch.manual_seed(seed)
+                router = cls(config)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{cls.__name__}({type(config).__name__}): {exc!r}"[:200])
+                continue
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for p in router.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                for b in router.buffers():
+                    if b.is_floating_point():
+                        b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            return router, config
+    raise RuntimeError(f"no tiny config builds {cls.__name__}: " + "; ".join(errors[:3]))

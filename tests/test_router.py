@@ -63,7 +63,8 @@ def run_router(router, x, compiled, loss_weights=(1.0, 0.5)):
     loss = (weights.float() * per_expert.gather(1, ids)).sum() * loss_weights[0] + \
         (logits.float() * torch.randn(logits.shape, generator=g)).sum() * loss_weights[1]
     loss.backward()
-    return logits, weights, ids, x.grad, {n: p.grad.clone() for n, p in router.named_parameters()}
+    return logits, weights, ids, x.grad, {n: p.grad.clone() for n, p in router.named_parameters()
+                                          if p.grad is not None}
 
 
 def assert_router_matches_eager(router, x, sorted_ids=True, atol=1e-5):
@@ -529,3 +530,54 @@ def test_cast_feeding_the_linear_stays_an_input():
     assert counters["uniep"]["moe_router"] == 1
     for a, b in zip(got, router(x)):
         torch.testing.assert_close(a, b)
+
+
+# -- every HF router class ----------------------------------------------------------------------------
+def _router_classes():
+    from hf_families import discover_router_classes
+    return discover_router_classes()
+
+
+ROUTER_CLASSES = _router_classes()
+# Families whose router the pattern rewrites (transformers 5.23): a guard against losing one.
+REWRITTEN_ROUTER_FAMILIES = {"aria", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_ocr2",
+                             "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note", "exaone_moe",
+                             "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm5_next",
+                             "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+                             "granitemoeshared", "hunyuan_v1_moe", "hy_v4", "inkling2", "jamba", "kimi_linear",
+                             "laguna", "mellum", "mimo_v2_flash", "minimax", "minimax_m3_vl", "mixtral",
+                             "nemotron_h", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+                             "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "unlimited_ocr"}
+
+
+@pytest.mark.parametrize("family, cls", ROUTER_CLASSES, ids=[c.__name__ for _, c in ROUTER_CLASSES])
+def test_every_hf_router_class_is_rewritten_right_or_left_alone(family, cls):
+    """Each router module of the installed transformers, tiny, compiled with uniep: where the pattern
+    rewrites it, ids, weights, logits and gradients equal eager's; where it does not, the module runs
+    unchanged. Either way nothing differs from eager."""
+    from hf_families import build_router
+
+    try:
+        router, config = build_router(cls)
+        x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(2))
+        out = router(x)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"{cls.__name__} does not build or run from its family's default config shrunk ({exc!r:.120})")
+    if not (isinstance(out, tuple) and len(out) == 3 and not out[2].is_floating_point()):
+        pytest.skip(f"{cls.__name__} returns {type(out).__name__}, not (logits, weights, ids)")
+    torch._dynamo.reset()
+    counters.clear()
+    ref = run_router(router, x, compiled=False)
+    got = run_router(router, x, compiled=True)
+    rewritten = counters["uniep"]["moe_router"]
+    r_w, r_ids = sort_by_id(ref[1], ref[2])
+    g_w, g_ids = sort_by_id(got[1], got[2])
+    assert torch.equal(g_ids, r_ids)
+    torch.testing.assert_close(g_w, r_w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[3], ref[3], atol=1e-5, rtol=1e-5)
+    assert got[4].keys() == ref[4].keys()
+    for name in ref[4]:
+        torch.testing.assert_close(got[4][name], ref[4][name], atol=1e-5, rtol=1e-5, msg=name)
+    if family in REWRITTEN_ROUTER_FAMILIES:
+        assert rewritten == 1, f"{cls.__name__}: the router pattern no longer rewrites this router"

@@ -21,6 +21,8 @@ def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
         outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
     for new, old in zip(outs, (match.logits, match.weights, match.ids)):
         take_place(old, new, call)
+    for node in reversed(match.kept):  # logits.float() read outside: after the op, reading its logits
+        outs[-1].append(node)
     for node in reversed(match.nodes):
         graph.erase_node(node)
     return call

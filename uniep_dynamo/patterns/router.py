@@ -22,7 +22,7 @@ Terms:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node
@@ -47,6 +47,7 @@ class RouterMatch:
     score_bias: Node | None
     spec: RouterSpec
     module: str
+    kept: list = field(default_factory=list)  # fp32 casts of the logits read outside: moved after the op
 
     @property
     def spelling(self) -> str:
@@ -160,6 +161,18 @@ class RouterInterp:
 
     def _r_type(self, node):
         return self._cast(node, "type")
+
+    def _r_type_as(self, node):
+        t = self.t(node.args[0])
+        other = node.args[1] if len(node.args) > 1 else None
+        if t is None and self.t(other) is None:
+            return None
+        if t is None or self.t(other) is not None or _dtype(other) is None or node.kwargs:
+            raise Mismatch("type_as in the router other than a cast to another tensor's dtype")
+        dtype = _dtype(other)
+        if dtype == torch.float32 and t[0] == "logits":
+            return ("f32", t)
+        return t if dtype == _dtype(node.args[0]) else ("cast", t, dtype)
 
     def _r_softmax(self, node):
         t = self.t(node.args[0])
@@ -490,18 +503,24 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
             region = _region([ids_node, weights_node], env, linear, (x, w, bias))
             _require(not any(n.op == "call_function" and gu.op_name(n) == "topk" and env.get(n, (None,))[0] == "topk"
                              and n is not topk_node for n in region), "two top-k selections in one router")
+            # An fp32 cast of the logits that is also read outside (HF returns router_logits.float()) stays
+            # in the graph, moved after the op, reading the op's logits.
+            kept = [n for n in region if env.get(n, ("",))[0] == "f32" and env[n][1][1] is linear
+                    and any(u not in region for u in n.users)]
+            region -= set(kept)
             nodes = sorted(region, key=order.get)
             for node in nodes:
                 if node in (linear, ids_node, weights_node):
                     continue
-                outside = [u.name for u in node.users if u not in region]
+                outside = [u.name for u in node.users if u not in region and u not in kept]
                 _require(not outside, f"router intermediate {node.name} is also used by "
                                       f"{outside[0] if outside else ''}, outside the router region")
             _require_no_writes(nodes, [x, w, bias, score_bias])
-            early = [u for out in (linear, ids_node, weights_node) for u in out.users
-                     if u not in region and order[u] < order[nodes[-1]]]
+            early = [u for out in [linear, ids_node, weights_node] + kept for u in out.users
+                     if u not in region and u not in kept and order[u] < order[nodes[-1]]]
             _require(not early, f"{early[0].name if early else ''} reads a router output before the router ends")
-            matches.append(RouterMatch(linear, weights_node, ids_node, nodes, x, w, bias, score_bias, spec, module))
+            matches.append(RouterMatch(linear, weights_node, ids_node, nodes, x, w, bias, score_bias, spec, module,
+                                       kept))
         except Mismatch as exc:
             reasons = [interp.failures[n] for n in sorted(interp.failures, key=order.get)
                        if gu.module_path(n) == module]
