@@ -581,3 +581,34 @@ def test_every_hf_router_class_is_rewritten_right_or_left_alone(family, cls):
         torch.testing.assert_close(got[4][name], ref[4][name], atol=1e-5, rtol=1e-5, msg=name)
     if family in REWRITTEN_ROUTER_FAMILIES:
         assert rewritten == 1, f"{cls.__name__}: the router pattern no longer rewrites this router"
+
+
+@pytest.mark.parametrize("spelling", ["F.softmax", "torch.softmax", "Tensor.softmax"])
+def test_softmax_dtype_in_every_spelling(spelling):
+    # the fp32 upcast is read wherever the call puts its dtype argument
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16) * 0.5)
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight)
+            if spelling == "F.softmax":
+                probs = torch.nn.functional.softmax(logits, -1, 3, torch.float32)
+            elif spelling == "torch.softmax":
+                probs = torch.softmax(logits, -1, torch.float32)
+            else:
+                probs = logits.softmax(-1, torch.float32)
+            values, ids = torch.topk(probs, 2, dim=-1)
+            return values / values.sum(dim=-1, keepdim=True), ids
+
+    torch.manual_seed(0)
+    router = Router().half()
+    x = torch.randn(9, 16).half()
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(router, backend="uniep", options={"inner_backend": "eager"})(x)
+    assert counters["uniep"]["moe_router"] == 1
+    ref = router(x)
+    assert got[0].dtype == torch.float32 and torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)

@@ -181,7 +181,8 @@ class RouterInterp:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if not _last_dim(node.args[0], dim):
             raise Mismatch(f"softmax over dim {dim}, not the last")
-        dtype = node.kwargs.get("dtype", node.args[3] if len(node.args) > 3 else None)
+        # the dtype sits at a different position in F.softmax, torch.softmax and Tensor.softmax
+        dtype = node.kwargs.get("dtype", next((a for a in node.args[2:] if isinstance(a, torch.dtype)), None))
         if dtype is not None and gu.constant(dtype) != _dtype(node.args[0]):
             if gu.constant(dtype) != torch.float32:
                 raise Mismatch(f"softmax to {dtype}")
