@@ -3,6 +3,7 @@ processes against the single-process op over all tokens and all experts: output,
 the routing plan each rank receives."""
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -84,7 +85,13 @@ CASES = [
 def test_ep_layer_matches_single_process(world, case_args, tmp_path):
     import uniep_dynamo  # noqa: F401
 
-    mp.spawn(_worker, args=(world, _free_port(), case_args, str(tmp_path)), nprocs=world, join=True)
+    workers = mp.spawn(_worker, args=(world, _free_port(), case_args, str(tmp_path)), nprocs=world, join=False)
+    deadline = time.monotonic() + 300
+    while not workers.join(timeout=5):  # raises if a worker fails
+        if time.monotonic() > deadline:
+            for proc in workers.processes:
+                proc.kill()
+            pytest.fail(f"the {world} EP workers did not finish in 300 s")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ref_out, ref_grads = _reference(case_args)
     torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), ref_out, atol=1e-5, rtol=1e-5)
