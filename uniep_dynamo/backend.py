@@ -58,6 +58,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     before = report.snapshot(gm.graph) if report.active() else None
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
     routers, router_misses = find_router_regions(gm.graph) if opts.rewrite_router else ([], [])
+    taken = {n for m in matches for n in m.nodes}
+    routers = [r for r in routers if taken.isdisjoint(r.nodes) and taken.isdisjoint(r.kept)]  # one rewrite per node
     lowered = []  # (match, names of the nodes it replaced, names of the nodes added)
     experts_calls = []
     # Experts first: their calls read the router's ids and weights nodes, which the router lowering
