@@ -21,7 +21,10 @@ gloo on CPU. Each rank holds T tokens and E_local = E / world experts (rank r ow
 
 Backward runs the same way in reverse through autograd (the collectives are torch.distributed.nn's);
 the dispatch's and the combine's own backward are the single-rank op's fixed-order reductions, so no
-step adds in an order that depends on timing.
+step adds in an order that depends on timing. On CUDA those steps are the MegaKernel's own kernels and
+each expert's rows come in the single-rank order when each rank holds a contiguous shard of the
+tokens, so, for one tile configuration, the EP layer is meant to equal the single-GPU op bit for bit
+(tests/test_gpu_ep.py checks it).
 """
 from __future__ import annotations
 
@@ -58,6 +61,14 @@ def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None) -> EPPlan:
     return EPPlan(row_order, slot_row, offsets, counts.sum(1).tolist(), recv.sum(1).tolist(), recv_expert)
 
 
+def _fused(t: torch.Tensor) -> bool:
+    """The MegaKernel's own gather/combine kernels on CUDA (so the EP layer rounds exactly as the
+    single-rank op does), the reference's elsewhere."""
+    from .kernels import megakernel
+
+    return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel._triton_available()
+
+
 class _Dispatch(torch.autograd.Function):
     """Token rows in plan order, [S, H]; backward: the sum over each token's K rows, k in order."""
 
@@ -71,25 +82,42 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, d_rows):
         slot_row, expert_offsets = ctx.saved_tensors
         num_tokens, top_k, dtype = ctx.shape
-        routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-        d_hidden = reference._combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
+        if _fused(d_rows):
+            from .kernels.triton_routing import combine
+            d_hidden = combine(d_rows.contiguous(), slot_row, None, expert_offsets, num_tokens, top_k, dtype)
+        else:
+            routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
+            d_hidden = reference._combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
         return d_hidden, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows of dropped slots are 0."""
+    """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows of dropped slots are 0.
+    Backward: d_w from <grad_out, row> and d_rows = w * grad_out rows, as the single-rank op has them."""
 
     @staticmethod
     def forward(ctx, rows, weights, row_order, slot_row, expert_offsets, out_dtype):
-        routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-        ctx.save_for_backward(rows, weights, row_order, slot_row, routed)
+        ctx.save_for_backward(rows, weights, row_order, slot_row, expert_offsets)
         num_tokens, top_k = weights.shape
+        if _fused(rows):
+            from .kernels.triton_routing import combine
+            return combine(rows, slot_row, weights.contiguous(), expert_offsets, num_tokens, top_k, out_dtype)
+        routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
         return reference._combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, weights, row_order, slot_row, routed = ctx.saved_tensors
-        d_weights, d_rows = reference._slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
+        rows, weights, row_order, slot_row, expert_offsets = ctx.saved_tensors
+        num_tokens, top_k = weights.shape
+        if _fused(rows):
+            from .kernels.triton_routing import gather_rows, routing_weight_grad
+            grad_out = grad_out.contiguous()
+            d_weights = routing_weight_grad(grad_out, rows, slot_row, expert_offsets, num_tokens, top_k,
+                                            weights.dtype)
+            d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous())
+        else:
+            routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
+            d_weights, d_rows = reference._slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
         return d_rows.to(rows.dtype), d_weights.to(weights.dtype), None, None, None, None
 
 
