@@ -150,6 +150,16 @@ def test_logits_escape_and_stay_exact():
     torch.testing.assert_close(got[0], router(x)[0])
 
 
+def compile_and_compare(module, x, matched=1):
+    """(compiled outputs, eager outputs) of a hand-written router; checks the rewrite count."""
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(module, backend="uniep", options={"inner_backend": "eager"})(x)
+    assert counters["uniep"]["moe_router"] == matched
+    ref = module(x)
+    return got, ref
+
+
 # -- must not match -------------------------------------------------------------------------------
 class HandRouter(torch.nn.Module):
     """A Mixtral-style router with one step changed per variant."""
@@ -498,13 +508,7 @@ def test_topk_then_fp32_softmax_keeps_fp32_weights():
             return logits, torch.softmax(top, dim=-1, dtype=torch.float32), ids
 
     torch.manual_seed(0)
-    router = Router().half()
-    x = torch.randn(7, 16).half()
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(router, backend="uniep", options={"inner_backend": "eager"})(x)
-    assert counters["uniep"]["moe_router"] == 1
-    ref = router(x)
+    got, ref = compile_and_compare(Router().half(), torch.randn(7, 16).half())
     assert got[1].dtype == torch.float32 and torch.equal(got[2], ref[2])
     torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
 
@@ -522,13 +526,8 @@ def test_cast_feeding_the_linear_stays_an_input():
             return values / values.sum(dim=-1, keepdim=True), ids
 
     torch.manual_seed(0)
-    router = Router().half()
-    x = torch.randn(5, 16).half()
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(router, backend="uniep", options={"inner_backend": "eager"})(x)
-    assert counters["uniep"]["moe_router"] == 1
-    for a, b in zip(got, router(x)):
+    got, ref = compile_and_compare(Router().half(), torch.randn(5, 16).half())
+    for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
 
 
@@ -603,12 +602,6 @@ def test_softmax_dtype_in_every_spelling(spelling):
             return values / values.sum(dim=-1, keepdim=True), ids
 
     torch.manual_seed(0)
-    router = Router().half()
-    x = torch.randn(9, 16).half()
-    torch._dynamo.reset()
-    counters.clear()
-    got = torch.compile(router, backend="uniep", options={"inner_backend": "eager"})(x)
-    assert counters["uniep"]["moe_router"] == 1
-    ref = router(x)
+    got, ref = compile_and_compare(Router().half(), torch.randn(9, 16).half())
     assert got[0].dtype == torch.float32 and torch.equal(got[1], ref[1])
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)

@@ -45,6 +45,14 @@ def _take_max(key, values, idx, NONE: tl.constexpr):
 
 
 @triton.jit
+def _token_block(pid, num_tokens, num_experts, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
+    """Program pid's BLOCK_T tokens (int64 row indices) and the E_PAD expert columns, with their masks."""
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    return rows.to(tl.int64), cols, rows < num_tokens, cols < num_experts
+
+
+@triton.jit
 def _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts):
     return tl.load(logits_ptr + rows64[:, None] * num_experts + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                    other=0.0).to(tl.float32)
@@ -73,11 +81,7 @@ def _router_select(logits_ptr, sb_ptr, weights_ptr, ids_ptr, hist_ptr, num_token
                    ROUND_SCORES: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
                    PLAN: tl.constexpr, NUM_KEYS: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    row_ok = rows < num_tokens
-    col_ok = cols < num_experts
-    rows64 = rows.to(tl.int64)
+    rows64, cols, row_ok, col_ok = _token_block(pid, num_tokens, num_experts, BLOCK_T, E_PAD)
     z = _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts)
     scores = _scores(z, col_ok, MODE, ROUND_SCORES, logits_ptr.dtype.element_ty)
     choice = scores
@@ -150,11 +154,7 @@ def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_ex
     """d_logits = d(weights)/d(logits)^T grad_weights (+ grad_logits), with the forward's ids. Every sum
     over the K slots runs in k order."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    row_ok = rows < num_tokens
-    col_ok = cols < num_experts
-    rows64 = rows.to(tl.int64)
+    rows64, cols, row_ok, col_ok = _token_block(pid, num_tokens, num_experts, BLOCK_T, E_PAD)
     g_z = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
     if HAS_GW:
         z = _load_logits(logits_ptr, rows64, cols, row_ok, col_ok, num_experts)
