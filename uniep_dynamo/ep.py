@@ -132,7 +132,7 @@ def ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec:
         raise ValueError("uniep: expert parallelism does not take post-expert programs yet")
     world = dist.get_world_size(group)
     num_experts = w_up.shape[0] * world
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     ids = topk_ids.clamp(0, num_experts - 1) if s.out_of_range == "clamp" else topk_ids
     plan = ep_plan(ids, num_experts, group)
     routed_rows = sum(plan.send_counts)
