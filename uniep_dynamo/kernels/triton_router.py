@@ -148,6 +148,18 @@ def _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K: tl.constexpr):
 
 
 @triton.jit
+def _slot(ids_ptr, gw_ptr, rows64, row_ok, scores, cols, vmax, e_sum, scale, k, K: tl.constexpr,
+          MODE: tl.constexpr):
+    """Slot k: where its expert sits, v_k (MODE 2: its share of the softmax over the K chosen logits)
+    and g_k = grad_weights * scale, the gradient of v_k before the renorm."""
+    hit, vk = _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)
+    if MODE == 2:
+        vk = tl.exp(vk - vmax) / e_sum
+    gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
+    return hit, vk, gk
+
+
+@triton.jit
 def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_experts, scale, renorm_eps,
                  MODE: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, HAS_GW: tl.constexpr,
                  HAS_GL: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -171,20 +183,14 @@ def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_ex
         v_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
         gv_v = tl.zeros([BLOCK_T], dtype=tl.float32)
         for k in tl.static_range(K):
-            _hit, vk = _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)
-            if MODE == 2:
-                vk = tl.exp(vk - vmax) / e_sum
-            gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
+            _hit, vk, gk = _slot(ids_ptr, gw_ptr, rows64, row_ok, scores, cols, vmax, e_sum, scale, k, K, MODE)
             v_sum += vk
             gv_v += gk * vk
         total = v_sum + renorm_eps
         # each slot's gradient through the renorm, then its share of g_z
         gvv_renormed = tl.zeros([BLOCK_T], dtype=tl.float32)
         for k in tl.static_range(K):
-            hit, vk = _chosen(ids_ptr, rows64, row_ok, scores, cols, k, K)
-            if MODE == 2:
-                vk = tl.exp(vk - vmax) / e_sum
-            gk = tl.load(gw_ptr + rows64 * K + k, mask=row_ok, other=0.0).to(tl.float32) * scale
+            hit, vk, gk = _slot(ids_ptr, gw_ptr, rows64, row_ok, scores, cols, vmax, e_sum, scale, k, K, MODE)
             if RENORM:
                 gk = gk / total - gv_v / (total * total)
             gvv_renormed += gk * vk
