@@ -311,10 +311,10 @@ needs_interpreter = pytest.mark.skipif(not _interpreting(), reason="the kernel r
 
 def _compare_kernel(spec, x, w, b, sb, monkeypatch):
     pytest.importorskip("triton", reason="triton is not installed")
-    from uniep_dynamo.kernels import triton_router
+    from uniep_dynamo.kernels import megakernel, triton_router
 
     monkeypatch.setenv("UNIEP_KERNELS", "triton")
-    assert triton_router.unsupported_reason(x, w, b, sb, spec) is None
+    assert megakernel.router_unsupported_reason(x, w, b, spec) is None
     ref = router_reference.router_forward(x, w, b, sb, spec)
     got = triton_router.router_forward(x, w, b, sb, spec)
     assert torch.equal(got[2], ref[2]), (got[2], ref[2])

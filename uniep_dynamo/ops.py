@@ -187,21 +187,10 @@ _ROUTER_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bi
                   "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _router_kernel_applies(hidden, weight, bias, score_bias, spec) -> bool:
-    mode = megakernel.kernels_mode()
-    if mode == "reference" or (hidden.device.type != "cuda" and mode != "triton"):
-        return False  # the reference is the CPU path; no need to import triton
-    if not megakernel._triton_available():
-        megakernel.log_fallback("router op", "triton is not installed (pip install uniep[triton])", hidden)
-        return False
-    from .kernels import triton_router
-    return triton_router.use_kernel(hidden, weight, bias, score_bias, spec)
-
-
 @torch.library.custom_op("uniep::moe_router", mutates_args=(), schema=_ROUTER_SCHEMA)
 def moe_router(hidden, weight, bias, score_bias, spec):
     s = decode_router_spec(spec)
-    if _router_kernel_applies(hidden, weight, bias, score_bias, s):
+    if megakernel.use_fused_router(hidden, weight, bias, s):
         from .kernels import triton_router
         return triton_router.router_forward(hidden, weight, bias, score_bias, s)
     logits, weights, ids = (t.contiguous() for t in
@@ -232,7 +221,7 @@ _ROUTER_BWD_SCHEMA = ("(Tensor? grad_logits, Tensor? grad_weights, Tensor hidden
 @torch.library.custom_op("uniep::moe_router_backward", mutates_args=(), schema=_ROUTER_BWD_SCHEMA)
 def moe_router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):
     s = decode_router_spec(spec)
-    if _router_kernel_applies(hidden, weight, bias, None, s):
+    if megakernel.use_fused_router(hidden, weight, bias, s):
         from .kernels import triton_router
         grads = triton_router.router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, s)
     else:

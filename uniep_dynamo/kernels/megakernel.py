@@ -59,8 +59,9 @@ def kernels_mode() -> str:
     return mode
 
 
-def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> str | None:
-    """None if the Triton MegaKernel takes this call, else why the reference runs it."""
+def _path_reason(hidden) -> str | None:
+    """Why no Triton kernel can run for this tensor at all (mode, device, interpreter, install), or None.
+    Shared by the experts and the router op; imports nothing from triton."""
     mode = kernels_mode()
     if mode == "reference":
         return "UNIEP_KERNELS=reference"
@@ -71,6 +72,14 @@ def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operan
             return "UNIEP_KERNELS=triton on CPU needs TRITON_INTERPRET=1"
     if not _triton_available():
         return "triton is not installed (pip install uniep[triton])"
+    return None
+
+
+def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> str | None:
+    """None if the Triton MegaKernel takes this call, else why the reference runs it."""
+    reason = _path_reason(hidden)
+    if reason is not None:
+        return reason
     fused = FUSED_DTYPES_INTERPRETER if hidden.device.type != "cuda" else FUSED_DTYPES_GPU
     dtypes = {t.dtype for t in (hidden, w_up, w_down, b_up, b_down) if t is not None}
     if len(dtypes) != 1 or hidden.dtype not in fused:
@@ -111,6 +120,41 @@ def use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, 
     reason = unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec)
     if reason is not None:
         log_fallback("experts op", reason, hidden)
+    return reason is None
+
+
+ROUTER_MAX_EXPERTS = 1024
+
+
+def router_unsupported_reason(hidden, weight, bias, spec) -> str | None:
+    """None if the fused routing kernels (triton_router.py) take this router call, else why the
+    reference runs it."""
+    reason = _path_reason(hidden)
+    if reason is not None:
+        return reason
+    fused = (torch.float32, torch.float16) if hidden.device.type != "cuda" else \
+        (torch.float32, torch.float16, torch.bfloat16)
+    if hidden.dtype not in fused or weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        return f"hidden {hidden.dtype}, router weight {weight.dtype}: the fused router takes one of {fused}"
+    if spec.num_experts > ROUTER_MAX_EXPERTS:
+        return f"{spec.num_experts} experts; the fused router takes at most {ROUTER_MAX_EXPERTS}"
+    if spec.n_group > 1 and (spec.num_experts < 16 or spec.num_experts & (spec.num_experts - 1)
+                             or spec.n_group & (spec.n_group - 1) or spec.num_experts // spec.n_group < 2):
+        return (f"group-limited routing over E={spec.num_experts} in {spec.n_group} groups: the fused router "
+                "takes E a power of two >= 16 in power-of-two groups of at least 2")
+    if hidden.dim() != 2:
+        return "hidden states are not 2-D"
+    from .triton_routing import MAX_SLOTS
+
+    if spec.plan and hidden.shape[0] * spec.top_k >= MAX_SLOTS:
+        return f"{hidden.shape[0] * spec.top_k} routed slots; the routing-plan kernels count in int32"
+    return None
+
+
+def use_fused_router(hidden, weight, bias, spec) -> bool:
+    reason = router_unsupported_reason(hidden, weight, bias, spec)
+    if reason is not None:
+        log_fallback("router op", reason, hidden)
     return reason is None
 
 

@@ -21,7 +21,6 @@ import triton.language as tl
 from .config import interpreting
 from .router_reference import linear_backward, router_logits
 
-MAX_EXPERTS = 1024
 _MODES = {"softmax_topk": 0, "sigmoid_topk": 1, "topk_softmax": 2}
 _INT_MIN = tl.constexpr(-2147483648)
 
@@ -213,46 +212,6 @@ def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_ex
     if HAS_GL:
         d = (d.to(tl.float32) + tl.load(gl_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)).to(dl_ptr.dtype.element_ty)
     tl.store(dl_ptr + ptrs, d, mask=mask)
-
-
-def unsupported_reason(hidden, weight, bias, score_bias, spec) -> str | None:
-    """None if the fused routing kernel takes this call, else why the reference runs it."""
-    from . import megakernel
-
-    mode = megakernel.kernels_mode()
-    if mode == "reference":
-        return "UNIEP_KERNELS=reference"
-    if hidden.device.type != "cuda":
-        if mode != "triton":
-            return "not a CUDA tensor: the reference is the CPU path"
-        if not interpreting():
-            return "UNIEP_KERNELS=triton on CPU needs TRITON_INTERPRET=1"
-    fused = (torch.float32, torch.float16) if hidden.device.type != "cuda" else \
-        (torch.float32, torch.float16, torch.bfloat16)
-    if hidden.dtype not in fused or weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        return f"hidden {hidden.dtype}, router weight {weight.dtype}: the fused router takes one of {fused}"
-    if spec.num_experts > MAX_EXPERTS:
-        return f"{spec.num_experts} experts; the fused router takes at most {MAX_EXPERTS}"
-    if spec.n_group > 1 and (spec.num_experts < 16 or spec.num_experts & (spec.num_experts - 1)
-                             or spec.n_group & (spec.n_group - 1) or spec.num_experts // spec.n_group < 2):
-        return (f"group-limited routing over E={spec.num_experts} in {spec.n_group} groups: the fused router "
-                "takes E a power of two >= 16 in power-of-two groups of at least 2")
-    if hidden.dim() != 2:
-        return "hidden states are not 2-D"
-    from .triton_routing import MAX_SLOTS
-
-    if spec.plan and hidden.shape[0] * spec.top_k >= MAX_SLOTS:
-        return f"{hidden.shape[0] * spec.top_k} routed slots; the routing-plan kernels count in int32"
-    return None
-
-
-def use_kernel(hidden, weight, bias, score_bias, spec) -> bool:
-    from .megakernel import log_fallback
-
-    reason = unsupported_reason(hidden, weight, bias, score_bias, spec)
-    if reason is not None:
-        log_fallback("router op", reason, hidden)
-    return reason is None
 
 
 def _launch(num_tokens, num_experts):
