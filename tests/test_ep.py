@@ -81,18 +81,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,case_args", CASES, ids=lambda v: str(v[0]) if isinstance(v, tuple) else str(v))
-def test_ep_layer_matches_single_process(world, case_args, tmp_path):
-    import uniep_dynamo  # noqa: F401
-
-    workers = mp.spawn(_worker, args=(world, _free_port(), case_args, str(tmp_path)), nprocs=world, join=False)
-    deadline = time.monotonic() + 300
+def run_workers(worker, world: int, args: tuple, tmp_path, timeout: float = 300) -> list:
+    """Run worker(rank, world, port, *args, out_dir) in `world` processes; each saves rank{r}.pt there."""
+    workers = mp.spawn(worker, args=(world, _free_port(), *args, str(tmp_path)), nprocs=world, join=False)
+    deadline = time.monotonic() + timeout
     while not workers.join(timeout=5):  # raises if a worker fails
         if time.monotonic() > deadline:
             for proc in workers.processes:
                 proc.kill()
-            pytest.fail(f"the {world} EP workers did not finish in 300 s")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+            pytest.fail(f"the {world} EP workers did not finish in {timeout:.0f} s")
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.parametrize("world,case_args", CASES, ids=lambda v: str(v[0]) if isinstance(v, tuple) else str(v))
+def test_ep_layer_matches_single_process(world, case_args, tmp_path):
+    import uniep_dynamo  # noqa: F401
+
+    ranks = run_workers(_worker, world, (case_args,), tmp_path)
     ref_out, ref_grads = _reference(case_args)
     torch.testing.assert_close(torch.cat([r["out"] for r in ranks]), ref_out, atol=1e-5, rtol=1e-5)
     # hidden and routing-weight gradients: per token, concatenated over ranks

@@ -5,7 +5,7 @@
 The backend is found through the ``torch_dynamo_backends`` entry point; importing this package also
 registers it by name and registers the ``torch.ops.uniep`` custom ops.
 """
-from . import ops  # noqa: F401  (registers torch.ops.uniep.*)
+from . import ep, ops  # noqa: F401  (registers torch.ops.uniep.*)
 from .backend import UniepOptions, uniep_backend
 from .explain import Report, explain
 from .report import recording

@@ -16,8 +16,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import report
-from .lowering import lower_experts, lower_router, share_routing_plan
-from .patterns import find_experts_regions, find_router_regions
+from .lowering import lower_combine, lower_dispatch, lower_experts, lower_router, share_routing_plan
+from .patterns import find_ep_regions, find_experts_regions, find_router_regions
 
 log = logging.getLogger("uniep")
 
@@ -32,6 +32,9 @@ class UniepOptions:
     # The router op also builds the routing plan its experts op consumes (one sort of the ids, in the
     # router's pass); False: the experts op builds its own (for A/B comparisons)
     share_routing_plan: bool = True
+    # Expert parallelism: the all-to-all dispatch plan with its count exchange, and the combine after the
+    # return all-to-all (patterns/ep.py); False leaves them to the inner backend
+    rewrite_ep: bool = True
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
     # through the same graph (retain_graph=True) then raises. False keeps them intact.
@@ -52,8 +55,8 @@ class UniepOptions:
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
-    """Rewrite every proven experts and router region of `gm` in place. Returns (matches, near_misses);
-    matches hold the experts matches first, then the router matches."""
+    """Rewrite every proven experts, router and expert-parallel region of `gm` in place. Returns
+    (matches, near_misses); matches hold the experts matches first, then the router, then the EP ones."""
     opts = opts or UniepOptions()
     before = report.snapshot(gm.graph) if report.active() else None
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
@@ -81,20 +84,31 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         counters["uniep"]["moe_router"] += 1
         log.info("uniep: rewrote %s (%d nodes) into uniep.moe_router [%s]", match.module, len(match.nodes),
                  match.spec.describe())
+    ep_matches, ep_misses = find_ep_regions(gm.graph) if opts.rewrite_ep else ([], [])
+    for match in ep_matches:
+        replaced = [n.name for n in match.nodes]
+        call = (lower_dispatch if match.op == "ep_dispatch" else lower_combine)(gm, match)
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
+        counters["uniep"][match.op] += 1
+        log.info("uniep: rewrote %s (%d nodes) into uniep.%s [%s]", match.module, len(match.nodes), match.op,
+                 match.spec.describe())
     for miss in misses:
         counters["uniep"]["unfused"] += 1
         log.warning("uniep: %s runs unfused: %s", miss.module, miss.reason)
     for miss in router_misses:
         counters["uniep"]["router_unfused"] += 1
         log.warning("uniep: router %s runs unfused: %s", miss.module, miss.reason)
+    for miss in ep_misses:
+        counters["uniep"]["ep_unfused"] += 1
+        log.warning("uniep: expert-parallel step in %s runs unfused: %s", miss.module, miss.reason)
     if before is not None:
-        gm.meta["uniep_record"] = report.record_graph(before, gm, lowered, misses, router_misses)
-    if matches or routers:
+        gm.meta["uniep_record"] = report.record_graph(before, gm, lowered, misses, router_misses, ep_misses)
+    if matches or routers or ep_matches:
         # No graph-wide eliminate_dead_code here: Dynamo graphs hold in-place ops without users
         # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
         gm.graph.lint()
         gm.recompile()
-    return matches + routers, misses + router_misses
+    return matches + routers + ep_matches, misses + router_misses + ep_misses
 
 
 def _needs_grad(gm, example_inputs) -> bool:

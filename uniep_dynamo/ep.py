@@ -69,6 +69,43 @@ def _fused(t: torch.Tensor) -> bool:
     return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel._triton_available()
 
 
+def _gather_sum(d_rows, slot_row, expert_offsets, num_tokens: int, top_k: int, dtype):
+    """d_hidden[t] = sum over k (in order, fp32) of the rows of token t's K slots: the backward of
+    rows = hidden[row_order // K]."""
+    if _fused(d_rows):
+        from .kernels.triton_routing import combine
+        return combine(d_rows.contiguous(), slot_row, None, expert_offsets, num_tokens, top_k, dtype)
+    routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
+    return reference._combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
+
+
+def _combine_rows(rows, weights, slot_row, expert_offsets, out_dtype):
+    """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows past the routed ones are 0."""
+    num_tokens, top_k = weights.shape
+    if _fused(rows):
+        from .kernels.triton_routing import combine
+        return combine(rows.contiguous(), slot_row, weights.contiguous(), expert_offsets, num_tokens, top_k,
+                       out_dtype)
+    routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
+    return reference._combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
+
+
+def _combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_offsets):
+    """(d_rows, d_weights) of _combine_rows: d_w from <grad_out, row> and d_rows = w * grad_out rows, as the
+    single-rank op has them."""
+    num_tokens, top_k = weights.shape
+    if _fused(rows):
+        from .kernels.triton_routing import gather_rows, routing_weight_grad
+        grad_out = grad_out.contiguous()
+        d_weights = routing_weight_grad(grad_out, rows.contiguous(), slot_row, expert_offsets, num_tokens, top_k,
+                                        weights.dtype)
+        d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous())
+    else:
+        routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
+        d_weights, d_rows = reference._slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
+    return d_rows.to(rows.dtype), d_weights.to(weights.dtype)
+
+
 class _Dispatch(torch.autograd.Function):
     """Token rows in plan order, [S, H]; backward: the sum over each token's K rows, k in order."""
 
@@ -81,44 +118,21 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_rows):
         slot_row, expert_offsets = ctx.saved_tensors
-        num_tokens, top_k, dtype = ctx.shape
-        if _fused(d_rows):
-            from .kernels.triton_routing import combine
-            d_hidden = combine(d_rows.contiguous(), slot_row, None, expert_offsets, num_tokens, top_k, dtype)
-        else:
-            routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-            d_hidden = reference._combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
-        return d_hidden, None, None, None, None
+        return _gather_sum(d_rows, slot_row, expert_offsets, *ctx.shape), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows of dropped slots are 0.
-    Backward: d_w from <grad_out, row> and d_rows = w * grad_out rows, as the single-rank op has them."""
+    """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows of dropped slots are 0."""
 
     @staticmethod
     def forward(ctx, rows, weights, row_order, slot_row, expert_offsets, out_dtype):
         ctx.save_for_backward(rows, weights, row_order, slot_row, expert_offsets)
-        num_tokens, top_k = weights.shape
-        if _fused(rows):
-            from .kernels.triton_routing import combine
-            return combine(rows, slot_row, weights.contiguous(), expert_offsets, num_tokens, top_k, out_dtype)
-        routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-        return reference._combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
+        return _combine_rows(rows, weights, slot_row, expert_offsets, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, weights, row_order, slot_row, expert_offsets = ctx.saved_tensors
-        num_tokens, top_k = weights.shape
-        if _fused(rows):
-            from .kernels.triton_routing import gather_rows, routing_weight_grad
-            grad_out = grad_out.contiguous()
-            d_weights = routing_weight_grad(grad_out, rows, slot_row, expert_offsets, num_tokens, top_k,
-                                            weights.dtype)
-            d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous())
-        else:
-            routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-            d_weights, d_rows = reference._slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
-        return d_rows.to(rows.dtype), d_weights.to(weights.dtype), None, None, None, None
+        d_rows, d_weights = _combine_rows_backward(grad_out, *ctx.saved_tensors)
+        return d_rows, d_weights, None, None, None, None
 
 
 def ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str, group=None):
@@ -151,3 +165,128 @@ def ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec:
                                plan.recv_counts, group=group)
     y_rows = torch.cat([y_back, y_back.new_zeros(ids.numel() - routed_rows, hidden_size)])
     return _Combine.apply(y_rows, topk_weights, plan.row_order, plan.slot_row, plan.expert_offsets, s.out_dtype)
+
+
+# The ops the expert-parallel patterns (patterns/ep.py) lower to. ------------------------------------
+
+def _process_group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
+_DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_ids, int num_experts, str group_name) "
+                    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("uniep::ep_dispatch", mutates_args=(), schema=_DISPATCH_SCHEMA)
+def ep_dispatch(hidden, topk_ids, num_experts, group_name):
+    """The send side of an all-to-all dispatch over the ranks of `group_name`, each owning E / W
+    consecutive experts. Returns (rows [S, H], row_order [S], send_counts [W, E/W], recv_counts [W, E/W],
+    slot_row [S], expert_offsets [E]): the rows to send, hidden[row_order // K], ordered by (expert, token,
+    k); the per-expert counts this rank sends and, exchanged, receives; and the plan backward reads."""
+    group = _process_group(group_name)
+    world = group.size()
+    flat = topk_ids.reshape(-1)
+    # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync)
+    torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
+                        f"uniep.ep_dispatch: an expert id lies outside [0, {num_experts})")
+    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    rows = hidden[row_order // topk_ids.shape[1]]
+    return rows, row_order, counts, recv, slot_row, offsets
+
+
+@ep_dispatch.register_fake
+def _ep_dispatch_fake(hidden, topk_ids, num_experts, group_name):
+    world = _process_group(group_name).size()
+    slots = topk_ids.numel()
+    index = [topk_ids.new_empty(slots, dtype=torch.int64) for _ in range(2)]
+    counts = [topk_ids.new_empty(world, num_experts // world, dtype=torch.int64) for _ in range(2)]
+    return (hidden.new_empty(slots, hidden.shape[1]), index[0], counts[0], counts[1], index[1],
+            topk_ids.new_empty(num_experts, dtype=torch.int64))
+
+
+@torch.library.custom_op("uniep::ep_dispatch_backward", mutates_args=(),
+                         schema="(Tensor d_rows, Tensor slot_row, Tensor expert_offsets, SymInt num_tokens, "
+                                "int top_k) -> Tensor")
+def ep_dispatch_backward(d_rows, slot_row, expert_offsets, num_tokens, top_k):
+    return _gather_sum(d_rows, slot_row, expert_offsets, num_tokens, top_k, d_rows.dtype)
+
+
+@ep_dispatch_backward.register_fake
+def _ep_dispatch_backward_fake(d_rows, slot_row, expert_offsets, num_tokens, top_k):
+    return d_rows.new_empty(num_tokens, d_rows.shape[1])
+
+
+def _dispatch_setup_context(ctx, inputs, output):
+    hidden, topk_ids = inputs[0], inputs[1]
+    ctx.save_for_backward(output[4], output[5])
+    ctx.num_tokens, ctx.top_k = hidden.shape[0], topk_ids.shape[1]
+
+
+def _dispatch_backward(ctx, d_rows, *_int_grads):
+    slot_row, offsets = ctx.saved_tensors
+    if d_rows is None:
+        return None, None, None, None
+    return torch.ops.uniep.ep_dispatch_backward(d_rows, slot_row, offsets, ctx.num_tokens, ctx.top_k), None, None, None
+
+
+ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+
+
+def _unpermute_plan(row_order, weights):
+    """(slot_row, expert_offsets) of a permutation `row_order` of the T*K slots: its inverse, and one
+    "expert" holding every row. A row_order that is not a permutation (eager's index_put would leave
+    rows unwritten) fails a device-side check."""
+    slots = row_order.numel()
+    if slots != weights.numel():
+        raise ValueError(f"uniep.ep_combine: {slots} rows for {weights.shape[0]} tokens x {weights.shape[1]} slots")
+    order = row_order.long()
+    torch._assert_async(((order >= 0) & (order < slots)).all(),
+                        "uniep.ep_combine: the unpermute order indexes outside the rows")
+    slot_row = torch.full_like(order, -1)
+    slot_row[order.clamp(0, max(slots - 1, 0))] = torch.arange(slots, device=order.device)
+    torch._assert_async((slot_row >= 0).all(), "uniep.ep_combine: the unpermute order is not a permutation")
+    return slot_row, order.new_full((1,), slots)
+
+
+@torch.library.custom_op("uniep::ep_combine", mutates_args=(),
+                         schema="(Tensor rows, Tensor row_order, Tensor weights) -> Tensor")
+def ep_combine(rows, row_order, weights):
+    """out[t] = sum_k weights[t, k] * rows[r] where row_order[r] = t*K + k, k in order, in fp32, in the
+    promotion of the rows' and weights' dtypes: `buf = empty_like(rows); buf[row_order] = rows;
+    (buf.view(T, K, H) * weights[..., None]).sum(1)` with one fixed rounding."""
+    slot_row, offsets = _unpermute_plan(row_order, weights)
+    return _combine_rows(rows, weights, slot_row, offsets, torch.promote_types(rows.dtype, weights.dtype))
+
+
+@ep_combine.register_fake
+def _ep_combine_fake(rows, row_order, weights):
+    return rows.new_empty(weights.shape[0], rows.shape[1], dtype=torch.promote_types(rows.dtype, weights.dtype))
+
+
+@torch.library.custom_op("uniep::ep_combine_backward", mutates_args=(),
+                         schema="(Tensor grad_out, Tensor rows, Tensor row_order, Tensor weights) -> (Tensor, Tensor)")
+def ep_combine_backward(grad_out, rows, row_order, weights):
+    slot_row, offsets = _unpermute_plan(row_order, weights)
+    return _combine_rows_backward(grad_out, rows, weights, row_order.long(), slot_row, offsets)
+
+
+@ep_combine_backward.register_fake
+def _ep_combine_backward_fake(grad_out, rows, row_order, weights):
+    return torch.empty_like(rows), torch.empty_like(weights)
+
+
+def _combine_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_backward(ctx, grad_out):
+    rows, row_order, weights = ctx.saved_tensors
+    d_rows, d_weights = torch.ops.uniep.ep_combine_backward(grad_out, rows, row_order, weights)
+    return d_rows, None, d_weights
+
+
+ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_context)

@@ -18,8 +18,10 @@ from torch.fx import Graph, Node
 
 from .patterns import graph_utils as gu
 
-UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_router", "moe_router_backward")
-_A2A = ("all_to_all", "expert-parallel patterns are not supported yet: the all-to-all runs in the inner backend")
+UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_router", "moe_router_backward", "ep_dispatch",
+             "ep_dispatch_backward", "ep_combine", "ep_combine_backward")
+_A2A = ("all_to_all", "the token all-to-all runs in the inner backend: uniep rewrites the dispatch plan and count "
+        "exchange before it and the combine after it (patterns/ep.py), not the exchange itself")
 _UNSUPPORTED_ANCHORS = {
     "all_to_all_single": _A2A, "all_to_all_single_autograd": _A2A, "all_to_all": _A2A,
 }
@@ -122,10 +124,12 @@ class Recorder:
         self.graphs: list[GraphRecord] = []
 
     def totals(self) -> dict:
-        totals = {"moe_experts": 0, "moe_router": 0, "unfused": 0, "router_unmatched": 0, "all_to_all_unmatched": 0}
+        totals = {"moe_experts": 0, "moe_router": 0, "ep_dispatch": 0, "ep_combine": 0, "unfused": 0,
+                  "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0}
         for g in self.graphs:
-            totals["moe_experts"] += sum(1 for r in g.rewrites if r.op == "moe_experts")
-            totals["moe_router"] += sum(1 for r in g.rewrites if r.op == "moe_router")
+            for op in ("moe_experts", "moe_router", "ep_dispatch", "ep_combine"):
+                totals[op] += sum(1 for r in g.rewrites if r.op == op)
+            totals["ep_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "ep")
             totals["unfused"] += sum(1 for m in g.near_misses if m.pattern == "experts")
             totals["router_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "router")
             totals["all_to_all_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "all_to_all")
@@ -168,14 +172,14 @@ def _compile_id() -> str:
         return "?"
 
 
-def record_graph(before: list, gm, lowered: list, misses, router_misses=()) -> GraphRecord:
+def record_graph(before: list, gm, lowered: list, misses, router_misses=(), ep_misses=()) -> GraphRecord:
     """Called by the backend after a rewrite while recording is active; `lowered` holds
     (match, names of the replaced nodes, names of the added nodes) per rewrite."""
     record = GraphRecord(_compile_id(), before, snapshot(gm.graph))
     for match, replaced, added in lowered:
-        op = "moe_router" if hasattr(match, "ids") else "moe_experts"
+        op = getattr(match, "op", None) or ("moe_router" if hasattr(match, "ids") else "moe_experts")
         record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(), replaced, added))
-    for pattern, found in (("experts", misses), ("router", router_misses)):
+    for pattern, found in (("experts", misses), ("router", router_misses), ("ep", ep_misses)):
         for miss in found:
             record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, pattern, miss.expected,
                                                      miss.actual, miss.matched_nodes, list(miss.rejections)))

@@ -85,7 +85,7 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
     _require(_dtype(weights) is not None and _dtype(weights).is_floating_point, "routing weights are not floating point")
     _require(len(h_shape) == 2 and len(ids_shape) == 2 and len(w_shape) == 2, "hidden, ids and weights must be 2-D")
     tokens, hidden_size = h_shape
-    _require(gu.same_int(ids_shape[0], tokens) and gu.same_int(w_shape[0], tokens),
+    _require(gu.same_int_or_guard(ids_shape[0], tokens) and gu.same_int_or_guard(w_shape[0], tokens),
              f"hidden states {h_shape}, expert ids {ids_shape} and routing weights {w_shape} disagree on tokens")
     _require(gu.same_int(ids_shape[1], value.top_k) and gu.same_int(w_shape[1], value.top_k),
              f"expert ids {ids_shape} and routing weights {w_shape} do not have K={value.top_k} columns")

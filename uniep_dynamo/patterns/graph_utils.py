@@ -130,6 +130,24 @@ def same_int(a, b) -> bool:
     return a == b
 
 
+def same_int_or_guard(a, b) -> bool:
+    """a == b provably, or, for sizes Dynamo traced with equal values but separate symbols (two graph
+    inputs whose relation no op in the graph states), by a guard on a == b: the compiled graph then runs
+    only on calls where they are equal, and a call where they differ compiles another graph."""
+    if same_int(a, b):
+        return True
+    if isinstance(a, bool) or isinstance(b, bool) or not all(isinstance(x, (int, torch.SymInt)) for x in (a, b)):
+        return False
+    from torch.fx.experimental.symbolic_shapes import guard_bool
+
+    def hint(x):  # the value this trace saw; None for an unbacked size
+        return x if isinstance(x, int) else (x.node.hint if x.node.has_hint() else None)
+
+    if hint(a) is None or hint(a) != hint(b):
+        return False
+    return bool(guard_bool(a == b))
+
+
 def is_dim(value, want: int, ndim: int) -> bool:
     """Whether `value` names dimension `want` (non-negative) of an ndim tensor."""
     if isinstance(value, bool) or not isinstance(value, int) or not -ndim <= value < ndim:
@@ -144,7 +162,11 @@ def parameter_of(node) -> torch.nn.Parameter | None:
     if node.op == "placeholder":
         grapharg = node.meta.get("grapharg")
         real = getattr(grapharg, "example", None) if grapharg is not None else None
-        return real if isinstance(real, torch.nn.Parameter) else None
+        if isinstance(real, torch.nn.Parameter):
+            return real
+        # A tensor a module holds in its parameter slot for the call: HF's expert parallelism swaps each
+        # DTensor parameter for its local shard (`_parameters[name] = param.to_local()`) while the experts run.
+        return real if isinstance(real, torch.Tensor) and _in_parameter_slot(grapharg) else None
     if node.op == "get_attr":
         obj = node.graph.owning_module
         try:
@@ -154,6 +176,13 @@ def parameter_of(node) -> torch.nn.Parameter | None:
             return None
         return obj if isinstance(obj, torch.nn.Parameter) else None
     return None
+
+
+def _in_parameter_slot(grapharg) -> bool:
+    source = getattr(grapharg, "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    return isinstance(name, str) and re.search(r"\._parameters\[['\"][^'\"]+['\"]\]$", name) is not None
 
 
 def module_path(node: Node) -> str:

@@ -84,7 +84,10 @@ class Interpreter:
         return self._position[a] < self._position[b]
 
     def _consumes_moe(self, node: Node) -> bool:
-        return any(isinstance(a, Node) and a in self.env for a in node.all_input_nodes)
+        # an arange is an MoE value only as what the inverse permutation is filled with: other ops may
+        # read one (local expert ids built from arange(E).repeat(...) under expert parallelism, say)
+        return any(isinstance(a, Node) and a in self.env and not isinstance(self.env[a], Arange)
+                   for a in node.all_input_nodes)
 
     # -- transfer rules -----------------------------------------------------------------------
     def transfer(self, node: Node, name: str | None):

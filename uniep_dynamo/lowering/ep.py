@@ -1,0 +1,54 @@
+"""Replace a proven expert-parallel dispatch or combine by one call of torch.ops.uniep.ep_dispatch /
+ep_combine (patterns/ep.py says what each replaces)."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule
+
+from ..patterns.ep import CombineMatch, DispatchMatch
+from .experts import take_place
+
+
+def lower_dispatch(gm: GraphModule, match: DispatchMatch) -> torch.fx.Node:
+    graph = gm.graph
+    last = match.nodes[-1]
+    with graph.inserting_after(last):
+        call = graph.call_function(torch.ops.uniep.ep_dispatch.default,
+                                   (match.hidden, match.ids, match.num_experts, match.group_name))
+    outs = {}
+    with graph.inserting_after(call):
+        for i in reversed(range(4)):
+            outs[i] = graph.call_function(operator.getitem, (call, i))
+    for i, old in enumerate((match.rows, match.order, match.send_counts, match.recv_counts)):
+        if old is match.recv_counts:  # the buffer the exchange was copied into: its readers after the copy
+            for user in [u for u in old.users if u is not match.copy]:
+                user.replace_input_with(old, outs[i])
+            outs[i].meta.update({k: old.meta[k] for k in ("example_value", "stack_trace") if k in old.meta})
+        else:
+            take_place(old, outs[i], call)
+    for node in reversed(match.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    _require_erased(match.nodes, graph)
+    return call
+
+
+def lower_combine(gm: GraphModule, match: CombineMatch) -> torch.fx.Node:
+    graph = gm.graph
+    with graph.inserting_before(match.out):
+        call = graph.call_function(torch.ops.uniep.ep_combine.default, (match.rows, match.order, match.weights))
+    take_place(match.out, call, call)
+    for node in reversed(match.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    _require_erased(match.nodes, graph)
+    return call
+
+
+def _require_erased(nodes, graph):
+    alive = set(graph.nodes)
+    left = [n.name for n in nodes if n in alive]
+    if left:
+        raise AssertionError(f"uniep: EP lowering left region nodes {left} with readers")
