@@ -337,3 +337,14 @@ def test_example_plain_pytorch_ep_model(world, tmp_path):
         eager, fused = r["results"]["eager"], r["results"]["uniep"]
         for name, a, b in zip(["out", "d_x", "d_gate", "d_gate_up", "d_down"], fused, eager):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_dispatch_op_refuses_a_group_of_another_size(one_rank_group):
+    """The rank count is an argument of the op (so a compiled-graph cache keyed on the graph cannot hand a
+    graph proven for 4 ranks to a run on 2); a group of another size is an error, not a wrong split."""
+    hidden, ids = torch.randn(6, 8), torch.randint(0, 4, (6, 2))
+    with pytest.raises(ValueError, match="compiled for 2 ranks"):
+        torch.ops.uniep.ep_dispatch(hidden, ids, 4, 2, one_rank_group.group_name)
+    rows, order, send, recv, *_ = torch.ops.uniep.ep_dispatch(hidden, ids, 4, 1, one_rank_group.group_name)
+    assert torch.equal(order, torch.sort(ids.reshape(-1), stable=True)[1]) and torch.equal(rows, hidden[order // 2])
+    assert torch.equal(send, recv) and send.tolist() == [torch.bincount(ids.reshape(-1), minlength=4).tolist()]

@@ -174,18 +174,22 @@ def _process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
-_DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_ids, int num_experts, str group_name) "
+_DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_ids, int num_experts, int world, str group_name) "
                     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("uniep::ep_dispatch", mutates_args=(), schema=_DISPATCH_SCHEMA)
-def ep_dispatch(hidden, topk_ids, num_experts, group_name):
-    """The send side of an all-to-all dispatch over the ranks of `group_name`, each owning E / W
+def ep_dispatch(hidden, topk_ids, num_experts, world, group_name):
+    """The send side of an all-to-all dispatch over the `world` ranks of `group_name`, each owning E / W
     consecutive experts. Returns (rows [S, H], row_order [S], send_counts [W, E/W], recv_counts [W, E/W],
     slot_row [S], expert_offsets [E]): the rows to send, hidden[row_order // K], ordered by (expert, token,
-    k); the per-expert counts this rank sends and, exchanged, receives; and the plan backward reads."""
+    k); the per-expert counts this rank sends and, exchanged, receives; and the plan backward reads.
+    `world` is an argument, not read off the group, so that the graph (and any compiled-graph cache keyed
+    on it) holds the shapes it was proven for."""
     group = _process_group(group_name)
-    world = group.size()
+    if group.size() != world:
+        raise ValueError(f"uniep.ep_dispatch: compiled for {world} ranks, but process group {group_name!r} has "
+                         f"{group.size()}")
     flat = topk_ids.reshape(-1)
     # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync)
     torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
@@ -199,8 +203,7 @@ def ep_dispatch(hidden, topk_ids, num_experts, group_name):
 
 
 @ep_dispatch.register_fake
-def _ep_dispatch_fake(hidden, topk_ids, num_experts, group_name):
-    world = _process_group(group_name).size()
+def _ep_dispatch_fake(hidden, topk_ids, num_experts, world, group_name):
     slots = topk_ids.numel()
     index = [topk_ids.new_empty(slots, dtype=torch.int64) for _ in range(2)]
     counts = [topk_ids.new_empty(world, num_experts // world, dtype=torch.int64) for _ in range(2)]
@@ -228,9 +231,9 @@ def _dispatch_setup_context(ctx, inputs, output):
 
 def _dispatch_backward(ctx, d_rows, *_int_grads):
     slot_row, offsets = ctx.saved_tensors
-    if d_rows is None:
-        return None, None, None, None
-    return torch.ops.uniep.ep_dispatch_backward(d_rows, slot_row, offsets, ctx.num_tokens, ctx.top_k), None, None, None
+    d_hidden = None if d_rows is None else \
+        torch.ops.uniep.ep_dispatch_backward(d_rows, slot_row, offsets, ctx.num_tokens, ctx.top_k)
+    return d_hidden, None, None, None, None
 
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)

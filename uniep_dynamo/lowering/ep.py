@@ -16,7 +16,8 @@ def lower_dispatch(gm: GraphModule, match: DispatchMatch) -> torch.fx.Node:
     last = match.nodes[-1]
     with graph.inserting_after(last):
         call = graph.call_function(torch.ops.uniep.ep_dispatch.default,
-                                   (match.hidden, match.ids, match.num_experts, match.group_name))
+                                   (match.hidden, match.ids, match.num_experts, match.world,
+                                    match.group_name))
     outs = {}
     with graph.inserting_after(call):
         for i in reversed(range(4)):

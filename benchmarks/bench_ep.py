@@ -1,0 +1,188 @@
+"""An expert-parallel MoE layer, forward + backward, over NCCL: eager, inductor and uniep side by side.
+
+The layer is examples/ep_moe.py's plain-PyTorch EP layer (router, argsort dispatch with a count
+all-to-all, token all-to-alls, experts, unpermute-and-combine) with torchtitan-style grouped-GEMM
+experts (stable sort, histc offsets, torch._grouped_mm), the way HF's AllToAllEP and torchtitan write
+it. Providers, on the same module and inputs:
+  eager      as written
+  inductor   torch.compile(layer): the sequential path (NCCL all_to_all_single + torch._grouped_mm)
+  uniep      torch.compile(layer, backend="uniep"): uniep.moe_router, uniep.ep_dispatch, uniep.moe_experts
+             and uniep.ep_combine, the token all-to-alls unchanged (no fused communication yet)
+Each rank holds T tokens (bf16) and E / world experts; time per step is the median over iterations of the
+slowest rank (CUDA events). Each uniep row also gives the largest relative difference of its output to
+eager's on each rank.
+
+    python benchmarks/bench_ep.py --world 4 --shapes mixtral,qwen3-30b-a3b --tokens 8192
+    python benchmarks/bench_ep.py --world 2 --device cpu --tokens 64 --shapes tiny   # a CPU smoke run (gloo)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# name: (hidden, moe intermediate, experts, top-k)
+SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
+PROVIDERS = ("eager", "inductor", "uniep")
+
+
+def _layer_class():
+    from ep_moe import ExpertParallelMoE
+
+    class GroupedGemmEPMoE(ExpertParallelMoE):
+        """ExpertParallelMoE with torchtitan-style grouped-GEMM experts ([E, H, 2I] and [E, I, H] weights)."""
+
+        def __init__(self, hidden, intermediate, num_experts, top_k, dtype):
+            super().__init__(hidden, intermediate, num_experts, top_k)
+            del self.gate_up_proj, self.down_proj
+            self.intermediate = intermediate
+            self.w1 = nn.Parameter((torch.randn(self.local_experts, hidden, 2 * intermediate) * hidden ** -0.5).to(dtype))
+            self.w2 = nn.Parameter((torch.randn(self.local_experts, intermediate, hidden) * intermediate ** -0.5)
+                                   .to(dtype))
+            self.gate.to(dtype)
+
+        def experts(self, x, local_ids, weights):
+            k, e = local_ids.shape[1], self.local_experts
+            flat = local_ids.reshape(-1)
+            perm = torch.sort(flat, stable=True)[1]
+            offsets = torch.cumsum(torch.histc(flat.float(), bins=e, min=0, max=e - 1), 0).to(torch.int32)
+            rows = x[perm // k]
+            h = torch._grouped_mm(rows, self.w1, offs=offsets)
+            gate, up = h[..., :self.intermediate], h[..., self.intermediate:]
+            y = torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offsets)
+            y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+            back = torch.empty_like(y)
+            back[perm] = y
+            return back.view(x.shape[0], k, x.shape[1]).sum(dim=1)
+
+    return GroupedGemmEPMoE
+
+
+def _time(step, iters, warmup, device):
+    for _ in range(warmup):
+        step()
+    if device.type == "cpu":
+        dist.barrier()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+    else:
+        torch.cuda.synchronize()
+        dist.barrier()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _worker(rank, world, port, args, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        dtype = torch.bfloat16
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dtype = torch.bfloat16
+    import uniep_dynamo  # noqa: F401  (registers backend="uniep" when the package is not installed)
+    from torch._dynamo.utils import counters
+
+    rows = []
+    try:
+        for shape in args.shapes.split(","):
+            hidden, inter, experts, top_k = SHAPES[shape]
+            torch.manual_seed(0)  # one router for all ranks
+            layer = _layer_class()(hidden, inter, experts, top_k, dtype).to(device)
+            with torch.no_grad():
+                for p in (layer.w1, layer.w2):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(p.dtype)
+                            * p.shape[1] ** -0.5)
+            g = torch.Generator().manual_seed(100 + rank)
+            x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+            grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
+            ref = None
+            for provider in PROVIDERS:
+                torch._dynamo.reset()
+                counters.clear()
+                run = {"eager": layer, "inductor": torch.compile(layer),
+                       "uniep": torch.compile(layer, backend="uniep")}[provider]
+
+                def step():
+                    layer.zero_grad(set_to_none=True)
+                    x.grad = None
+                    out = run(x)
+                    out.backward(grad)
+                    return out
+
+                out = step().detach()
+                ms = _time(step, args.iters, args.warmup, device)
+                worst = torch.tensor([ms], device=device)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                if ref is None:
+                    ref = out
+                diff = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))
+                rows.append({"shape": shape, "provider": provider, "world": world, "tokens_per_rank": args.tokens,
+                             "ms": float(worst.item()), "rank_ms": ms, "max_rel_vs_eager": diff,
+                             "rewrites": {k: v for k, v in counters["uniep"].items()}})
+                if rank == 0:
+                    print(f"{shape:14s} {provider:9s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
+                          f"{dict(counters['uniep']) if provider == 'uniep' else ''}", flush=True)
+            del layer
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                           "torch": torch.__version__, "rows": rows}, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", default="ep.json")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args.world, port, args, args.out), nprocs=args.world)
+    with open(args.out) as f:
+        data = json.load(f)
+    print(f"\n{data['device']}, torch {data['torch']}, world {args.world}, T={args.tokens} tokens per rank, bf16, "
+          "forward + backward (ms, slowest rank, median)")
+    print(f"{'shape':14s} {'provider':9s} {'ms':>9s} {'vs inductor':>12s}")
+    base = {r["shape"]: r["ms"] for r in data["rows"] if r["provider"] == "inductor"}
+    for r in data["rows"]:
+        print(f"{r['shape']:14s} {r['provider']:9s} {r['ms']:9.3f} {base[r['shape']] / r['ms']:11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
