@@ -1,8 +1,16 @@
-"""uniep-diff: run a script (or module) that compiles with backend="uniep" and report what was rewritten.
+"""The command line.
+
+uniep-diff (or `uniep diff`): run a script (or module) that compiles with backend="uniep" and report what
+was rewritten.
 
     uniep-diff train.py --steps 1                       # terminal summary
     uniep-diff --html report.html --json report.json train.py
     uniep-diff --expect moe_experts=32 -m mypkg.train   # exit 1 unless exactly 32 rewrites
+
+uniep tune: search the MegaKernel's parameter space on this GPU and cache the winners (uniep_dynamo/tuner.py).
+
+    uniep tune --hf-config Qwen/Qwen3-30B-A3B --tokens 8192
+    uniep tune --shape 4096,14336,8,2 --shape 2048,768,128,8 --budget 8
 """
 from __future__ import annotations
 
@@ -60,6 +68,123 @@ def main(argv=None) -> int:
     for line in failed:
         print(f"uniep-diff: --expect {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+
+# ---- uniep tune ------------------------------------------------------------------------------------
+
+_HF_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_HF_INTER = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+
+
+def shapes_from_hf_config(cfg) -> tuple:
+    """(hidden, expert intermediate, experts, top-k) of an HF MoE config (its text config for multimodal ones)."""
+    cfg = getattr(cfg, "text_config", None) or cfg
+    experts = next((getattr(cfg, n) for n in _HF_EXPERTS if getattr(cfg, n, None)), None)
+    inter = next((getattr(cfg, n) for n in _HF_INTER if getattr(cfg, n, None)), None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not (experts and inter and top_k and getattr(cfg, "hidden_size", None)):
+        raise SystemExit(f"uniep tune: {type(cfg).__name__} names no MoE experts (looked for {_HF_EXPERTS}, "
+                         f"{_HF_INTER}, num_experts_per_tok)")
+    return cfg.hidden_size, inter, experts, top_k
+
+
+def _progress(label):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    bar = {}
+
+    def update(done, total, best_ms):
+        if tqdm is not None:
+            if "bar" not in bar:
+                bar["bar"] = tqdm(total=total, desc=label, unit="config", leave=False)
+            bar["bar"].n = done
+            bar["bar"].set_postfix(best_ms=f"{best_ms:.3f}")
+            if done >= total:
+                bar["bar"].close()
+        else:
+            print(f"\r{label}: {done}/{total} configs, best {best_ms:.3f} ms", end="" if done < total else "\n",
+                  file=sys.stderr, flush=True)
+    return update
+
+
+def tune_main(argv=None) -> int:
+    """uniep tune: search the MegaKernel's space for the experts shapes of an HF config (or given shapes)
+    on this GPU, print heuristic vs tuned time per shape, and store the winners in the tuning cache."""
+    parser = argparse.ArgumentParser(prog="uniep tune", description=tune_main.__doc__)
+    parser.add_argument("--hf-config", action="append", default=[],
+                        help="an HF model id or config directory (AutoConfig.from_pretrained); repeatable")
+    parser.add_argument("--shape", action="append", default=[], metavar="H,I,E,K",
+                        help="hidden, expert intermediate size, experts, top-k; repeatable")
+    parser.add_argument("--tokens", default="8192", help="comma-separated token counts per call (default 8192)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--budget", type=int, default=8, help="candidates per knob group (GEMM or layer)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-save", action="store_true", help="do not write the tuning cache")
+    parser.add_argument("--json", help="write the results here")
+    ns = parser.parse_args(argv)
+
+    import json
+
+    import torch
+
+    from . import tuner
+
+    shapes = []
+    for name in ns.hf_config:
+        from transformers import AutoConfig
+        shapes.append((name, shapes_from_hf_config(AutoConfig.from_pretrained(name))))
+    for text in ns.shape:
+        try:
+            shapes.append((text, tuple(int(v) for v in text.split(","))))
+        except ValueError:
+            parser.error(f"--shape takes H,I,E,K, got {text!r}")
+        if len(shapes[-1][1]) != 4:
+            parser.error(f"--shape takes H,I,E,K, got {text!r}")
+    if not shapes:
+        parser.error("give --hf-config or --shape")
+    if not torch.cuda.is_available():
+        print("uniep tune: needs a CUDA GPU (the search times the Triton MegaKernel)", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, ns.dtype)
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for label, (hidden, inter, experts, top_k) in shapes:
+        for tokens in (int(t) for t in ns.tokens.split(",")):
+            result = tuner.tune_shape(tokens, hidden, inter, experts, top_k, dtype=dtype, budget=ns.budget,
+                                      iters=ns.iters, progress=_progress(f"{label} T={tokens}"))
+            rows.append((label, tokens, result))
+            if not ns.no_save:
+                path = tuner.store_entries(gpu, {result.key: {
+                    "config": tuner.config_to_dict(result.config), "heuristic_ms": result.heuristic_ms,
+                    "tuned_ms": result.tuned_ms, "tune_seconds": result.seconds}})
+    print(f"\n{gpu}, {ns.dtype}, forward + backward of one experts layer (ms, median of {ns.iters})")
+    print(f"{'shape':28s} {'T':>6s} {'heuristic':>10s} {'tuned':>9s} {'speedup':>8s} {'measured':>9s} "
+          f"{'rejected':>9s} {'tune s':>7s}")
+    for label, tokens, r in rows:
+        print(f"{label[:28]:28s} {tokens:6d} {r.heuristic_ms:10.3f} {r.tuned_ms:9.3f} {r.speedup:7.2f}x "
+              f"{r.measured:9d} {sum(r.rejected.values()):9d} {r.seconds:7.1f}")
+    if not ns.no_save:
+        print(f"tuning cache: {path}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"gpu": gpu, "dtype": ns.dtype, "rows": [
+                {"shape": label, "tokens": tokens, "key": r.key, "heuristic_ms": r.heuristic_ms,
+                 "tuned_ms": r.tuned_ms, "speedup": r.speedup, "measured": r.measured, "rejected": r.rejected,
+                 "tune_seconds": r.seconds, "config": tuner.config_to_dict(r.config)} for label, tokens, r in rows]},
+                f, indent=1)
+    return 0
+
+
+def uniep_main(argv=None) -> int:
+    """uniep COMMAND: `uniep tune ...` (the MegaKernel search) or `uniep diff ...` (the same as uniep-diff)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("tune", "diff"):
+        print("usage: uniep {tune,diff} ...   (uniep tune --help)", file=sys.stderr)
+        return 2
+    return tune_main(argv[1:]) if argv[0] == "tune" else main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -125,10 +125,38 @@ def use_config(config: MegaKernelConfig):
         _OVERRIDE.pop()
 
 
-def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, interpret: bool) -> MegaKernelConfig:
+def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, interpret: bool,
+                   dtype=None, device=None) -> MegaKernelConfig:
+    """The config the op runs with: ``use_config``'s, else a tuned one from the cache (uniep/tuner.py)
+    for this GPU and shape, else the heuristics'. A cached config whose numerics knobs differ from the
+    heuristics' is not used: tuning may only change the schedule."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    return heuristic_config(num_rows, num_experts, hidden, inter, interpret)
+    heuristic = heuristic_config(num_rows, num_experts, hidden, inter, interpret)
+    if interpret or dtype is None or device is None or device.type != "cuda":
+        return heuristic
+    from .. import tuner
+
+    key = tuner.shape_key(dtype, num_rows, num_experts, hidden, inter)
+    tuned = tuner.cached_config(_gpu_name(device), key)
+    if tuned is None:
+        return heuristic
+    if tuned.numerics_key() != heuristic.numerics_key():
+        tuner.log.warning("uniep: the tuned config for %s changes numerics knobs; the heuristics apply", key)
+        return heuristic
+    return tuned
+
+
+_GPU_NAMES: dict = {}
+
+
+def _gpu_name(device) -> str:
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _GPU_NAMES:
+        _GPU_NAMES[index] = torch.cuda.get_device_name(index)
+    return _GPU_NAMES[index]
 
 
 def interpreting() -> bool:

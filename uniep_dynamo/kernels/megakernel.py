@@ -181,7 +181,7 @@ class _Layer:
         self.interpret = hidden.device.type != "cuda"
         self.dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
         self.config = config_mod.current_config(self.num_slots, self.num_experts, self.hidden_size, self.inter,
-                                                self.interpret)
+                                                self.interpret, dtype=hidden.dtype, device=hidden.device)
         self.block_e = max(16, 1 << (self.num_experts - 1).bit_length())
 
 

@@ -1,0 +1,325 @@
+"""The MegaKernel's parameter search: one declarative space, a tuner that measures it, and a cache on disk.
+
+Space. ``SPACE`` lists the values of each scheduling knob of a grouped GEMM (kernels/config.py) and
+``LAYER_SPACE`` the layer-wide ones. The numerics knobs (``block_k``, ``act_grad_in_epilogue``) are not
+searched: every candidate keeps the heuristic's values, so a tuned config computes the same bits as the
+heuristic one (config.py's numerics contract), and the tuner checks it on every candidate anyway.
+``gemm_candidates`` enumerates a GEMM's points and prunes those that cannot run or cannot win:
+shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
+a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. The expert-parallel knobs
+(SMs for communication, chunk and signal granularity, overlap) join the space with the fused EP kernel,
+which does not exist yet.
+
+Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA,
+CUDA events, the same seeded inputs for every candidate): coordinate descent, one GEMM at a time, then
+the layer knobs, at most ``budget`` candidates per knob group. A candidate that fails to compile or
+launch, or whose output or any gradient differs by one bit from the heuristic's, is rejected. The
+result says how many were measured and rejected, and how long it took.
+
+Cache. One JSON file per (uniep, torch, triton, GPU model) under ``$XDG_CACHE_HOME/uniep`` (default
+``~/.cache/uniep``; ``UNIEP_CACHE_DIR`` overrides), entries keyed by dtype, E, H, I and the routed-row
+count rounded up to a power of two. Writers (several ranks tuning at once) take an exclusive lock on a
+side file and replace the JSON atomically, merging what is there. A file that does not parse is
+ignored with a warning. ``kernels/config.current_config`` reads it when the op runs; a missing entry
+uses the heuristics and never blocks (``UNIEP_TUNE=0`` ignores the cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernels import config as kconfig
+from .kernels.config import GEMMS, GemmConfig, MegaKernelConfig
+
+log = logging.getLogger("uniep")
+
+SPACE = {
+    "block_m": (64, 128),
+    "block_n": (64, 128, 256),
+    "group_m": (4, 8, 16),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4, 5),
+    "num_programs": (0, "sms"),  # 0: a program per tile; "sms": a persistent grid of one program per SM
+}
+LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False)}
+SMEM_LIMIT = {9: 227 * 1024}  # bytes of shared memory a block may use, by compute capability major (Hopper)
+DEFAULT_SMEM_LIMIT = 99 * 1024
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread; more spills (255 is the hardware's cap)
+CACHE_FORMAT = 1
+
+
+# ---- the space -------------------------------------------------------------------------------------
+
+def gemm_candidates(base: GemmConfig, *, n_dim: int, smem_limit: int, sm_count: int, elem_bytes: int = 2,
+                    n_factor: int = 1) -> list[GemmConfig]:
+    """Every valid point of SPACE for one GEMM, with ``base``'s block_k; ``base`` first. ``n_factor`` = 2
+    for the packed gated up projection, whose accumulator spans two ``block_n`` blocks."""
+    out, seen = [base], {base}
+    for values in itertools.product(*SPACE.values()):
+        knobs = dict(zip(SPACE, values))
+        knobs["num_programs"] = sm_count if knobs["num_programs"] == "sms" else 0
+        cfg = dataclasses.replace(base, **knobs)
+        if cfg not in seen and prune_reason(cfg, n_dim=n_dim, smem_limit=smem_limit, elem_bytes=elem_bytes,
+                                            n_factor=n_factor) is None:
+            seen.add(cfg)
+            out.append(cfg)
+    return out
+
+
+def prune_reason(cfg: GemmConfig, *, n_dim: int, smem_limit: int, elem_bytes: int = 2, n_factor: int = 1):
+    """Why ``cfg`` is not worth measuring, or None."""
+    try:
+        cfg.validate(interpret=False)
+    except ValueError as exc:
+        return str(exc)
+    smem = cfg.num_stages * (cfg.block_m + cfg.block_n * n_factor) * cfg.block_k * elem_bytes
+    if smem > smem_limit:
+        return f"shared memory {smem} B > {smem_limit} B"
+    regs = cfg.block_m * cfg.block_n * n_factor // (cfg.num_warps * 32)
+    if regs > MAX_ACC_REGS:
+        return f"{regs} accumulator registers per thread > {MAX_ACC_REGS}"
+    if cfg.block_n > max(64, 1 << max(n_dim - 1, 0).bit_length()):
+        return f"block_n {cfg.block_n} wider than the problem's {n_dim} columns"
+    return None
+
+
+def _gemm_dims(hidden: int, inter: int, gated: bool, pack: bool) -> dict:
+    """(output columns, n_factor) per GEMM of the layer."""
+    up_factor = 2 if gated and pack else 1
+    return {"up": (inter, up_factor), "down": (hidden, 1), "grad_act": (inter, 1), "grad_input": (hidden, 1),
+            "wgrad_up": ((2 if gated else 1) * inter, 1), "wgrad_down": (hidden, 1)}
+
+
+# ---- the cache -------------------------------------------------------------------------------------
+
+def cache_dir() -> str:
+    root = os.environ.get("UNIEP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "uniep")
+    return root
+
+
+def _versions() -> tuple:
+    from . import __version__
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return __version__, torch.__version__, triton_version
+
+
+def cache_path(gpu_name: str) -> str:
+    uniep_v, torch_v, triton_v = _versions()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_name)
+    return os.path.join(cache_dir(), f"tune-uniep{uniep_v}-torch{torch_v}-triton{triton_v}",
+                        f"{safe}.json")
+
+
+def shape_key(dtype: torch.dtype, num_rows: int, num_experts: int, hidden: int, inter: int, ep_size: int = 1) -> str:
+    bucket = 1 << max(num_rows - 1, 0).bit_length()
+    return f"{str(dtype).replace('torch.', '')}/E{num_experts}/H{hidden}/I{inter}/rows<={bucket}/ep{ep_size}"
+
+
+def config_to_dict(cfg: MegaKernelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict) -> MegaKernelConfig:
+    gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
+    layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up", "act_grad_in_epilogue")}
+    return MegaKernelConfig(**gemms, **layer)
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
+            raise ValueError("not a uniep tuning cache of this format")
+        return data["entries"]
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("uniep: ignoring the tuning cache %s (%s); the heuristics apply", path, exc)
+        return {}
+
+
+_MEMO: dict = {}
+
+
+def load_entries(gpu_name: str) -> dict:
+    path = cache_path(gpu_name)
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        stamp = None
+    memo = _MEMO.get(path)
+    if memo is None or memo[0] != stamp:
+        memo = (stamp, _read(path) if stamp is not None else {})
+        _MEMO[path] = memo
+    return memo[1]
+
+
+def store_entries(gpu_name: str, entries: dict) -> str:
+    """Merge ``entries`` into the cache file under an exclusive lock, replacing it atomically."""
+    import fcntl
+
+    path = cache_path(gpu_name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            merged = _read(path)
+            merged.update(entries)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"format": CACHE_FORMAT, "versions": list(_versions()), "gpu": gpu_name,
+                           "entries": merged}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _MEMO.pop(path, None)
+    return path
+
+
+def cached_config(gpu_name: str, key: str) -> MegaKernelConfig | None:
+    if os.environ.get("UNIEP_TUNE", "1") == "0":
+        return None
+    entry = load_entries(gpu_name).get(key)
+    if entry is None:
+        return None
+    try:
+        return config_from_dict(entry["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
+        return None
+
+
+# ---- the tuner -------------------------------------------------------------------------------------
+
+@dataclass
+class TuneResult:
+    key: str
+    heuristic_ms: float
+    tuned_ms: float
+    config: MegaKernelConfig
+    measured: int = 0
+    rejected: dict = field(default_factory=dict)  # reason -> count
+    seconds: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        return self.heuristic_ms / self.tuned_ms
+
+
+def _spread(items: list, budget: int) -> list:
+    """``budget`` items spread evenly over ``items`` (the first always kept), deterministically."""
+    if budget <= 0 or len(items) <= budget:
+        return items
+    step = (len(items) - 1) / (budget - 1) if budget > 1 else 0
+    return [items[round(i * step)] for i in range(budget)]
+
+
+def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+               dtype: torch.dtype = torch.bfloat16, budget: int = 8, iters: int = 10, warmup: int = 3,
+               progress=None, seed: int = 0) -> TuneResult:
+    """Search the space for one layer shape on the current CUDA device (see the module docstring)."""
+    from .kernels import gate_program
+    from .spec import ExpertsSpec
+
+    started = time.perf_counter()
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    smem_limit = SMEM_LIMIT.get(props.major, DEFAULT_SMEM_LIMIT)
+    g = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]).to(device)
+    weights = torch.rand(num_tokens, top_k, generator=g).to(device, dtype)
+    w_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
+    w_down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(device, dtype)
+    grad = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
+    silu_glu = gate_program.encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
+    spec = ExpertsSpec("oi", "oi", silu_glu, dtype).encode()
+    leaves = [t.requires_grad_() for t in (hidden_states, weights, w_up, w_down)]
+
+    def run(cfg):
+        for t in leaves:
+            t.grad = None
+        with kconfig.use_config(cfg):
+            out = torch.ops.uniep.moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3], None, None, [],
+                                              spec)[0]
+            out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def timed(cfg) -> float:
+        for _ in range(warmup):
+            run(cfg)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(cfg)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        return times[len(times) // 2]
+
+    num_rows = num_tokens * top_k
+    heuristic = kconfig.heuristic_config(num_rows, num_experts, hidden, inter)
+    reference = [t.clone() for t in run(heuristic)]
+    best, best_ms = heuristic, timed(heuristic)
+    heuristic_ms = best_ms
+    result = TuneResult(shape_key(dtype, num_rows, num_experts, hidden, inter), heuristic_ms, best_ms, heuristic)
+
+    def consider(cfg):
+        nonlocal best, best_ms
+        try:
+            got = run(cfg)
+        except Exception as exc:  # noqa: BLE001 -- a config the compiler or the device refuses
+            reason = f"failed: {type(exc).__name__}"
+            result.rejected[reason] = result.rejected.get(reason, 0) + 1
+            return
+        if not all(torch.equal(a, b) for a, b in zip(got, reference)):
+            result.rejected["changed the numerics"] = result.rejected.get("changed the numerics", 0) + 1
+            return
+        ms = timed(cfg)
+        result.measured += 1
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+
+    groups = []
+    dims = _gemm_dims(hidden, inter, gated=True, pack=heuristic.pack_gate_up)
+    for gemm in GEMMS:
+        n_dim, n_factor = dims[gemm]
+        cands = gemm_candidates(getattr(heuristic, gemm), n_dim=n_dim, smem_limit=smem_limit,
+                                sm_count=props.multi_processor_count, n_factor=n_factor)
+        groups.append((gemm, _spread(cands[1:], budget)))
+    layer = [dict(zip(LAYER_SPACE, v)) for v in itertools.product(*LAYER_SPACE.values())]
+    groups.append(("layer", _spread(layer, budget)))
+    total = sum(len(c) for _, c in groups)
+    done = 0
+    for name, cands in groups:
+        for cand in cands:
+            if name == "layer":
+                cfg = dataclasses.replace(best, **cand)
+                if cfg == best:
+                    done += 1
+                    continue
+            else:
+                cfg = dataclasses.replace(best, **{name: cand})
+            consider(cfg)
+            done += 1
+            if progress is not None:
+                progress(done, total, best_ms)
+    result.tuned_ms, result.config = best_ms, best
+    result.seconds = time.perf_counter() - started
+    return result
