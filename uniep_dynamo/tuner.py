@@ -12,7 +12,8 @@ which does not exist yet.
 
 Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA,
 CUDA events, the same seeded inputs for every candidate): coordinate descent, one GEMM at a time, then
-the layer knobs, at most ``budget`` candidates per knob group. A candidate that fails to compile or
+the layer knobs, at most ``budget`` candidates per knob group; the winner and the heuristic are then
+timed again, in alternation, for the reported times. A candidate that fails to compile or
 launch, or whose output or any gradient differs by one bit from the heuristic's, is rejected. The
 result says how many were measured and rejected, and how long it took.
 
@@ -320,6 +321,16 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
             done += 1
             if progress is not None:
                 progress(done, total, best_ms)
+    # The winner's time is the least of many noisy measurements: time it and the heuristic again, in
+    # alternation, and report those (keeping the heuristic where the winner does not hold up).
+    if best != heuristic:
+        again = {"heuristic": [], "tuned": []}
+        for _ in range(3):
+            again["heuristic"].append(timed(heuristic))
+            again["tuned"].append(timed(best))
+        result.heuristic_ms, best_ms = min(again["heuristic"]), min(again["tuned"])
+        if best_ms >= result.heuristic_ms:
+            best, best_ms = heuristic, result.heuristic_ms
     result.tuned_ms, result.config = best_ms, best
     result.seconds = time.perf_counter() - started
     return result
