@@ -33,6 +33,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe_layer import time_cuda  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
@@ -72,26 +73,19 @@ def _layer_class():
 
 
 def _time(step, iters, warmup, device):
+    """Median ms of one step (CUDA events on a GPU, the host clock on CPU), every rank starting together."""
     for _ in range(warmup):
         step()
-    if device.type == "cpu":
-        dist.barrier()
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
-    else:
+    if device.type == "cuda":
         torch.cuda.synchronize()
-        dist.barrier()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+    dist.barrier()
+    if device.type == "cuda":
+        return time_cuda(step, iters, warmup=0)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
     times.sort()
     return times[len(times) // 2]
 

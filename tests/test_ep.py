@@ -78,6 +78,7 @@ CASES = [
     (4, ("hot", 12, 8, 3, SILU_GLU, False)),  # one hot expert takes a slot of every token
     (2, ("rank0_only", 8, 4, 2, SILU_GLU, False)),  # rank 1 receives nothing; its expert grads are zero
     (4, ("random", 8, 8, 8, SILU_GLU, False)),  # K = E: every token on every rank
+    (8, ("random", 16, 8, 2, SILU_GLU, False)),  # a full node's EP size: one expert per rank
 ]
 
 

@@ -104,6 +104,7 @@ FUNCTION_CASES = [
     (2, ("random", 12, 4, 2, SILU_GLU, False)),  # two experts per rank
     (4, ("hot", 12, 8, 3, SILU_GLU, False)),  # one hot expert takes a slot of every token, K odd
     (2, ("rank0_only", 8, 4, 2, SILU_GLU, False)),  # rank 1 receives nothing
+    (8, ("hot", 16, 8, 3, SILU_GLU, False)),  # a full node's EP size, one expert per rank, one of them hot
 ]
 
 
@@ -348,3 +349,22 @@ def test_dispatch_op_refuses_a_group_of_another_size(one_rank_group):
     rows, order, send, recv, *_ = torch.ops.uniep.ep_dispatch(hidden, ids, 4, 1, one_rank_group.group_name)
     assert torch.equal(order, torch.sort(ids.reshape(-1), stable=True)[1]) and torch.equal(rows, hidden[order // 2])
     assert torch.equal(send, recv) and send.tolist() == [torch.bincount(ids.reshape(-1), minlength=4).tolist()]
+
+
+def test_ep_ops_on_an_empty_batch(one_rank_group):
+    """No tokens on this rank: the dispatch sends nothing, the combine returns [0, H], and backward runs."""
+    hidden = torch.randn(0, 8, requires_grad=True)
+    ids = torch.zeros(0, 2, dtype=torch.long)
+    rows, order, send, recv, *_ = torch.ops.uniep.ep_dispatch(hidden, ids, 4, 1, one_rank_group.group_name)
+    assert rows.shape == (0, 8) and order.shape == (0,) and send.sum() == 0 and recv.sum() == 0
+    weights = torch.rand(0, 2, requires_grad=True)
+    out = torch.ops.uniep.ep_combine(rows, order, weights)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert hidden.grad.shape == (0, 8) and weights.grad.shape == (0, 2)
+
+
+def test_combine_refuses_float64_with_a_reason():
+    rows, weights = torch.randn(8, 5, dtype=torch.float64), torch.rand(4, 2, dtype=torch.float64)
+    counts, misses = _rewrites(_combine_variant("hf"), rows, torch.randperm(8), weights)
+    assert not counts.get("ep_combine") and any("float64" in m for m in misses), (counts, misses)

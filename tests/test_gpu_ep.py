@@ -1,24 +1,15 @@
 """Multi-GPU: the sequential EP experts layer (uniep_dynamo/ep.py) over NCCL, bitwise equal to the
 single-GPU op for one tile configuration, and run to run."""
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs (a device machine)")]
 
 H, I = 512, 384
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(tokens, experts, top_k, routing, seed=0):
@@ -82,22 +73,15 @@ def _worker(rank, world, port, case, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", [(2048, 8, 2, "random"), (1024, 16, 8, "random"), (512, 8, 2, "rank0_only")],
                          ids=["mixtral_like", "qwen_like", "lower_half_of_experts_only"])
 def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
-    workers = mp.spawn(_worker, args=(world, _free_port(), case, str(tmp_path)), nprocs=world, join=False)
-    deadline = time.monotonic() + 300
-    while not workers.join(timeout=5):
-        if time.monotonic() > deadline:
-            for proc in workers.processes:
-                proc.kill()
-            pytest.fail("the EP workers did not finish in 300 s")
+    from test_ep import run_workers
     names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
-    for rank in range(world):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, result in enumerate(run_workers(_worker, world, (case,), tmp_path)):
         first, second = result["runs"]
         for name, a, b, s in zip(names, first, second, result["single"]):
             assert torch.equal(a, b), f"rank {rank}: {name} differs between two runs"
@@ -137,7 +121,7 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
     """HF transformers' own EP (AllToAllEP, >= 5.23) over NCCL, compiled with backend="uniep" (inductor
     behind it): every graph rewritten; in fp32, loss and gradients within 1e-4 / 1e-3 of HF's eager EP
@@ -149,18 +133,11 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
         pytest.skip(_hf_ep_available())
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
+    from test_ep import run_workers
     with tempfile.TemporaryDirectory() as model_dir:
         _tiny_qwen3_moe(model_dir, num_experts=8)
-        workers = mp.spawn(_hf_gpu_worker, args=(world, _free_port(), model_dir, str(tmp_path)), nprocs=world,
-                           join=False)
-        deadline = time.monotonic() + 500
-        while not workers.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in workers.processes:
-                    proc.kill()
-                pytest.fail("the EP workers did not finish in 500 s")
-    for rank in range(world):
-        r = torch.load(tmp_path / f"rank{rank}.pt")
+        ranks = run_workers(_hf_gpu_worker, world, (model_dir,), tmp_path, timeout=500)
+    for rank, r in enumerate(ranks):
         for dtype in (torch.float32, torch.bfloat16):
             eager, first, again = (r[(dtype, name)] for name in ("eager", "uniep", "uniep_again"))
             c = first["counters"]
@@ -179,7 +156,7 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
                 assert torch.equal(got, again["grads"][name]), f"rank {rank} {dtype}: {name} differs between runs"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_ep_dispatch_and_combine_ops_on_gpus(world, tmp_path):
     """The dispatch and combine rewrites of tests/test_ep_rewrite.py over NCCL, the ops on CUDA (their
     Triton combine kernels): equal to eager within fp32 tolerance, bitwise run to run."""
