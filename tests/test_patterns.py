@@ -263,3 +263,28 @@ def test_views_taken_before_an_in_place_bias_add_are_not_matched(caplog):
         assert torch.equal(out, module(x, ids, w))
     assert counters["uniep"]["moe_experts"] == 0
     assert "before its in-place bias add" in " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_equal_sizes_of_separate_symbols_are_proven_by_a_guard():
+    """Two graph inputs whose sizes Dynamo gave separate symbols (no duck sizing, as HF's EP experts graph
+    gets after its split sizes turn dynamic): equal in the trace, so same_int_or_guard installs a guard,
+    and a call where they differ compiles a new graph instead of reusing the proven one."""
+    import torch.fx.experimental._config as fx_config
+
+    from uniep_dynamo.patterns import graph_utils as gu
+    seen = []
+
+    def backend(gm, example_inputs):
+        a, b = (n.meta["example_value"].shape[0] for n in gm.graph.nodes
+                if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor))
+        seen.append((gu.same_int(a, b), gu.same_int_or_guard(a, b)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with fx_config.patch(use_duck_shape=False):
+        fn = torch.compile(lambda x, y: x.sum() + y.sum(), backend=backend, dynamic=True)
+        fn(torch.randn(5), torch.randn(5))
+        fn(torch.randn(7), torch.randn(7))  # the guard holds: no new graph
+        assert seen == [(False, True)]
+        fn(torch.randn(7), torch.randn(3))  # it fails: a new graph, where the sizes are not equal
+        assert seen == [(False, True), (False, False)]
