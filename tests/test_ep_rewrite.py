@@ -158,7 +158,7 @@ def _tiny_qwen3_moe(path, num_experts=4):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
 
 
-def _hf_worker(rank, world, port, model_dir, out_dir):
+def _hf_worker(rank, world, port, model_dir, capture_scalars, out_dir):
     _init(rank, world, port)
     import uniep_dynamo  # noqa: F401
     from torch._dynamo.utils import counters
@@ -178,7 +178,8 @@ def _hf_worker(rank, world, port, model_dir, out_dir):
             counters.clear()
             run = model if name == "eager" else torch.compile(model, backend="uniep",
                                                               options={"inner_backend": "aot_eager"})
-            loss = run(input_ids=input_ids, labels=input_ids).loss
+            with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars):
+                loss = run(input_ids=input_ids, labels=input_ids).loss
             loss.backward()
             grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                      for n, p in model.named_parameters() if p.grad is not None}
@@ -190,10 +191,13 @@ def _hf_worker(rank, world, port, model_dir, out_dir):
 
 
 @pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
-def test_hf_all_to_all_ep_model_rewritten(tmp_path):
+@pytest.mark.parametrize("capture_scalars", [False, True], ids=["default", "capture_scalar_outputs"])
+def test_hf_all_to_all_ep_model_rewritten(capture_scalars, tmp_path):
+    """HF's own EP model; with capture_scalar_outputs the `.tolist()` stays in the dispatch graph (the
+    token all-to-all joins it), the matches are the same."""
     with tempfile.TemporaryDirectory() as model_dir:
         _tiny_qwen3_moe(model_dir)
-        ranks = run_workers(_hf_worker, 2, (model_dir,), tmp_path, timeout=600)
+        ranks = run_workers(_hf_worker, 2, (model_dir, capture_scalars), tmp_path, timeout=600)
     for r in ranks:
         # every graph Dynamo compiled (the layers share them; the experts graph compiles again once its
         # split sizes turn dynamic) had its router, dispatch, experts and combine rewritten, nothing unfused

@@ -266,18 +266,21 @@ def find_ep_regions(graph: Graph) -> tuple[list, list]:
 
 
 def _feeds_count_exchange(sort: Node) -> bool:
-    """Whether the ids this argsort sorts are also counted into something an all_to_all sends: the dispatch
-    shape, worth a near miss when it fails; a plain argsort elsewhere in a model is not."""
+    """Whether the ids this argsort sorts are also counted into something an all_to_all sends within a few
+    steps (count, view, exchange): the dispatch shape, worth a near miss when it fails; a plain argsort
+    elsewhere in a model is not."""
     flat = gu.bind(sort, "argsort")["input"]
     if not isinstance(flat, Node):
         return False
-    seen, stack = set(), [u for u in flat.users if u is not sort]
-    while stack:
-        node = stack.pop()
-        if node in seen or len(seen) > 16:
-            continue
-        seen.add(node)
-        if gu.op_name(node) == "all_to_all_single":
-            return True
-        stack.extend(node.users)
+    frontier, seen = [u for u in flat.users if u is not sort], set()
+    for _depth in range(4):
+        following = []
+        for node in frontier:
+            if node in seen:
+                continue
+            seen.add(node)
+            if gu.op_name(node) == "all_to_all_single":
+                return True
+            following.extend(node.users)
+        frontier = following
     return False
