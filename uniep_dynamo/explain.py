@@ -100,11 +100,12 @@ class Report:
             lines.append(f"graph {g['compile_id']}: {len(g['before'])} -> {len(g['after'])} nodes")
             groups: dict = {}
             for r in g["rewrites"]:
-                key = (r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]))
+                key = (r["op"], r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]))
                 groups.setdefault(key, []).append(r["module"])
-            for (spelling, spec, removed, added), modules in groups.items():
+            for (op, spelling, spec, removed, added), modules in groups.items():
                 same = " (same match)" if len(modules) > 1 else ""
-                what = f"router ({spelling})" if spelling in ROUTER_MODES else f"{spelling} spelling"
+                what = f"router ({spelling})" if spelling in ROUTER_MODES else \
+                    f"uniep.{op} ({spelling})" if op.startswith("ep_") else f"{spelling} spelling"
                 lines.append(f"  rewrote {collapse_modules(modules)}{same}: {what}, "
                              f"-{removed}/+{added} nodes each [{spec}]")
             if g["aot_graphs"] is not None:
