@@ -8,6 +8,8 @@ it. Providers, on the same module and inputs:
   inductor   torch.compile(layer): the sequential path (NCCL all_to_all_single + torch._grouped_mm)
   uniep      torch.compile(layer, backend="uniep"): uniep.moe_router, uniep.ep_dispatch, uniep.moe_experts
              and uniep.ep_combine, the token all-to-alls unchanged (no fused communication yet)
+  liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
+             weights, transposed to Liger's layout), if liger_kernel is installed
 Each rank holds T tokens (bf16) and E / world experts; time per step is the median over iterations of the
 slowest rank (CUDA events). Each uniep row also gives the largest relative difference of its output to
 eager's on each rank.
@@ -69,7 +71,23 @@ def _layer_class():
             back[perm] = y
             return back.view(x.shape[0], k, x.shape[1]).sum(dim=1)
 
-    return GroupedGemmEPMoE
+    class LigerExpertsEPMoE(GroupedGemmEPMoE):
+        """The same layer with Liger-Kernel's Triton fused MoE as the experts ([E, 2I, H] / [E, H, I] weights,
+        SwiGLU): the single-GPU peer inside the same EP layer."""
+
+        def load_from(self, other):
+            with torch.no_grad():
+                self.gate.weight.copy_(other.gate.weight)
+                self.w1_oi = nn.Parameter(other.w1.transpose(1, 2).contiguous())
+                self.w2_oi = nn.Parameter(other.w2.transpose(1, 2).contiguous())
+            del self.w1, self.w2
+            return self
+
+        def experts(self, x, local_ids, weights):
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+            return LigerFusedMoEFunction.apply(x, self.w1_oi, self.w2_oi, local_ids.to(torch.int32), weights)
+
+    return GroupedGemmEPMoE, LigerExpertsEPMoE
 
 
 def _time(step, iters, warmup, device):
@@ -110,7 +128,8 @@ def _worker(rank, world, port, args, out_path):
         for shape in args.shapes.split(","):
             hidden, inter, experts, top_k = SHAPES[shape]
             torch.manual_seed(0)  # one router for all ranks
-            layer = _layer_class()(hidden, inter, experts, top_k, dtype).to(device)
+            layer_cls, liger_cls = _layer_class()
+            layer = layer_cls(hidden, inter, experts, top_k, dtype).to(device)
             with torch.no_grad():
                 for p in (layer.w1, layer.w2):
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(p.dtype)
@@ -119,14 +138,23 @@ def _worker(rank, world, port, args, out_path):
             x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
             grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
             ref = None
-            for provider in PROVIDERS:
+            providers = list(PROVIDERS)
+            try:
+                import liger_kernel.ops.fused_moe  # noqa: F401
+                liger = liger_cls(hidden, inter, experts, top_k, dtype).to(device).load_from(layer)
+                providers.append("liger_experts")
+            except ImportError as exc:
+                if rank == 0:
+                    print(f"# liger_experts unavailable: {exc!r}", file=sys.stderr)
+            for provider in providers:
                 torch._dynamo.reset()
                 counters.clear()
-                run = {"eager": layer, "inductor": torch.compile(layer),
-                       "uniep": torch.compile(layer, backend="uniep")}[provider]
+                module = liger if provider == "liger_experts" else layer
+                run = module if provider == "eager" else \
+                    torch.compile(module, backend="uniep" if provider == "uniep" else "inductor")
 
                 def step():
-                    layer.zero_grad(set_to_none=True)
+                    module.zero_grad(set_to_none=True)
                     x.grad = None
                     out = run(x)
                     out.backward(grad)
@@ -143,9 +171,10 @@ def _worker(rank, world, port, args, out_path):
                              "ms": float(worst.item()), "rank_ms": ms, "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()}})
                 if rank == 0:
-                    print(f"{shape:14s} {provider:9s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
+                    print(f"{shape:14s} {provider:13s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
                           f"{dict(counters['uniep']) if provider == 'uniep' else ''}", flush=True)
-            del layer
+            del layer, module
+            liger = None
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -172,10 +201,10 @@ def main():
         data = json.load(f)
     print(f"\n{data['device']}, torch {data['torch']}, world {args.world}, T={args.tokens} tokens per rank, bf16, "
           "forward + backward (ms, slowest rank, median)")
-    print(f"{'shape':14s} {'provider':9s} {'ms':>9s} {'vs inductor':>12s}")
+    print(f"{'shape':14s} {'provider':13s} {'ms':>9s} {'vs inductor':>12s}")
     base = {r["shape"]: r["ms"] for r in data["rows"] if r["provider"] == "inductor"}
     for r in data["rows"]:
-        print(f"{r['shape']:14s} {r['provider']:9s} {r['ms']:9.3f} {base[r['shape']] / r['ms']:11.2f}x")
+        print(f"{r['shape']:14s} {r['provider']:13s} {r['ms']:9.3f} {base[r['shape']] / r['ms']:11.2f}x")
 
 
 if __name__ == "__main__":
