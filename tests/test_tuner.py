@@ -93,6 +93,7 @@ def test_a_cached_config_that_changes_numerics_is_not_used(monkeypatch, caplog):
     bad = _heuristic().replace_gemms(block_k=128)
     tuner.store_entries("NVIDIA H200", {key: {"config": tuner.config_to_dict(bad)}})
     monkeypatch.setattr(kconfig, "_gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(kconfig, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="uniep"):
         got = kconfig.current_config(16384, 8, 4096, 14336, False, dtype=torch.bfloat16,
                                      device=torch.device("cuda", 0))

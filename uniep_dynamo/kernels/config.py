@@ -142,12 +142,15 @@ def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, int
     if tuned is None:
         return heuristic
     if tuned.numerics_key() != heuristic.numerics_key():
-        tuner.log.warning("uniep: the tuned config for %s changes numerics knobs; the heuristics apply", key)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            tuner.log.warning("uniep: the tuned config for %s changes numerics knobs; the heuristics apply", key)
         return heuristic
     return tuned
 
 
 _GPU_NAMES: dict = {}
+_WARNED: set = set()  # cache keys already warned about
 
 
 def _gpu_name(device) -> str:
