@@ -11,7 +11,8 @@ a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. The 
 which does not exist yet.
 
 Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA,
-CUDA events, the same seeded inputs for every candidate): coordinate descent, one GEMM at a time, then
+CUDA events, the same seeded inputs for every candidate; a SwiGLU layer with [E, out, in] weights stands
+for every gate and weight layout of that shape, which the cache key does not tell apart): coordinate descent, one GEMM at a time, then
 the layer knobs, at most ``budget`` candidates per knob group; the winner and the heuristic are then
 timed again, in alternation, for the reported times. A candidate that fails to compile or
 launch, or whose output or any gradient differs by one bit from the heuristic's, is rejected. The
