@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from uniep_dynamo.tuner import time_cuda  # noqa: F401 (the tuner's timing loop; other benchmarks import it from here)
+
 SHAPES = {  # name: (hidden H, expert intermediate I, experts E, top-k K)
     "mixtral": (4096, 14336, 8, 2),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -121,22 +123,6 @@ def step(fn, experts, x, ids, w, grad_out):
             os.environ.pop("UNIEP_KERNELS", None)
         return out, xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad
     return run
-
-
-def time_cuda(run, iters, warmup):
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def max_rel(actual, expected) -> float:

@@ -282,6 +282,10 @@ def test_dispatch_refuses_a_count_view_over_other_ranks(one_rank_group):
 
 
 def _combine_variant(kind):
+    """combine_side with one step changed (`kind`), or combine_side itself for "hf"."""
+    if kind == "hf":
+        return combine_side
+
     def fn(expert_output, order, top_k_weights):
         token_outputs = (torch.zeros_like if kind == "zeros" else torch.empty_like)(expert_output)
         early = token_outputs.sum() if kind == "read_before_fill" else None
@@ -312,7 +316,7 @@ def test_combine_op_rejects_an_order_that_is_not_a_permutation():
     with pytest.raises(RuntimeError, match="outside the rows"):
         torch.ops.uniep.ep_combine(rows, torch.tensor([0, 1, 2, 4]), weights)
     torch.testing.assert_close(torch.ops.uniep.ep_combine(rows, torch.tensor([3, 0, 2, 1]), weights),
-                               _combine_variant("hf")(rows, torch.tensor([3, 0, 2, 1]), weights))
+                               combine_side(rows, torch.tensor([3, 0, 2, 1]), weights))
 
 
 # ---- examples/ep_moe.py: plain PyTorch EP ---------------------------------------------------------
@@ -370,5 +374,5 @@ def test_ep_ops_on_an_empty_batch(one_rank_group):
 
 def test_combine_refuses_float64_with_a_reason():
     rows, weights = torch.randn(8, 5, dtype=torch.float64), torch.rand(4, 2, dtype=torch.float64)
-    counts, misses = _rewrites(_combine_variant("hf"), rows, torch.randperm(8), weights)
+    counts, misses = _rewrites(combine_side, rows, torch.randperm(8), weights)
     assert not counts.get("ep_combine") and any("float64" in m for m in misses), (counts, misses)

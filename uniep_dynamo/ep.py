@@ -47,15 +47,22 @@ class EPPlan:
     recv_expert: torch.Tensor  # [sum(recv_counts)] local expert of each received row
 
 
+def _plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, group):
+    """The single-rank routing plan (row_order, slot_row, expert_offsets) and the per-expert counts this
+    rank sends and, exchanged over `group`, receives ([world, E / world] each)."""
+    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    return row_order, slot_row, offsets, counts, recv
+
+
 def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None) -> EPPlan:
     world = dist.get_world_size(group)
     if num_experts % world:
         raise ValueError(f"uniep: {num_experts} experts do not split evenly over {world} ranks")
     e_local = num_experts // world
-    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, e_local)
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts.contiguous(), group=group)
+    row_order, slot_row, offsets, counts, recv = _plan_and_exchange(topk_ids, num_experts, world, group)
     recv_expert = torch.repeat_interleave(
         torch.arange(e_local, device=counts.device).repeat(world), recv.reshape(-1))
     return EPPlan(row_order, slot_row, offsets, counts.sum(1).tolist(), recv.sum(1).tolist(), recv_expert)
@@ -194,10 +201,7 @@ def ep_dispatch(hidden, topk_ids, num_experts, world, group_name):
     # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync)
     torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
                         f"uniep.ep_dispatch: an expert id lies outside [0, {num_experts})")
-    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
+    row_order, slot_row, offsets, counts, recv = _plan_and_exchange(topk_ids, num_experts, world, group)
     rows = hidden[row_order // topk_ids.shape[1]]
     return rows, row_order, counts, recv, slot_row, offsets
 

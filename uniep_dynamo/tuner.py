@@ -221,6 +221,23 @@ class TuneResult:
         return self.heuristic_ms / self.tuned_ms
 
 
+def time_cuda(run, iters: int, warmup: int) -> float:
+    """Median milliseconds of ``run()`` over ``iters`` calls after ``warmup`` ones, by CUDA events."""
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _spread(items: list, budget: int) -> list:
     """``budget`` items spread evenly over ``items`` (the first always kept), deterministically."""
     if budget <= 0 or len(items) <= budget:
@@ -261,19 +278,7 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
         return [out.detach()] + [t.grad for t in leaves]
 
     def timed(cfg) -> float:
-        for _ in range(warmup):
-            run(cfg)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(cfg)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
+        return time_cuda(lambda: run(cfg), iters, warmup)
 
     num_rows = num_tokens * top_k
     heuristic = kconfig.heuristic_config(num_rows, num_experts, hidden, inter)
