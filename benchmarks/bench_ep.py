@@ -8,6 +8,12 @@ it. Providers, on the same module and inputs:
   inductor   torch.compile(layer): the sequential path (NCCL all_to_all_single + torch._grouped_mm)
   uniep      torch.compile(layer, backend="uniep"): uniep.moe_router, uniep.ep_dispatch, uniep.moe_experts
              and uniep.ep_combine, the token all-to-alls unchanged (no fused communication yet)
+  uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
+             (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory on copy-engine streams,
+             pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)
+  uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
+  overlap_compute_only, overlap_comm_only  the overlapped layer with its transfers, or its GEMMs, skipped:
+             timing only (their results are wrong), for the share of communication hidden
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
 Each rank holds T tokens (bf16) and E / world experts; time per step is the median over iterations of the
@@ -39,7 +45,33 @@ from bench_moe_layer import time_cuda  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
-PROVIDERS = ("eager", "inductor", "uniep")
+PROVIDERS = ("eager", "inductor", "uniep", "uniep_overlap", "uniep_overlap_off", "overlap_compute_only",
+             "overlap_comm_only")
+OVERLAP = {"uniep_overlap": {}, "uniep_overlap_off": {"overlap": False},
+           "overlap_compute_only": {"timing": "compute"}, "overlap_comm_only": {"timing": "comm"}}
+
+
+def _overlapped_run(layer, chunks: int, **knobs):
+    from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+    from uniep_dynamo.spec import ExpertsSpec
+
+    gate = _silu_glu_program()
+    spec = ExpertsSpec("io", "io", gate, layer.w1.dtype).encode()
+    config = OverlapConfig(chunks=chunks, **knobs)
+    route = torch.compile(layer.route, backend="uniep")
+
+    def run(x):
+        weights, ids = route(x)
+        return ep_experts_overlapped(x, ids, weights, layer.w1, layer.w2, None, None, spec, layer.group,
+                                     knobs=config)
+    return run
+
+
+def _silu_glu_program():
+    """silu(gate) * up over the [gate | up] halves of the up projection: GroupedGemmEPMoE's activation."""
+    from uniep_dynamo.kernels import gate_program
+
+    return gate_program.encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
 
 
 def _layer_class():
@@ -138,11 +170,14 @@ def _worker(rank, world, port, args, out_path):
             x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
             grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
             ref, liger = None, None
-            providers = list(PROVIDERS)
+            providers = [p for p in PROVIDERS if p not in args.skip.split(",")]
+            if args.device != "cuda":
+                providers = [p for p in providers if p not in OVERLAP]
             try:
                 import liger_kernel.ops.fused_moe  # noqa: F401
                 liger = liger_cls(hidden, inter, experts, top_k, dtype).to(device).load_from(layer)
-                providers.append("liger_experts")
+                if "liger_experts" not in args.skip.split(","):
+                    providers.append("liger_experts")
             except ImportError as exc:
                 if rank == 0:
                     print(f"# liger_experts unavailable: {exc!r}", file=sys.stderr)
@@ -150,8 +185,11 @@ def _worker(rank, world, port, args, out_path):
                 torch._dynamo.reset()
                 counters.clear()
                 module = liger if provider == "liger_experts" else layer
-                run = module if provider == "eager" else \
-                    torch.compile(module, backend="uniep" if provider == "uniep" else "inductor")
+                if provider in OVERLAP:
+                    run = _overlapped_run(layer, args.chunks, **OVERLAP[provider])
+                else:
+                    run = module if provider == "eager" else \
+                        torch.compile(module, backend="uniep" if provider == "uniep" else "inductor")
 
                 def step():
                     module.zero_grad(set_to_none=True)
@@ -178,12 +216,16 @@ def _worker(rank, world, port, args, out_path):
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if ref is None:
                     ref = out
-                diff = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))
+                if provider.startswith("overlap_"):  # timing only: no result to compare
+                    diff = float("nan")
+                else:
+                    diff = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))
                 rows.append({"shape": shape, "provider": provider, "world": world, "tokens_per_rank": args.tokens,
+                             "chunks": args.chunks if provider in OVERLAP else None,
                              "ms": float(worst.item()), "rank_ms": ms, "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()}})
                 if rank == 0:
-                    print(f"{shape:14s} {provider:13s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
+                    print(f"{shape:14s} {provider:20s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
                           f"{dict(counters['uniep']) if provider == 'uniep' else ''}", flush=True)
             del layer, module
             liger = None
@@ -204,6 +246,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default="ep.json")
+    parser.add_argument("--chunks", type=int, default=4, help="pipeline chunks of the overlapped layer")
+    parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,7 +260,15 @@ def main():
     print(f"{'shape':14s} {'provider':13s} {'ms':>9s} {'vs inductor':>12s}")
     base = {r["shape"]: r["ms"] for r in data["rows"] if r["provider"] == "inductor"}
     for r in data["rows"]:
-        print(f"{r['shape']:14s} {r['provider']:13s} {r['ms']:9.3f} {base[r['shape']] / r['ms']:11.2f}x")
+        ratio = f"{base[r['shape']] / r['ms']:11.2f}x" if r["shape"] in base else ""
+        print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio}")
+    for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
+        ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
+        if all(p in ms for p in ("uniep_overlap", "overlap_compute_only", "overlap_comm_only")):
+            hidden = 1 - (ms["uniep_overlap"] - ms["overlap_compute_only"]) / ms["overlap_comm_only"]
+            print(f"{shape}: layer {ms['uniep_overlap']:.3f} ms, compute only {ms['overlap_compute_only']:.3f} ms, "
+                  f"communication only {ms['overlap_comm_only']:.3f} ms: {100 * hidden:.0f}% of the communication "
+                  "hidden")
 
 
 if __name__ == "__main__":

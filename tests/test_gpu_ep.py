@@ -1,5 +1,6 @@
-"""Multi-GPU: the sequential EP experts layer (uniep_dynamo/ep.py) over NCCL, bitwise equal to the
-single-GPU op for one tile configuration, and run to run."""
+"""Multi-GPU: the sequential EP experts layer (uniep_dynamo/ep.py) over NCCL and the overlapped one
+(uniep_dynamo/ep_overlap.py) over symmetric memory, bitwise equal to the single-GPU op for one tile
+configuration, run to run, and for every chunk count with overlap on or off."""
 import os
 
 import pytest
@@ -52,6 +53,7 @@ def _worker(rank, world, port, case, out_dir):
     try:
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep import ep_experts
+        from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
         from uniep_dynamo.kernels.config import use_config
 
         tokens, experts, top_k, routing = case
@@ -63,6 +65,10 @@ def _worker(rank, world, port, case, out_dir):
         with use_config(_config(tokens, experts, top_k)):
             runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
                          lambda x, i, w, a, b: ep_experts(x, i, w, a, b, None, None, spec)) for _ in range(2)]
+            for knobs in OVERLAP_KNOBS:
+                runs.append(_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
+                                 lambda x, i, w, a, b: ep_experts_overlapped(x, i, w, a, b, None, None, spec,
+                                                                             knobs=OverlapConfig(*knobs))))
             single = _run(hidden, ids, weights, w_up, w_down, grad,
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
         torch.save({"runs": [[t.cpu() for t in r] for r in runs],
@@ -73,6 +79,9 @@ def _worker(rank, world, port, case, out_dir):
         dist.destroy_process_group()
 
 
+OVERLAP_KNOBS = [(4, True), (4, True), (1, True), (2, False)]  # (chunks, overlap) of the overlapped layer
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", [(2048, 8, 2, "random"), (1024, 16, 8, "random"), (512, 8, 2, "rank0_only")],
                          ids=["mixtral_like", "qwen_like", "lower_half_of_experts_only"])
@@ -81,12 +90,12 @@ def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
     from test_ep import run_workers
     names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
+    labels = ["sequential", "sequential again"] + [f"overlapped chunks={c} overlap={o}" for c, o in OVERLAP_KNOBS]
     for rank, result in enumerate(run_workers(_worker, world, (case,), tmp_path)):
-        first, second = result["runs"]
-        for name, a, b, s in zip(names, first, second, result["single"]):
-            assert torch.equal(a, b), f"rank {rank}: {name} differs between two runs"
-            assert torch.equal(a, s), f"rank {rank}: {name} differs from the single-GPU op " \
-                                      f"(max diff {(a.float() - s.float()).abs().max():.3g})"
+        for label, run in zip(labels, result["runs"]):
+            for name, a, s in zip(names, run, result["single"]):
+                assert torch.equal(a, s), f"rank {rank}, {label}: {name} differs from the single-GPU op " \
+                                          f"(max diff {(a.float() - s.float()).abs().max():.3g})"
 
 
 def _hf_gpu_worker(rank, world, port, model_dir, out_dir):

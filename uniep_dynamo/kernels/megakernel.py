@@ -161,11 +161,13 @@ def use_fused_router(hidden, weight, bias, spec) -> bool:
 class _Layer:
     """Shapes, weight views and launch constants of one call."""
 
-    def __init__(self, hidden, topk_ids, w_up, w_down, spec):
+    def __init__(self, hidden, topk_ids, w_up, w_down, spec, config=None):
+        """``topk_ids``: the [T, K] ids, or just their shape (a tuple); ``config``: run with this config
+        instead of the one current_config picks for these shapes."""
         from . import reference
         from .triton_gemm import ACTIVATIONS, GATED
 
-        self.num_tokens, self.top_k = topk_ids.shape
+        self.num_tokens, self.top_k = topk_ids if isinstance(topk_ids, tuple) else topk_ids.shape
         self.num_slots = self.num_tokens * self.top_k
         self.num_experts = w_up.shape[0]
         self.up_eff = reference.effective_weight(w_up, spec.up_layout)        # [E, H, up_width]
@@ -180,8 +182,9 @@ class _Layer:
         self.col_mult, self.up_shift = (2, 1) if split == "interleave" else (1, self.inter)
         self.interpret = hidden.device.type != "cuda"
         self.dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-        self.config = config_mod.current_config(self.num_slots, self.num_experts, self.hidden_size, self.inter,
-                                                self.interpret, dtype=hidden.dtype, device=hidden.device)
+        self.config = config if config is not None else config_mod.current_config(
+            self.num_slots, self.num_experts, self.hidden_size, self.inter, self.interpret, dtype=hidden.dtype,
+            device=hidden.device)
         self.block_e = max(16, 1 << (self.num_experts - 1).bit_length())
 
 

@@ -1,0 +1,116 @@
+"""The overlapped EP experts layer (uniep_dynamo/ep_overlap.py) on CPU: 2 and 4 gloo processes, the Triton
+kernels in the interpreter, symmetric memory stood in by shared files. Outputs and every gradient must be
+bitwise those of the single-process MegaKernel over all ranks' tokens and all experts, for every chunk
+count and with overlap on or off."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_ep import _free_port, run_workers  # noqa: F401
+from test_reference import GPT_OSS, RELU2, SILU_GLU, make
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for symmetric memory; "
+                       "tests/test_gpu_ep.py runs the CUDA path"),
+]
+
+KNOBS = [(1, True), (2, True), (4, True), (2, False)]  # (chunks, overlap)
+
+
+def _case(routing, tokens, experts, top_k, gate, bias, split):
+    total = sum(split)
+    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(total, 16, 12, experts, top_k, gate=gate,
+                                                                  layout="io" if bias else "oi", bias=bias)
+    if routing == "hot":  # every token's first slot on expert 1
+        ids[:, 0] = 1
+        ids[:, 1:] = (ids[:, 1:] % (experts - 1)) + 2
+        ids %= experts
+        for t in range(total):  # distinct ids per token
+            seen = []
+            for k in range(top_k):
+                while int(ids[t, k]) in seen:
+                    ids[t, k] = (ids[t, k] + 1) % experts
+                seen.append(int(ids[t, k]))
+    elif routing == "rank0_only":  # every slot on rank 0's experts: the others receive nothing
+        ids = torch.stack([torch.randperm(experts // len(split), generator=torch.Generator().manual_seed(t))[:top_k]
+                           for t in range(total)]) if total else ids
+    elif routing == "dropped":  # out-of-range ids: the op drops those slots
+        ids[::3, 0] = experts + 5
+        ids[1::4, -1] = -1
+    return hidden, ids, weights, w_up, w_down, b_up, b_down, spec
+
+
+def _worker(rank, world, port, case_args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), UNIEP_KERNELS="triton")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _case(*case_args)
+        split = case_args[-1]
+        start = sum(split[:rank])
+        mine = slice(start, start + split[rank])
+        e_local = w_up.shape[0] // world
+        experts = slice(rank * e_local, (rank + 1) * e_local)
+        results = []
+        for chunks, overlap in KNOBS:
+            leaves = [hidden[mine].clone(), weights[mine].clone(), w_up[experts].clone(), w_down[experts].clone(),
+                      b_up[experts].clone() if b_up is not None else None,
+                      b_down[experts].clone() if b_down is not None else None]
+            for t in leaves:
+                if t is not None:
+                    t.requires_grad_()
+            out = ep_experts_overlapped(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
+                                        knobs=OverlapConfig(chunks=chunks, overlap=overlap))
+            grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
+            out.backward(grad)
+            results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves]})
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(case_args):
+    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _case(*case_args)
+    leaves = [t.clone().requires_grad_() if t is not None else None
+              for t in (hidden, weights, w_up, w_down, b_up, b_down)]
+    out = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], [], spec.encode())[0]
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+    return out.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+CASES = [
+    # (world, (routing, tokens, experts, top_k, gate, bias, tokens per rank)), what it stresses
+    (2, ("random", 0, 4, 2, SILU_GLU, False, (6, 6))),  # Mixtral-like, two experts per rank
+    (4, ("random", 0, 8, 3, SILU_GLU, False, (4, 4, 4, 4))),  # four ranks, K odd, chunks of 1 expert
+    (2, ("random", 0, 4, 2, GPT_OSS, True, (5, 5))),  # [E, H, 2I] layout, interleaved clamped gate, biases
+    (2, ("random", 0, 4, 2, RELU2, False, (5, 5))),  # no gate
+    (4, ("hot", 0, 8, 3, SILU_GLU, False, (3, 3, 3, 3))),  # one hot expert takes a slot of every token
+    (2, ("rank0_only", 0, 4, 2, SILU_GLU, False, (4, 4))),  # rank 1 receives nothing
+    (2, ("random", 0, 8, 2, SILU_GLU, False, (3, 7))),  # uneven token counts per rank
+    (2, ("random", 0, 4, 2, SILU_GLU, False, (5, 0))),  # a rank with no tokens
+    (2, ("dropped", 0, 4, 2, SILU_GLU, False, (6, 6))),  # out-of-range ids are dropped slots
+]
+
+
+@pytest.mark.parametrize("world,case_args", CASES, ids=lambda v: str(v[0]) if isinstance(v, tuple) else str(v))
+def test_overlapped_ep_bitwise_equals_single_process(world, case_args, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    import uniep_dynamo  # noqa: F401
+
+    ranks = run_workers(_worker, world, (case_args,), tmp_path)
+    ref_out, ref_grads = _reference(case_args)
+    for i, (chunks, overlap) in enumerate(KNOBS):
+        knob = f"chunks={chunks} overlap={overlap}"
+        assert torch.equal(torch.cat([r[i]["out"] for r in ranks]), ref_out), knob
+        for j, name in ((0, "d_hidden"), (1, "d_weights")):  # per token, concatenated over ranks
+            assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"
+        for j, name in ((2, "d_w_up"), (3, "d_w_down"), (4, "d_b_up"), (5, "d_b_down")):  # per expert
+            if ref_grads[j] is None:
+                continue
+            assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"

@@ -1,0 +1,453 @@
+"""Expert parallelism with the token transfers overlapped with the grouped GEMMs, through torch symmetric
+memory.
+
+The sequential EP layer (ep.py) runs dispatch all-to-all, experts, combine all-to-all one after the
+other. Here every rank keeps two rows buffers in symmetric memory, ``send`` and ``back``, which every
+peer can address; the transfers are copy-engine copies out of a peer's ``send`` (pull) and into a
+peer's ``back`` (push), on their own CUDA streams, so that they take no SMs from the GEMMs.
+
+Where each row goes comes from the routing plan alone, never from arrival order:
+
+    table       each rank's per-expert row counts and token count, all-gathered ([W, E + 1] integers;
+                the one host synchronization, as in the sequential path)
+    send        the source writes its rows in plan order, (global expert, token, k), into its ``send``
+    receive     rank r lays out its local experts' rows expert-major, and within an expert by
+                (source rank, token, k): the single-GPU op's order over all ranks' tokens
+    chunks      the local experts are cut into chunks; a chunk holds every row of its experts, so its
+                up and down GEMMs, and in the backward its input-gradient and weight-gradient GEMMs, are
+                the single-GPU op's GEMMs over those experts, in the same row order
+    pipeline    chunk c's rows are pulled (one copy per (expert, source) segment) while chunk c - 1
+                computes; chunk c's results are pushed back to their sources' ``back`` while chunk
+                c + 1 computes
+    combine     after a barrier, the source sums each token's K rows from its ``back``, k in order, fp32
+
+The backward runs the same way: the weighted output-gradient rows are the dispatched rows, the input
+gradient rows come back, and each chunk's weight gradients follow its input-gradient GEMM. For one tile
+configuration, outputs and all gradients are bitwise those of the single-GPU op over all ranks' tokens
+(each rank holding a contiguous shard of the tokens); the chunk size and overlap on/off only schedule.
+
+On CPU (CI) the same code runs in Triton's interpreter with a stand-in for symmetric memory: each rank's
+buffers are a shared file that every process maps, and the barrier is a gloo barrier.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from .spec import decode_spec
+
+log = logging.getLogger("uniep")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapConfig:
+    """The EP scheduling knobs. None of them changes numerics."""
+    chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
+    overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
+    # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
+    # the two parts of the layer apart.
+    timing: str = ""
+
+    def __post_init__(self):
+        if self.timing not in ("", "compute", "comm"):
+            raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
+
+    def chunk_experts(self, local_experts: int) -> int:
+        return max(1, math.ceil(local_experts / max(1, self.chunks)))
+
+
+def kernels_available(hidden: torch.Tensor) -> bool:
+    """The overlapped layer runs the MegaKernel's Triton kernels: on CUDA, or on CPU in the interpreter
+    when UNIEP_KERNELS=triton."""
+    from .kernels import megakernel
+
+    if not megakernel._triton_available():
+        return False
+    mode = megakernel.kernels_mode()
+    return mode != "reference" if hidden.is_cuda else mode == "triton"
+
+
+class _Layout:
+    """Where every row of one call lives, from the all-gathered table (host integers).
+
+    counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens."""
+
+    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int):
+        self.rank, self.world, self.local_experts = rank, world, local_experts
+        # where source s's rows for expert g start in s's plan order (= its send and back buffers)
+        self.send_start = [[0] * (len(row) + 1) for row in counts]
+        for s, row in enumerate(counts):
+            for g, n in enumerate(row):
+                self.send_start[s][g + 1] = self.send_start[s][g] + n
+        first = rank * local_experts
+        # expert-major receive layout: expert e's rows from source s start at recv_start[e][s]
+        self.recv_start, self.expert_end = [], []
+        at = 0
+        for e in range(local_experts):
+            starts = []
+            for s in range(world):
+                starts.append(at)
+                at += counts[s][first + e]
+            self.recv_start.append(starts)
+            self.expert_end.append(at)
+        self.rows = at
+        self.capacity = max(t * top_k for t in tokens)
+        self.total_rows = sum(t * top_k for t in tokens)
+        self.chunks = []  # (first local expert, end, first row, end row)
+        for e0 in range(0, local_experts, chunk):
+            e1 = min(e0 + chunk, local_experts)
+            lo = self.recv_start[e0][0] if self.rows else 0
+            self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
+        self.counts = counts
+
+    def segments(self, chunk: int):
+        """(source, row in the source's buffer, row here, rows) for each (expert, source) of a chunk,
+        this rank's own rows first."""
+        e0, e1 = self.chunks[chunk][:2]
+        order = [(self.rank + j) % self.world for j in range(self.world)]
+        out = []
+        for s in order:
+            for e in range(e0, e1):
+                g = self.rank * self.local_experts + e
+                n = self.counts[s][g]
+                if n:
+                    out.append((s, self.send_start[s][g], self.recv_start[e][s], n))
+        return out
+
+    def chunk_offsets(self, device) -> torch.Tensor:
+        """[E_local] int64: each local expert's end row, counted from its chunk's first row (the
+        grouped GEMMs' offsets, sliced per chunk)."""
+        rel = []
+        for e0, e1, lo, _ in self.chunks:
+            rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
+        return torch.tensor(rel, dtype=torch.int64).to(device, non_blocking=True)
+
+
+class _Window:
+    """This rank's ``send`` and ``back`` row buffers ([capacity, H] each) where every peer can read and
+    write them, and a barrier over the group."""
+
+    def __init__(self, group, capacity: int, hidden: int, dtype, device):
+        self.capacity, self.hidden, self.dtype = capacity, hidden, dtype
+        world = dist.get_world_size(group)
+        numel = 2 * capacity * hidden
+        self._files = []
+        if device.type == "cuda":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self._buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+            self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+            self._views = [self._handle.get_buffer(p, (2, capacity, hidden), dtype, 0) for p in range(world)]
+            self._barrier = lambda: self._handle.barrier(channel=0)
+        else:
+            # CPU stand-in: one shared file per rank, mapped by every process of the group
+            name = [uuid.uuid4().hex]
+            dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            paths = [os.path.join(root, f"uniep-ep-{name[0]}-{p}") for p in range(world)]
+            mine = paths[dist.get_rank(group)]
+            with open(mine, "wb") as f:
+                f.truncate(max(numel, 1) * torch.empty((), dtype=dtype).element_size())
+            dist.barrier(group=group)
+            self._views = [torch.from_file(p, shared=True, size=max(numel, 1), dtype=dtype)[:numel]
+                           .view(2, capacity, hidden) for p in paths]
+            dist.barrier(group=group)
+            os.unlink(mine)  # the mappings stay
+            self._barrier = lambda: dist.barrier(group=group)
+
+    def send(self, rank: int) -> torch.Tensor:
+        return self._views[rank][0]
+
+    def back(self, rank: int) -> torch.Tensor:
+        return self._views[rank][1]
+
+    def barrier(self) -> None:
+        self._barrier()
+
+
+_WINDOWS: dict = {}
+
+
+def _window(group, capacity: int, hidden: int, dtype, device) -> _Window:
+    """The cached window of this group, dtype and width, grown (to a power of two rows) when a call needs
+    more. Every rank takes the same decision: the capacity comes from the all-gathered table."""
+    key = (group.group_name if hasattr(group, "group_name") else id(group), dtype, hidden, str(device))
+    win = _WINDOWS.get(key)
+    if win is None or win.capacity < capacity:
+        win = _Window(group, 1 << max(capacity - 1, 0).bit_length(), hidden, dtype, device)
+        _WINDOWS[key] = win
+    return win
+
+
+class _Streams:
+    """The pull and push streams of a device (CUDA); on CPU every copy runs in place, in order."""
+
+    _cache: dict = {}
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.pull = self.push = None
+        if self.cuda:
+            key = str(device)
+            if key not in self._cache:
+                self._cache[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self.pull, self.push = self._cache[key]
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def record(self, stream=None):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream())
+        return event
+
+    def wait(self, event, stream=None):
+        if event is not None:
+            (stream if stream is not None else torch.cuda.current_stream()).wait_event(event)
+
+    def join(self):
+        if self.cuda:
+            current = torch.cuda.current_stream()
+            current.wait_stream(self.pull)
+            current.wait_stream(self.push)
+
+    def start_after_current(self):
+        if self.cuda:
+            current = torch.cuda.current_stream()
+            self.pull.wait_stream(current)
+            self.push.wait_stream(current)
+
+
+def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute, knobs: OverlapConfig,
+              device):
+    """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
+    run compute(chunk) -> result rows of the chunk (or None), push those into the sources' ``back`` of
+    win_in. Ends with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more."""
+    streams = _Streams(device)
+    streams.start_after_current()
+    transfer = knobs.timing != "compute"
+    pulled = []
+    for c in range(len(layout.chunks)):
+        with streams.on(streams.pull):
+            for s, src, dst, n in layout.segments(c) if transfer else ():
+                recv[dst:dst + n].copy_(win_out.send(s)[src:src + n])
+            pulled.append(streams.record(streams.pull))
+    if not knobs.overlap:  # every pull before the first GEMM
+        streams.wait(pulled[-1])
+    results = []
+    for c in range(len(layout.chunks)):
+        streams.wait(pulled[c])
+        result = compute(c)
+        if result is not None:
+            results.append((c, result, streams.record()))
+        if knobs.overlap or c == len(layout.chunks) - 1:  # without overlap: every GEMM before the first push
+            for c_done, rows, done in results:
+                streams.wait(done, streams.push)
+                lo = layout.chunks[c_done][2]
+                with streams.on(streams.push):
+                    for s, src, dst, n in layout.segments(c_done) if transfer else ():
+                        win_in.back(s)[src:src + n].copy_(rows[dst - lo:dst - lo + n])
+            results = []
+    streams.join()
+    win_out.barrier()
+
+
+class _Chunks:
+    """The grouped GEMMs of one rank's local experts, chunk by chunk (the single-GPU MegaKernel's launches
+    over a chunk's rows and experts)."""
+
+    def __init__(self, layout: _Layout, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
+                 skip_gemms: bool = False):
+        from .kernels import config as config_mod
+        from .kernels import megakernel
+
+        self.layout, self.spec, self.skip_gemms = layout, spec, skip_gemms
+        self.w_up, self.w_down, self.b_up, self.b_down = w_up, w_down, b_up, b_down
+        full = megakernel._Layer(probe, (layout.total_rows, 1), w_up, w_down, spec)
+        # the config of the single-GPU op over every rank's rows and all E experts: same tiles, same bits
+        self.config = config_mod.current_config(layout.total_rows, w_up.shape[0] * layout.world, full.hidden_size,
+                                                full.inter, full.interpret, dtype=probe.dtype, device=probe.device)
+        self.hidden_size, self.inter, self.up_width = full.hidden_size, full.inter, full.up_width
+        self.offsets = layout.chunk_offsets(probe.device)
+
+    def layer(self, c: int, probe):
+        from .kernels import megakernel
+
+        e0, e1, lo, hi = self.layout.chunks[c]
+        layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec, self.config)
+        return layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
+
+    def forward(self, c, x, up, act, down):
+        """up/act/down rows of chunk c from its received x rows."""
+        from .kernels import megakernel
+        from .kernels.triton_gemm import GLU_FWD, STORE
+
+        layer, offs, rows, experts = self.layer(c, x)
+        if rows.stop == rows.start:
+            return None
+        if self.skip_gemms:
+            return down[rows]
+        cfg = layer.config
+        b_up = self.b_up[experts] if self.b_up is not None else None
+        b_down = self.b_down[experts] if self.b_down is not None else None
+        megakernel._rows_gemm(layer, cfg.up, a=x[rows], gather=False, row_order=offs, b=layer.up_eff, n=layer.inter,
+                              k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
+                              two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
+                              up_shift=layer.up_shift)
+        megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
+                              n=layer.hidden_size, k=layer.inter, epilogue=STORE, c=down[rows], bias=b_down,
+                              offsets=offs)
+        return down[rows]
+
+    def backward(self, c, x, up, dy, act, d_up, d_x, grads):
+        """Chunk c's input-gradient rows (returned) and its experts' weight and bias gradients (into grads)."""
+        from .kernels import megakernel
+        from .kernels.triton_gemm import STORE
+
+        layer, offs, rows, experts = self.layer(c, x)
+        d_w_up, d_w_down, d_b_up, d_b_down = grads
+        if rows.stop == rows.start:  # no rows: the chunk's experts' gradients are zero
+            for g in grads:
+                if g is not None:
+                    g[experts].zero_()
+            return None
+        if self.skip_gemms:
+            return d_x[rows]
+        cfg = layer.config
+        down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
+        up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
+        megakernel._rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
+                              b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
+                              c=act[rows], offsets=offs)
+        megakernel._act_backward(layer, d_act=act[rows], up=up[rows], d_up=d_up[rows], offsets=offs,
+                                 two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
+                                 up_shift=layer.up_shift)
+        megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
+                              b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
+                              c=d_x[rows], offsets=offs)
+        megakernel._weight_grad(layer, cfg.wgrad_down, p=act[rows], p_gather=False, q=dy[rows], q_gather=False,
+                                q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_down[experts],
+                                m_dim=down_dims[0], n_dim=down_dims[1],
+                                bias_grad=d_b_down[experts] if d_b_down is not None else None)
+        megakernel._weight_grad(layer, cfg.wgrad_up, p=x[rows], p_gather=False, q=d_up[rows], q_gather=False,
+                                q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_up[experts],
+                                m_dim=up_dims[0], n_dim=up_dims[1],
+                                bias_grad=d_b_up[experts] if d_b_up is not None else None)
+        return d_x[rows]
+
+
+def _plan(ids, num_experts: int, spec):
+    from .kernels.triton_routing import routing_plan
+
+    return routing_plan(ids, num_experts, clamp=spec.out_of_range == "clamp")
+
+
+def _table(offsets: torch.Tensor, num_tokens: int, group):
+    """All ranks' per-expert counts and token counts, on the host."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    mine = torch.cat([counts, counts.new_tensor([num_tokens])])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    table = torch.stack(parts).tolist()
+    return [row[:-1] for row in table], [row[-1] for row in table]
+
+
+class _OverlapEP(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, hidden, weights, w_up, w_down, b_up, b_down, ids, spec, group, knobs):
+        from .kernels.triton_routing import combine, gather_rows
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local_experts = w_up.shape[0]
+        num_experts = local_experts * world
+        num_tokens, top_k = ids.shape
+        device = hidden.device
+        row_order, slot_row, offsets = _plan(ids, num_experts, spec)
+        counts, tokens = _table(offsets, num_tokens, group)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts))
+        chunks = _Chunks(layout, w_up, w_down, b_up, b_down, spec, hidden, skip_gemms=knobs.timing == "comm")
+        size = hidden.shape[1]
+        down_dtype = w_down.dtype
+        ctx.layout, ctx.chunks, ctx.spec, ctx.group, ctx.knobs = layout, chunks, spec, group, knobs
+        ctx.shape = (num_tokens, top_k)
+        if layout.capacity == 0:  # no rank has a token
+            ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, None, None, None)
+            return hidden.new_zeros(num_tokens, size, dtype=spec.out_dtype)
+        win_x = _window(group, layout.capacity, size, hidden.dtype, device)
+        win_y = _window(group, layout.capacity, size, down_dtype, device)
+        slots = num_tokens * top_k
+        gather_rows(hidden, row_order, top_k, out=win_x.send(rank)[:slots])
+        win_x.barrier()
+        x = torch.empty(layout.rows, size, dtype=hidden.dtype, device=device)
+        up = torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
+        act = torch.empty(layout.rows, chunks.inter, dtype=down_dtype, device=device)
+        down = torch.empty(layout.rows, size, dtype=down_dtype, device=device)
+        _exchange(layout, win_x, win_y, x, lambda c: chunks.forward(c, x, up, act, down), knobs, device)
+        del act, down
+        rows = win_y.back(rank)[:slots]
+        out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype)
+        routed = layout.send_start[rank][-1]
+        y = rows[:routed].clone()  # the back buffer is reused by the next call
+        ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, x, up, y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .kernels.triton_routing import combine, gather_rows, routing_weight_grad
+
+        hidden, weights, row_order, slot_row, offsets, x, up, y = ctx.saved_tensors
+        layout, chunks, group, knobs = ctx.layout, ctx.chunks, ctx.group, ctx.knobs
+        w_up, w_down, b_up, b_down = chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down
+        num_tokens, top_k = ctx.shape
+        device = hidden.device
+        # every chunk writes its experts' gradients (zeros for a chunk without rows)
+        grads = [torch.empty_like(w_up), torch.empty_like(w_down),
+                 torch.empty_like(b_up) if b_up is not None else None,
+                 torch.empty_like(b_down) if b_down is not None else None]
+        if layout.capacity == 0:
+            grads = [g.zero_() if g is not None else None for g in grads]
+            return (torch.zeros_like(hidden), torch.zeros_like(weights), *grads, None, None, None, None)
+        rank = layout.rank
+        size = hidden.shape[1]
+        grad_out = grad_out.contiguous()
+        d_weights = routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype)
+        win_dy = _window(group, layout.capacity, size, grad_out.dtype, device)
+        win_dx = _window(group, layout.capacity, size, w_up.dtype, device)
+        slots = num_tokens * top_k
+        gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(), out=win_dy.send(rank)[:slots])
+        win_dy.barrier()
+        dy = torch.empty(layout.rows, size, dtype=grad_out.dtype, device=device)
+        act = torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device)
+        d_up = torch.empty_like(up)
+        d_x = torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)
+        _exchange(layout, win_dy, win_dx, dy, lambda c: chunks.backward(c, x, up, dy, act, d_up, d_x, grads), knobs,
+                  device)
+        del dy, act, d_up, d_x
+        d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
+        return (d_hidden, d_weights, *grads, None, None, None, None)
+
+
+def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str, group=None,
+                          knobs: OverlapConfig | None = None):
+    """The EP experts layer of ep.ep_experts (same arguments and result), with its transfers overlapped
+    with the GEMMs through symmetric memory. Requires the MegaKernel (kernels_available)."""
+    group = group if group is not None else dist.group.WORLD
+    s = decode_spec(spec)
+    if s.post is not None:
+        raise ValueError("uniep: expert parallelism does not take post-expert programs yet")
+    world = dist.get_world_size(group)
+    if w_up.shape[0] == 0:
+        raise ValueError("uniep: every rank needs at least one expert")
+    return _OverlapEP.apply(hidden, topk_weights, w_up, w_down, b_up, b_down, topk_ids, s, group,
+                            knobs if knobs is not None else OverlapConfig())
