@@ -391,10 +391,11 @@ class _OverlapEP(torch.autograd.Function):
         win_x.barrier()
         x = torch.empty(layout.rows, size, dtype=hidden.dtype, device=device)
         up = torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
-        act = torch.empty(layout.rows, chunks.inter, dtype=down_dtype, device=device)
-        down = torch.empty(layout.rows, size, dtype=down_dtype, device=device)
-        _exchange(layout, win_x, win_y, x, lambda c: chunks.forward(c, x, up, act, down), knobs, device)
-        del act, down
+        scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=down_dtype, device=device),
+                   "down": torch.empty(layout.rows, size, dtype=down_dtype, device=device)}
+        _exchange(layout, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]), knobs,
+                  device)
+        scratch.clear()  # after _exchange joined the streams that read them
         rows = win_y.back(rank)[:slots]
         out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype)
         routed = layout.send_start[rank][-1]
@@ -427,13 +428,13 @@ class _OverlapEP(torch.autograd.Function):
         slots = num_tokens * top_k
         gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(), out=win_dy.send(rank)[:slots])
         win_dy.barrier()
-        dy = torch.empty(layout.rows, size, dtype=grad_out.dtype, device=device)
-        act = torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device)
-        d_up = torch.empty_like(up)
-        d_x = torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)
-        _exchange(layout, win_dy, win_dx, dy, lambda c: chunks.backward(c, x, up, dy, act, d_up, d_x, grads), knobs,
-                  device)
-        del dy, act, d_up, d_x
+        scratch = {"dy": torch.empty(layout.rows, size, dtype=grad_out.dtype, device=device),
+                   "act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
+                   "d_up": torch.empty_like(up),
+                   "d_x": torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)}
+        _exchange(layout, win_dy, win_dx, scratch["dy"], lambda c: chunks.backward(c, x, up, grads=grads, **scratch),
+                  knobs, device)
+        scratch.clear()
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
         return (d_hidden, d_weights, *grads, None, None, None, None)
 
@@ -446,7 +447,6 @@ def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_
     s = decode_spec(spec)
     if s.post is not None:
         raise ValueError("uniep: expert parallelism does not take post-expert programs yet")
-    world = dist.get_world_size(group)
     if w_up.shape[0] == 0:
         raise ValueError("uniep: every rank needs at least one expert")
     return _OverlapEP.apply(hidden, topk_weights, w_up, w_down, b_up, b_down, topk_ids, s, group,
