@@ -18,7 +18,8 @@ pytestmark = [
                        "tests/test_gpu_ep.py runs the CUDA path"),
 ]
 
-KNOBS = [(1, True), (2, True), (4, True), (2, False)]  # (chunks, overlap)
+KNOBS = [(1, True, True), (2, True, True), (4, True, True), (2, False, True), (2, True, False)]  # OverlapConfig's
+# (chunks, overlap, copy_engine)
 
 
 def _case(routing, tokens, experts, top_k, gate, bias, split):
@@ -58,7 +59,7 @@ def _worker(rank, world, port, case_args, out_dir):
         e_local = w_up.shape[0] // world
         experts = slice(rank * e_local, (rank + 1) * e_local)
         results = []
-        for chunks, overlap in KNOBS:
+        for knobs in KNOBS:
             leaves = [hidden[mine].clone(), weights[mine].clone(), w_up[experts].clone(), w_down[experts].clone(),
                       b_up[experts].clone() if b_up is not None else None,
                       b_down[experts].clone() if b_down is not None else None]
@@ -66,7 +67,7 @@ def _worker(rank, world, port, case_args, out_dir):
                 if t is not None:
                     t.requires_grad_()
             out = ep_experts_overlapped(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
-                                        knobs=OverlapConfig(chunks=chunks, overlap=overlap))
+                                        knobs=OverlapConfig(*knobs))
             grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
             out.backward(grad)
             results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves]})
@@ -105,8 +106,8 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, tmp_path,
 
     ranks = run_workers(_worker, world, (case_args,), tmp_path)
     ref_out, ref_grads = _reference(case_args)
-    for i, (chunks, overlap) in enumerate(KNOBS):
-        knob = f"chunks={chunks} overlap={overlap}"
+    for i, knobs in enumerate(KNOBS):
+        knob = "chunks={} overlap={} copy_engine={}".format(*knobs)
         assert torch.equal(torch.cat([r[i]["out"] for r in ranks]), ref_out), knob
         for j, name in ((0, "d_hidden"), (1, "d_weights")):  # per token, concatenated over ranks
             assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"

@@ -52,6 +52,9 @@ class OverlapConfig:
     """The EP scheduling knobs. None of them changes numerics."""
     chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
+    # Transfers as one copy-engine copy per (expert, source) segment (no SMs taken from the GEMMs, one host
+    # call each), or as one SM kernel per chunk (torch._foreach_copy_; few host calls).
+    copy_engine: bool = True
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -228,38 +231,71 @@ class _Streams:
             self.push.wait_stream(current)
 
 
+def _copy_segments(pairs, copy_engine: bool) -> None:
+    """dst.copy_(src) for each (dst, src) pair: one copy-engine transfer each, or one SM kernel for all."""
+    if not pairs:
+        return
+    if copy_engine:
+        for dst, src in pairs:
+            dst.copy_(src)
+    else:
+        dsts, srcs = zip(*pairs)
+        torch._foreach_copy_(list(dsts), list(srcs))
+
+
 def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute, knobs: OverlapConfig,
               device):
     """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
     run compute(chunk) -> result rows of the chunk (or None), push those into the sources' ``back`` of
-    win_in. Ends with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more."""
+    win_in. Ends with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more.
+
+    The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
+    every copy has been issued."""
     streams = _Streams(device)
     streams.start_after_current()
     transfer = knobs.timing != "compute"
+    num_chunks = len(layout.chunks)
+    sends = [win_out.send(s) for s in range(layout.world)]
+    backs = [win_in.back(s) for s in range(layout.world)]
     pulled = []
-    for c in range(len(layout.chunks)):
+
+    def pull(c):
         with streams.on(streams.pull):
-            for s, src, dst, n in layout.segments(c) if transfer else ():
-                recv[dst:dst + n].copy_(win_out.send(s)[src:src + n])
+            segments = layout.segments(c) if transfer else ()
+            _copy_segments([(recv[dst:dst + n], sends[s][src:src + n]) for s, src, dst, n in segments],
+                           knobs.copy_engine)
             pulled.append(streams.record(streams.pull))
+
+    def push(c, rows, done):
+        streams.wait(done, streams.push)
+        lo = layout.chunks[c][2]
+        with streams.on(streams.push):
+            segments = layout.segments(c) if transfer else ()
+            _copy_segments([(backs[s][src:src + n], rows[dst - lo:dst - lo + n]) for s, src, dst, n in segments],
+                           knobs.copy_engine)
+
+    ahead = num_chunks if not knobs.overlap else min(num_chunks, LOOKAHEAD)
+    for c in range(ahead):
+        pull(c)
     if not knobs.overlap:  # every pull before the first GEMM
         streams.wait(pulled[-1])
     results = []
-    for c in range(len(layout.chunks)):
+    for c in range(num_chunks):
         streams.wait(pulled[c])
         result = compute(c)
         if result is not None:
             results.append((c, result, streams.record()))
-        if knobs.overlap or c == len(layout.chunks) - 1:  # without overlap: every GEMM before the first push
-            for c_done, rows, done in results:
-                streams.wait(done, streams.push)
-                lo = layout.chunks[c_done][2]
-                with streams.on(streams.push):
-                    for s, src, dst, n in layout.segments(c_done) if transfer else ():
-                        win_in.back(s)[src:src + n].copy_(rows[dst - lo:dst - lo + n])
+        if knobs.overlap or c == num_chunks - 1:  # without overlap: every GEMM before the first push
+            for done in results:
+                push(*done)
             results = []
+        if c + ahead < num_chunks:
+            pull(c + ahead)
     streams.join()
     win_out.barrier()
+
+
+LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
 
 
 class _Chunks:
