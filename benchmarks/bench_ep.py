@@ -9,13 +9,13 @@ it. Providers, on the same module and inputs:
   uniep      torch.compile(layer, backend="uniep"): uniep.moe_router, uniep.ep_dispatch, uniep.moe_experts
              and uniep.ep_combine, the token all-to-alls unchanged (no fused communication yet)
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
-             (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory on copy-engine streams,
-             pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)
+             (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory, copy-engine copies on
+             their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)
   uniep_overlap_sm  the same with each chunk's transfers as one SM copy kernel (torch._foreach_copy_)
              instead of one copy-engine copy per (expert, source) segment
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
-  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only  the overlapped layer with its transfers, or
-             its GEMMs, skipped:
+  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only  the overlapped layer with its transfers (the
+             receive buffers filled with random values instead), or its GEMMs, skipped:
              timing only (their results are wrong), for the share of communication hidden
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
@@ -50,8 +50,9 @@ from bench_moe_layer import time_cuda  # noqa: E402
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_off",
              "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only")
-OVERLAP = {"uniep_overlap": {}, "uniep_overlap_sm": {"copy_engine": False}, "uniep_overlap_off": {"overlap": False},
-           "overlap_compute_only": {"timing": "compute"}, "overlap_comm_only": {"timing": "comm"},
+OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False},
+           "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
+           "overlap_comm_only": {"timing": "comm", "copy_engine": True},
            "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False}}
 
 

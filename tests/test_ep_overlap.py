@@ -18,7 +18,7 @@ pytestmark = [
                        "tests/test_gpu_ep.py runs the CUDA path"),
 ]
 
-KNOBS = [(1, True, True), (2, True, True), (4, True, True), (2, False, True), (2, True, False)]  # OverlapConfig's
+KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False)]  # OverlapConfig's
 # (chunks, overlap, copy_engine)
 
 

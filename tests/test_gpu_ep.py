@@ -80,7 +80,7 @@ def _worker(rank, world, port, case, out_dir):
 
 
 # OverlapConfig's (chunks, overlap, copy_engine) for the overlapped layer; the first twice (run to run)
-OVERLAP_KNOBS = [(4, True, True), (4, True, True), (1, True, True), (2, False, True), (8, True, False)]
+OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (8, True, False)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

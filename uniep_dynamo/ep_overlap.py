@@ -53,8 +53,11 @@ class OverlapConfig:
     chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
     # Transfers as one copy-engine copy per (expert, source) segment (no SMs taken from the GEMMs, one host
-    # call each), or as one SM kernel per chunk (torch._foreach_copy_; few host calls).
-    copy_engine: bool = True
+    # call each), or as one SM kernel per chunk (torch._foreach_copy_; few host calls). None: the copy
+    # engines while a chunk has at most COPY_ENGINE_SEGMENTS segments, else the SM kernel. On 2 H200s the
+    # SM kernel won on the Qwen3-30B-A3B shape (64 experts a rank: 1.17x against 1.01x over inductor) and
+    # the copy engines on Mixtral (4 experts a rank), by less than the noise (BENCHMARKS.md).
+    copy_engine: bool | None = None
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -254,6 +257,12 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
     streams = _Streams(device)
     streams.start_after_current()
     transfer = knobs.timing != "compute"
+    if not transfer:  # timing only: real-looking values for the GEMMs (zeros draw less power and run faster)
+        recv.normal_()
+    copy_engine = knobs.copy_engine
+    if copy_engine is None:
+        copy_engine = max((len(layout.segments(c)) for c in range(len(layout.chunks))), default=0) \
+            <= COPY_ENGINE_SEGMENTS
     num_chunks = len(layout.chunks)
     sends = [win_out.send(s) for s in range(layout.world)]
     backs = [win_in.back(s) for s in range(layout.world)]
@@ -263,7 +272,7 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
         with streams.on(streams.pull):
             segments = layout.segments(c) if transfer else ()
             _copy_segments([(recv[dst:dst + n], sends[s][src:src + n]) for s, src, dst, n in segments],
-                           knobs.copy_engine)
+                           copy_engine)
             pulled.append(streams.record(streams.pull))
 
     def push(c, rows, done):
@@ -272,7 +281,7 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
         with streams.on(streams.push):
             segments = layout.segments(c) if transfer else ()
             _copy_segments([(backs[s][src:src + n], rows[dst - lo:dst - lo + n]) for s, src, dst, n in segments],
-                           knobs.copy_engine)
+                           copy_engine)
 
     ahead = num_chunks if not knobs.overlap else min(num_chunks, LOOKAHEAD)
     for c in range(ahead):
@@ -296,6 +305,7 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
 
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
+COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to this many segments a chunk
 
 
 class _Chunks:
