@@ -46,12 +46,7 @@ def _worker(rank, world, port, case_args, out_dir):
         e_local = w_up.shape[0] // world
         mine = slice(rank * tokens, (rank + 1) * tokens)
         experts = slice(rank * e_local, (rank + 1) * e_local)
-        leaves = [hidden[mine].clone(), weights[mine].clone(), w_up[experts].clone(), w_down[experts].clone(),
-                  b_up[experts].clone() if b_up is not None else None,
-                  b_down[experts].clone() if b_down is not None else None]
-        for t in leaves:
-            if t is not None:
-                t.requires_grad_()
+        leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
         out = ep_experts(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode())
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
         out.backward(grad)
@@ -61,13 +56,25 @@ def _worker(rank, world, port, case_args, out_dir):
         dist.destroy_process_group()
 
 
-def _reference(case_args):
-    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _case(*case_args)
+def rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine: slice, experts: slice) -> list:
+    """This rank's tokens and experts, as fresh leaves that require grad (None stays None)."""
+    leaves = [hidden[mine], weights[mine], w_up[experts], w_down[experts],
+              b_up[experts] if b_up is not None else None, b_down[experts] if b_down is not None else None]
+    return [t.clone().requires_grad_() if t is not None else None for t in leaves]
+
+
+def single_process(hidden, ids, weights, w_up, w_down, b_up, b_down, spec):
+    """(output, gradients of hidden, weights, w_up, w_down, b_up, b_down) of the single-process op over all
+    tokens and experts, for the output gradient the EP workers use (seed 9)."""
     leaves = [t.clone().requires_grad_() if t is not None else None
               for t in (hidden, weights, w_up, w_down, b_up, b_down)]
     out = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], [], spec.encode())[0]
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
     return out.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+def _reference(case_args):
+    return single_process(*_case(*case_args))
 
 
 CASES = [

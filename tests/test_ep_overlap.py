@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_ep import _free_port, run_workers  # noqa: F401
+from test_ep import rank_leaves, run_workers, single_process
 from test_reference import GPT_OSS, RELU2, SILU_GLU, make
 
 pytestmark = [
@@ -60,12 +60,7 @@ def _worker(rank, world, port, case_args, out_dir):
         experts = slice(rank * e_local, (rank + 1) * e_local)
         results = []
         for knobs in KNOBS:
-            leaves = [hidden[mine].clone(), weights[mine].clone(), w_up[experts].clone(), w_down[experts].clone(),
-                      b_up[experts].clone() if b_up is not None else None,
-                      b_down[experts].clone() if b_down is not None else None]
-            for t in leaves:
-                if t is not None:
-                    t.requires_grad_()
+            leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
             out = ep_experts_overlapped(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                         knobs=OverlapConfig(*knobs))
             grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
@@ -74,15 +69,6 @@ def _worker(rank, world, port, case_args, out_dir):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _reference(case_args):
-    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _case(*case_args)
-    leaves = [t.clone().requires_grad_() if t is not None else None
-              for t in (hidden, weights, w_up, w_down, b_up, b_down)]
-    out = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], [], spec.encode())[0]
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
-    return out.detach(), [t.grad if t is not None else None for t in leaves]
 
 
 CASES = [
@@ -105,7 +91,7 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, tmp_path,
     import uniep_dynamo  # noqa: F401
 
     ranks = run_workers(_worker, world, (case_args,), tmp_path)
-    ref_out, ref_grads = _reference(case_args)
+    ref_out, ref_grads = single_process(*_case(*case_args))
     for i, knobs in enumerate(KNOBS):
         knob = "chunks={} overlap={} copy_engine={}".format(*knobs)
         assert torch.equal(torch.cat([r[i]["out"] for r in ranks]), ref_out), knob

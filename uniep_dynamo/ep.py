@@ -1,8 +1,8 @@
 """Expert parallelism, sequential form: the routing plan across ranks and an EP experts layer built from
 torch.distributed collectives around the uniep experts op.
 
-This is the reference the fused EP MegaKernel (NVSHMEM, issue 4) is to equal, and the path CI tests with
-gloo on CPU. Each rank holds T tokens and E_local = E / world experts (rank r owns experts
+This is the path the compile rewrites run (ops at the end of this file) and the reference the overlapped
+layer (ep_overlap.py, which pipelines the transfers with the GEMMs) equals bit for bit. Each rank holds T tokens and E_local = E / world experts (rank r owns experts
 [r * E_local, (r + 1) * E_local)).
 
     plan        the single-rank routing plan of the local slots over the E global experts: rows sorted by
