@@ -101,3 +101,30 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, tmp_path,
             if ref_grads[j] is None:
                 continue
             assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"
+
+
+def _fallback_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), UNIEP_KERNELS="triton")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from uniep_dynamo.ep import ep_experts
+        from uniep_dynamo.ep_overlap import ep_experts_overlapped
+
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(8, 16, 12, 4, 2, dtype=torch.float64)
+        mine, experts = slice(rank * 4, rank * 4 + 4), slice(rank * 2, rank * 2 + 2)
+        outs = []
+        for fn in (ep_experts_overlapped, ep_experts):
+            leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+            out = fn(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode())
+            out.sum().backward()
+            outs.append([out.detach()] + [t.grad for t in leaves[:4]])
+        torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kernels_refuse_float64_and_the_sequential_layer_runs(tmp_path):
+    """float64 is not a MegaKernel dtype: the overlapped layer runs the sequential one, same results."""
+    for overlapped, sequential in run_workers(_fallback_worker, 2, (), tmp_path):
+        for a, b in zip(overlapped, sequential):
+            assert a.dtype == torch.float64 and torch.equal(a, b)

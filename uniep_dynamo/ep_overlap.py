@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import math
 import os
 import tempfile
@@ -43,8 +42,6 @@ import torch
 import torch.distributed as dist
 
 from .spec import decode_spec
-
-log = logging.getLogger("uniep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +65,6 @@ class OverlapConfig:
 
     def chunk_experts(self, local_experts: int) -> int:
         return max(1, math.ceil(local_experts / max(1, self.chunks)))
-
-
-def kernels_available(hidden: torch.Tensor) -> bool:
-    """The overlapped layer runs the MegaKernel's Triton kernels: on CUDA, or on CPU in the interpreter
-    when UNIEP_KERNELS=triton."""
-    from .kernels import megakernel
-
-    if not megakernel._triton_available():
-        return False
-    mode = megakernel.kernels_mode()
-    return mode != "reference" if hidden.is_cuda else mode == "triton"
 
 
 class _Layout:
@@ -145,7 +131,6 @@ class _Window:
         self.capacity, self.hidden, self.dtype = capacity, hidden, dtype
         world = dist.get_world_size(group)
         numel = 2 * capacity * hidden
-        self._files = []
         if device.type == "cuda":
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -488,12 +473,23 @@ class _OverlapEP(torch.autograd.Function):
 def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str, group=None,
                           knobs: OverlapConfig | None = None):
     """The EP experts layer of ep.ep_experts (same arguments and result), with its transfers overlapped
-    with the GEMMs through symmetric memory. Requires the MegaKernel (kernels_available)."""
+    with the GEMMs through symmetric memory. It runs the MegaKernel's Triton kernels (on CPU only in the
+    interpreter, with UNIEP_KERNELS=triton); a call they do not take (a dtype, a gate, the CPU path) runs the
+    sequential ep.ep_experts instead, with one log line on CUDA."""
+    from .ep import ep_experts
+    from .kernels import megakernel
+
     group = group if group is not None else dist.group.WORLD
     s = decode_spec(spec)
     if s.post is not None:
         raise ValueError("uniep: expert parallelism does not take post-expert programs yet")
     if w_up.shape[0] == 0:
         raise ValueError("uniep: every rank needs at least one expert")
+    reason = megakernel.unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, [], s)
+    if reason is not None:
+        if ("ep_overlap", reason) not in megakernel._LOGGED and hidden.is_cuda:
+            megakernel._LOGGED.add(("ep_overlap", reason))
+            megakernel.log.warning("uniep: the overlapped EP layer runs the sequential one instead: %s", reason)
+        return ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group)
     return _OverlapEP.apply(hidden, topk_weights, w_up, w_down, b_up, b_down, topk_ids, s, group,
                             knobs if knobs is not None else OverlapConfig())
