@@ -73,7 +73,7 @@ class _Layout:
     counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens."""
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int):
-        self.rank, self.world, self.local_experts = rank, world, local_experts
+        self.rank, self.world = rank, world
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
         self.send_start = [[0] * (len(row) + 1) for row in counts]
         for s, row in enumerate(counts):
@@ -94,25 +94,15 @@ class _Layout:
         self.capacity = max(t * top_k for t in tokens)
         self.total_rows = sum(t * top_k for t in tokens)
         self.chunks = []  # (first local expert, end, first row, end row)
+        # per chunk: (source, row in the source's buffer, row here, rows) for each (expert, source) with rows,
+        # this rank's own rows first; every transfer of the call (both directions, forward and backward)
+        self.segments = []
+        order = [(rank + j) % world for j in range(world)]
         for e0 in range(0, local_experts, chunk):
             e1 = min(e0 + chunk, local_experts)
-            lo = self.recv_start[e0][0] if self.rows else 0
-            self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
-        self.counts = counts
-
-    def segments(self, chunk: int):
-        """(source, row in the source's buffer, row here, rows) for each (expert, source) of a chunk,
-        this rank's own rows first."""
-        e0, e1 = self.chunks[chunk][:2]
-        order = [(self.rank + j) % self.world for j in range(self.world)]
-        out = []
-        for s in order:
-            for e in range(e0, e1):
-                g = self.rank * self.local_experts + e
-                n = self.counts[s][g]
-                if n:
-                    out.append((s, self.send_start[s][g], self.recv_start[e][s], n))
-        return out
+            self.chunks.append((e0, e1, self.recv_start[e0][0], self.expert_end[e1 - 1]))
+            self.segments.append([(s, self.send_start[s][first + e], self.recv_start[e][s], counts[s][first + e])
+                                  for s in order for e in range(e0, e1) if counts[s][first + e]])
 
     def chunk_offsets(self, device) -> torch.Tensor:
         """[E_local] int64: each local expert's end row, counted from its chunk's first row (the
@@ -246,8 +236,7 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
         recv.normal_()
     copy_engine = knobs.copy_engine
     if copy_engine is None:
-        copy_engine = max((len(layout.segments(c)) for c in range(len(layout.chunks))), default=0) \
-            <= COPY_ENGINE_SEGMENTS
+        copy_engine = max(map(len, layout.segments), default=0) <= COPY_ENGINE_SEGMENTS
     num_chunks = len(layout.chunks)
     sends = [win_out.send(s) for s in range(layout.world)]
     backs = [win_in.back(s) for s in range(layout.world)]
@@ -255,7 +244,7 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
 
     def pull(c):
         with streams.on(streams.pull):
-            segments = layout.segments(c) if transfer else ()
+            segments = layout.segments[c] if transfer else ()
             _copy_segments([(recv[dst:dst + n], sends[s][src:src + n]) for s, src, dst, n in segments],
                            copy_engine)
             pulled.append(streams.record(streams.pull))
@@ -264,7 +253,7 @@ def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Te
         streams.wait(done, streams.push)
         lo = layout.chunks[c][2]
         with streams.on(streams.push):
-            segments = layout.segments(c) if transfer else ()
+            segments = layout.segments[c] if transfer else ()
             _copy_segments([(backs[s][src:src + n], rows[dst - lo:dst - lo + n]) for s, src, dst, n in segments],
                            copy_engine)
 
