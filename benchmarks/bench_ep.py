@@ -58,10 +58,11 @@ OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_en
 
 def _overlapped_run(layer, chunks: int, **knobs):
     from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+    from uniep_dynamo.kernels import gate_program
     from uniep_dynamo.spec import ExpertsSpec
 
-    gate = _silu_glu_program()
-    spec = ExpertsSpec("io", "io", gate, layer.w1.dtype).encode()
+    # GroupedGemmEPMoE's activation: silu(gate) * up over the [gate | up] halves of the up projection
+    spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), layer.w1.dtype).encode()
     config = OverlapConfig(chunks=chunks, **knobs)
     route = torch.compile(layer.route, backend="uniep")
 
@@ -70,13 +71,6 @@ def _overlapped_run(layer, chunks: int, **knobs):
         return ep_experts_overlapped(x, ids, weights, layer.w1, layer.w2, None, None, spec, layer.group,
                                      knobs=config)
     return run
-
-
-def _silu_glu_program():
-    """silu(gate) * up over the [gate | up] halves of the up projection: GroupedGemmEPMoE's activation."""
-    from uniep_dynamo.kernels import gate_program
-
-    return gate_program.encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
 
 
 def _layer_class():

@@ -29,7 +29,7 @@ CANDIDATES = [  # (block_m, block_n, block_k, num_warps, num_stages)
 def main():
     from uniep_dynamo.kernels import megakernel
     from uniep_dynamo.kernels.config import GemmConfig
-    from uniep_dynamo.kernels.gate_program import encode
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
     from uniep_dynamo.kernels.triton_routing import routing_plan
     from uniep_dynamo.spec import ExpertsSpec
 
@@ -40,7 +40,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sweep_megakernel.json"))
     args = parser.parse_args()
     dtype, dev = torch.bfloat16, "cuda"
-    silu = encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
+    silu = encode("chunk", SILU_GLU_EXPR)
     results = []
     for name in args.shapes.split(","):
         H, I, E, K = SHAPES[name]

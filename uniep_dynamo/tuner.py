@@ -264,7 +264,7 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
     w_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
     w_down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(device, dtype)
     grad = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
-    silu_glu = gate_program.encode("chunk", ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}])
+    silu_glu = gate_program.encode("chunk", gate_program.SILU_GLU_EXPR)
     spec = ExpertsSpec("oi", "oi", silu_glu, dtype).encode()
     leaves = [t.requires_grad_() for t in (hidden_states, weights, w_up, w_down)]
 

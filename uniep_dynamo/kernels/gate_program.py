@@ -61,6 +61,9 @@ ELEMENTWISE_OPS = {
 }
 ROW_REDUCTIONS = ("mean",)
 
+# silu(gate) * up: the SwiGLU activation of Mixtral, Qwen and most MoE families
+SILU_GLU_EXPR = ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}]
+
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
@@ -191,9 +194,8 @@ def clamped_glu_params(program: str) -> tuple[float, float, float] | None:
 def classify(program: str) -> str | None:
     """Name the standard activations a fused kernel implements, or None for a custom program."""
     split, expr = decode(program)
-    silu_glu = ["call", "mul", [["call", "silu", [["gate"]], {}], ["up"]], {}]
     halves = split in ("chunk", "interleave")
-    if halves and expr == silu_glu:
+    if halves and expr == SILU_GLU_EXPR:
         return "silu_glu"
     for approx in ("none", "tanh"):
         kw = {} if approx == "none" else {"approximate": ["const", "tanh"]}
