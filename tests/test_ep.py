@@ -1,6 +1,7 @@
 """Expert parallelism on CPU: the sequential EP experts layer (uniep_dynamo/ep.py) in 2 and 4 gloo
 processes against the single-process op over all tokens and all experts: output, every gradient, and
 the routing plan each rank receives."""
+import contextlib
 import os
 import socket
 import time
@@ -34,10 +35,19 @@ def _case(routing, tokens, experts, top_k, gate, bias):
     return hidden, ids, weights, w_up, w_down, b_up, b_down, spec
 
 
-def _worker(rank, world, port, case_args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), UNIEP_KERNELS="reference")
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int, **env):
+    """A worker's gloo process group, with `env` set first; destroyed on the way out."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, port, case_args, out_dir):
+    with gloo_group(rank, world, port, UNIEP_KERNELS="reference"):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep import ep_experts
 
@@ -52,8 +62,6 @@ def _worker(rank, world, port, case_args, out_dir):
         out.backward(grad)
         torch.save({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine: slice, experts: slice) -> list:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_ep import rank_leaves, run_workers, single_process
+from test_ep import gloo_group, rank_leaves, run_workers, single_process
 from test_reference import GPT_OSS, RELU2, SILU_GLU, make
 
 pytestmark = [
@@ -46,9 +46,7 @@ def _case(routing, tokens, experts, top_k, gate, bias, split):
 
 
 def _worker(rank, world, port, case_args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), UNIEP_KERNELS="triton")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
 
@@ -67,8 +65,6 @@ def _worker(rank, world, port, case_args, out_dir):
             out.backward(grad)
             results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves]})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 CASES = [
@@ -104,9 +100,7 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, tmp_path,
 
 
 def _fallback_worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), UNIEP_KERNELS="triton")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
         from uniep_dynamo.ep import ep_experts
         from uniep_dynamo.ep_overlap import ep_experts_overlapped
 
@@ -119,8 +113,6 @@ def _fallback_worker(rank, world, port, out_dir):
             out.sum().backward()
             outs.append([out.detach()] + [t.grad for t in leaves[:4]])
         torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_kernels_refuse_float64_and_the_sequential_layer_runs(tmp_path):
