@@ -289,15 +289,16 @@ class _Chunks:
     def __init__(self, layout: _Layout, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
                  skip_gemms: bool = False):
         from .kernels import config as config_mod
-        from .kernels import megakernel
+        from .kernels import reference
 
         self.layout, self.spec, self.skip_gemms = layout, spec, skip_gemms
         self.w_up, self.w_down, self.b_up, self.b_down = w_up, w_down, b_up, b_down
-        full = megakernel._Layer(probe, (layout.total_rows, 1), w_up, w_down, spec)
+        self.up_width = reference.effective_weight(w_up, spec.up_layout).shape[2]  # [E, H, up_width]
+        self.inter = reference.effective_weight(w_down, spec.down_layout).shape[1]  # [E, I, H]
         # the config of the single-GPU op over every rank's rows and all E experts: same tiles, same bits
-        self.config = config_mod.current_config(layout.total_rows, w_up.shape[0] * layout.world, full.hidden_size,
-                                                full.inter, full.interpret, dtype=probe.dtype, device=probe.device)
-        self.hidden_size, self.inter, self.up_width = full.hidden_size, full.inter, full.up_width
+        self.config = config_mod.current_config(layout.total_rows, w_up.shape[0] * layout.world, probe.shape[1],
+                                                self.inter, probe.device.type != "cuda", dtype=probe.dtype,
+                                                device=probe.device)
         self.offsets = layout.chunk_offsets(probe.device)
 
     def layer(self, c: int, probe):
