@@ -11,8 +11,9 @@ it. Providers, on the same module and inputs:
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
              (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory, copy-engine copies on
              their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)
-  uniep_overlap_sm  the same with each chunk's transfers as one SM copy kernel (torch._foreach_copy_)
-             instead of one copy-engine copy per (expert, source) segment
+  uniep_overlap_sm  the same with each chunk's transfers as one Triton copy kernel over a segment table
+             (kernels/triton_transfer.py, --copy-programs programs) instead of one copy-engine copy per
+             (expert, source) segment
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
   overlap_compute_only, overlap_comm_only, overlap_sm_comm_only  the overlapped layer with its transfers (the
              receive buffers filled with random values instead), or its GEMMs, skipped:
@@ -56,14 +57,14 @@ OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_en
            "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False}}
 
 
-def _overlapped_run(layer, chunks: int, **knobs):
+def _overlapped_run(layer, chunks: int, copy_programs: int, **knobs):
     from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
     from uniep_dynamo.kernels import gate_program
     from uniep_dynamo.spec import ExpertsSpec
 
     # GroupedGemmEPMoE's activation: silu(gate) * up over the [gate | up] halves of the up projection
     spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), layer.w1.dtype).encode()
-    config = OverlapConfig(chunks=chunks, **knobs)
+    config = OverlapConfig(chunks=chunks, copy_programs=copy_programs, **knobs)
     route = torch.compile(layer.route, backend="uniep")
 
     def run(x):
@@ -185,7 +186,7 @@ def _worker(rank, world, port, args, out_path):
                 counters.clear()
                 module = liger if provider == "liger_experts" else layer
                 if provider in OVERLAP:
-                    run = _overlapped_run(layer, args.chunks, **OVERLAP[provider])
+                    run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 else:
                     run = module if provider == "eager" else \
                         torch.compile(module, backend="uniep" if provider == "uniep" else "inductor")
@@ -221,6 +222,7 @@ def _worker(rank, world, port, args, out_path):
                     diff = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))
                 rows.append({"shape": shape, "provider": provider, "world": world, "tokens_per_rank": args.tokens,
                              "chunks": args.chunks if provider in OVERLAP else None,
+                             "copy_programs": args.copy_programs if provider in OVERLAP else None,
                              "ms": float(worst.item()), "rank_ms": ms, "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()}})
                 if rank == 0:
@@ -246,6 +248,7 @@ def main():
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default="ep.json")
     parser.add_argument("--chunks", type=int, default=4, help="pipeline chunks of the overlapped layer")
+    parser.add_argument("--copy-programs", type=int, default=32, help="programs of the transfer kernel")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
     args = parser.parse_args()
     with socket.socket() as s:

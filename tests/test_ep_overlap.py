@@ -18,8 +18,9 @@ pytestmark = [
                        "tests/test_gpu_ep.py runs the CUDA path"),
 ]
 
-KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False)]  # OverlapConfig's
-# (chunks, overlap, copy_engine)
+# OverlapConfig's (chunks, overlap, copy_engine, copy_programs): one transfer program walks every segment of a
+# chunk; three share a whole-layer chunk
+KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False, 1), (1, True, False, 3)]
 
 
 def _case(routing, tokens, experts, top_k, gate, bias, split):
@@ -89,7 +90,7 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, tmp_path,
     ranks = run_workers(_worker, world, (case_args,), tmp_path)
     ref_out, ref_grads = single_process(*_case(*case_args))
     for i, knobs in enumerate(KNOBS):
-        knob = "chunks={} overlap={} copy_engine={}".format(*knobs)
+        knob = f"OverlapConfig{knobs}"
         assert torch.equal(torch.cat([r[i]["out"] for r in ranks]), ref_out), knob
         for j, name in ((0, "d_hidden"), (1, "d_weights")):  # per token, concatenated over ranks
             assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"

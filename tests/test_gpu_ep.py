@@ -79,8 +79,9 @@ def _worker(rank, world, port, case, out_dir):
         dist.destroy_process_group()
 
 
-# OverlapConfig's (chunks, overlap, copy_engine) for the overlapped layer; the first twice (run to run)
-OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (8, True, False)]
+# OverlapConfig's (chunks, overlap, copy_engine, copy_programs) for the overlapped layer; the first twice (run to run)
+OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (8, True, False, 7),
+                 (4, False, False, 132)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -91,7 +92,7 @@ def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
     from test_ep import run_workers
     names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
-    labels = ["sequential", "sequential again"] + ["overlapped chunks={} overlap={} copy_engine={}".format(*k) for k in OVERLAP_KNOBS]
+    labels = ["sequential", "sequential again"] + [f"overlapped OverlapConfig{k}" for k in OVERLAP_KNOBS]
     for rank, result in enumerate(run_workers(_worker, world, (case,), tmp_path)):
         for label, run in zip(labels, result["runs"]):
             for name, a, s in zip(names, run, result["single"]):

@@ -50,11 +50,11 @@ class OverlapConfig:
     chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
     # Transfers as one copy-engine copy per (expert, source) segment (no SMs taken from the GEMMs, one host
-    # call each), or as one SM kernel per chunk (torch._foreach_copy_; few host calls). None: the copy
-    # engines while a chunk has at most COPY_ENGINE_SEGMENTS segments, else the SM kernel. On 2 H200s the
-    # SM kernel won on the Qwen3-30B-A3B shape (64 experts a rank: 1.17x against 1.01x over inductor) and
-    # the copy engines on Mixtral (4 experts a rank), by less than the noise (BENCHMARKS.md).
+    # call each), or as one Triton kernel per chunk over a segment table on the device
+    # (kernels/triton_transfer.py; one host call, copy_programs SMs). None: the copy engines while a chunk
+    # has at most COPY_ENGINE_SEGMENTS segments, else the kernel (BENCHMARKS.md has the measurements).
     copy_engine: bool | None = None
+    copy_programs: int = 32  # programs (SMs) of the transfer kernel
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -62,6 +62,8 @@ class OverlapConfig:
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
             raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
+        if self.chunks < 1 or self.copy_programs < 1:
+            raise ValueError(f"uniep: OverlapConfig needs chunks >= 1 and copy_programs >= 1, got {self}")
 
     def chunk_experts(self, local_experts: int) -> int:
         return max(1, math.ceil(local_experts / max(1, self.chunks)))
@@ -70,9 +72,13 @@ class OverlapConfig:
 class _Layout:
     """Where every row of one call lives, from the all-gathered table (host integers).
 
-    counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens."""
+    counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens; width: the elements
+    of a row (every transfer of the layer moves [*, hidden] rows)."""
 
-    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int):
+    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
+                 width: int):
+        from .kernels.triton_transfer import segment_table
+
         self.rank, self.world = rank, world
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
         self.send_start = [[0] * (len(row) + 1) for row in counts]
@@ -97,20 +103,33 @@ class _Layout:
         # per chunk: (source, row in the source's buffer, row here, rows) for each (expert, source) with rows,
         # this rank's own rows first; every transfer of the call (both directions, forward and backward)
         self.segments = []
+        # the same as the transfer kernel's table: per chunk (first table row, rows, blocks)
+        self.table, self.table_chunks = [], []
         order = [(rank + j) % world for j in range(world)]
         for e0 in range(0, local_experts, chunk):
             e1 = min(e0 + chunk, local_experts)
             self.chunks.append((e0, e1, self.recv_start[e0][0], self.expert_end[e1 - 1]))
-            self.segments.append([(s, self.send_start[s][first + e], self.recv_start[e][s], counts[s][first + e])
-                                  for s in order for e in range(e0, e1) if counts[s][first + e]])
+            segments = [(s, self.send_start[s][first + e], self.recv_start[e][s], counts[s][first + e])
+                        for s in order for e in range(e0, e1) if counts[s][first + e]]
+            self.segments.append(segments)
+            rows, blocks = segment_table(segments, width)
+            self.table_chunks.append((len(self.table), len(rows), blocks))
+            self.table.extend(rows)
 
-    def chunk_offsets(self, device) -> torch.Tensor:
-        """[E_local] int64: each local expert's end row, counted from its chunk's first row (the
-        grouped GEMMs' offsets, sliced per chunk)."""
+    def to_device(self, device):
+        """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
+        first row: the grouped GEMMs' offsets, sliced per chunk; [n, 5] int64, the transfer table)."""
         rel = []
         for e0, e1, lo, _ in self.chunks:
             rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-        return torch.tensor(rel, dtype=torch.int64).to(device, non_blocking=True)
+        flat = rel + [v for row in self.table for v in row]
+        host = torch.tensor(flat, dtype=torch.int64)
+        from .kernels.triton_transfer import TABLE_COLUMNS
+
+        if device.type == "cuda":
+            host = host.pin_memory()
+        both = host.to(device, non_blocking=True)
+        return both[:len(rel)], both[len(rel):].view(-1, TABLE_COLUMNS)
 
 
 class _Window:
@@ -157,15 +176,33 @@ class _Window:
 _WINDOWS: dict = {}
 
 
+def _window_key(group, dtype, hidden: int, device):
+    return (group.group_name if hasattr(group, "group_name") else id(group), dtype, hidden, str(device))
+
+
 def _window(group, capacity: int, hidden: int, dtype, device) -> _Window:
     """The cached window of this group, dtype and width, grown (to a power of two rows) when a call needs
     more. Every rank takes the same decision: the capacity comes from the all-gathered table."""
-    key = (group.group_name if hasattr(group, "group_name") else id(group), dtype, hidden, str(device))
+    key = _window_key(group, dtype, hidden, device)
     win = _WINDOWS.get(key)
     if win is None or win.capacity < capacity:
         win = _Window(group, 1 << max(capacity - 1, 0).bit_length(), hidden, dtype, device)
         _WINDOWS[key] = win
     return win
+
+
+_TIMING_ROWS: dict = {}
+
+
+def _receive_buffer(role: str, rows: int, hidden: int, dtype, device, knobs: "OverlapConfig") -> torch.Tensor:
+    """A phase's receive buffer. With timing="compute" (no transfers) a cached one of random values instead:
+    the GEMMs see real-looking inputs (zeros draw less power and run faster), at no cost per call."""
+    if knobs.timing != "compute":
+        return torch.empty(rows, hidden, dtype=dtype, device=device)
+    buf = _TIMING_ROWS.get(role)
+    if buf is None or buf.shape != (rows, hidden) or buf.dtype != dtype or buf.device != device:
+        buf = _TIMING_ROWS[role] = torch.randn(rows, hidden, device=device).to(dtype)
+    return buf
 
 
 class _Streams:
@@ -209,53 +246,51 @@ class _Streams:
             self.push.wait_stream(current)
 
 
-def _copy_segments(pairs, copy_engine: bool) -> None:
-    """dst.copy_(src) for each (dst, src) pair: one copy-engine transfer each, or one SM kernel for all."""
-    if not pairs:
-        return
-    if copy_engine:
-        for dst, src in pairs:
-            dst.copy_(src)
-    else:
-        dsts, srcs = zip(*pairs)
-        torch._foreach_copy_(list(dsts), list(srcs))
-
-
-def _exchange(layout: _Layout, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute, knobs: OverlapConfig,
-              device):
+def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute,
+              knobs: OverlapConfig, device):
     """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
-    run compute(chunk) -> result rows of the chunk (or None), push those into the sources' ``back`` of
-    win_in. Ends with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more.
+    run compute(chunk) -> the buffer holding the chunk's result rows at its receive rows (or None), push
+    those rows into the sources' ``back`` of win_in. Ends with a barrier: every rank's ``back`` is complete
+    and no one reads a ``send`` any more.
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
-    every copy has been issued."""
+    every copy has been issued. ``table``: the layout's transfer table on the device."""
+    from .kernels.triton_transfer import MAX_PEERS, copy_segments
+
     streams = _Streams(device)
     streams.start_after_current()
     transfer = knobs.timing != "compute"
-    if not transfer:  # timing only: real-looking values for the GEMMs (zeros draw less power and run faster)
-        recv.normal_()
     copy_engine = knobs.copy_engine
     if copy_engine is None:
         copy_engine = max(map(len, layout.segments), default=0) <= COPY_ENGINE_SEGMENTS
+    copy_engine = copy_engine or layout.world > MAX_PEERS  # the kernel addresses at most MAX_PEERS buffers
     num_chunks = len(layout.chunks)
     sends = [win_out.send(s) for s in range(layout.world)]
     backs = [win_in.back(s) for s in range(layout.world)]
     pulled = []
 
+    def move(c, local, peers, push):
+        if not transfer:
+            return
+        if copy_engine:
+            for s, peer_row, row, n in layout.segments[c]:
+                if push:
+                    peers[s][peer_row:peer_row + n].copy_(local[row:row + n])
+                else:
+                    local[row:row + n].copy_(peers[s][peer_row:peer_row + n])
+        else:
+            first, rows, blocks = layout.table_chunks[c]
+            copy_segments(table[first:first + rows], blocks, local, peers, push, knobs.copy_programs)
+
     def pull(c):
         with streams.on(streams.pull):
-            segments = layout.segments[c] if transfer else ()
-            _copy_segments([(recv[dst:dst + n], sends[s][src:src + n]) for s, src, dst, n in segments],
-                           copy_engine)
+            move(c, recv, sends, push=False)
             pulled.append(streams.record(streams.pull))
 
     def push(c, rows, done):
         streams.wait(done, streams.push)
-        lo = layout.chunks[c][2]
         with streams.on(streams.push):
-            segments = layout.segments[c] if transfer else ()
-            _copy_segments([(backs[s][src:src + n], rows[dst - lo:dst - lo + n]) for s, src, dst, n in segments],
-                           copy_engine)
+            move(c, rows, backs, push=True)
 
     ahead = num_chunks if not knobs.overlap else min(num_chunks, LOOKAHEAD)
     for c in range(ahead):
@@ -286,7 +321,7 @@ class _Chunks:
     """The grouped GEMMs of one rank's local experts, chunk by chunk (the single-GPU MegaKernel's launches
     over a chunk's rows and experts)."""
 
-    def __init__(self, layout: _Layout, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
+    def __init__(self, layout: _Layout, offsets: torch.Tensor, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
                  skip_gemms: bool = False):
         from .kernels import config as config_mod
         from .kernels import reference
@@ -299,7 +334,7 @@ class _Chunks:
         self.config = config_mod.current_config(layout.total_rows, w_up.shape[0] * layout.world, probe.shape[1],
                                                 self.inter, probe.device.type != "cuda", dtype=probe.dtype,
                                                 device=probe.device)
-        self.offsets = layout.chunk_offsets(probe.device)
+        self.offsets = offsets  # _Layout.to_device
 
     def layer(self, c: int, probe):
         from .kernels import megakernel
@@ -309,7 +344,7 @@ class _Chunks:
         return layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
 
     def forward(self, c, x, up, act, down):
-        """up/act/down rows of chunk c from its received x rows."""
+        """up/act/down rows of chunk c from its received x rows; returns ``down``, None for a chunk without rows."""
         from .kernels import megakernel
         from .kernels.triton_gemm import GLU_FWD, STORE
 
@@ -317,7 +352,7 @@ class _Chunks:
         if rows.stop == rows.start:
             return None
         if self.skip_gemms:
-            return down[rows]
+            return down
         cfg = layer.config
         b_up = self.b_up[experts] if self.b_up is not None else None
         b_down = self.b_down[experts] if self.b_down is not None else None
@@ -328,10 +363,11 @@ class _Chunks:
         megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
                               n=layer.hidden_size, k=layer.inter, epilogue=STORE, c=down[rows], bias=b_down,
                               offsets=offs)
-        return down[rows]
+        return down
 
     def backward(self, c, x, up, dy, act, d_up, d_x, grads):
-        """Chunk c's input-gradient rows (returned) and its experts' weight and bias gradients (into grads)."""
+        """Chunk c's input-gradient rows (into d_x, returned; None for a chunk without rows) and its experts'
+        weight and bias gradients (into grads)."""
         from .kernels import megakernel
         from .kernels.triton_gemm import STORE
 
@@ -343,7 +379,7 @@ class _Chunks:
                     g[experts].zero_()
             return None
         if self.skip_gemms:
-            return d_x[rows]
+            return d_x
         cfg = layer.config
         down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
         up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
@@ -364,7 +400,7 @@ class _Chunks:
                                 q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_up[experts],
                                 m_dim=up_dims[0], n_dim=up_dims[1],
                                 bias_grad=d_b_up[experts] if d_b_up is not None else None)
-        return d_x[rows]
+        return d_x
 
 
 def _plan(ids, num_experts: int, spec):
@@ -395,27 +431,35 @@ class _OverlapEP(torch.autograd.Function):
         num_tokens, top_k = ids.shape
         device = hidden.device
         row_order, slot_row, offsets = _plan(ids, num_experts, spec)
-        counts, tokens = _table(offsets, num_tokens, group)
-        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts))
-        chunks = _Chunks(layout, w_up, w_down, b_up, b_down, spec, hidden, skip_gemms=knobs.timing == "comm")
         size = hidden.shape[1]
+        slots = num_tokens * top_k
+        # the rows go into this rank's ``send`` before the host waits for the count table, when the cached
+        # window takes them (no peer reads it since the last phase's closing barrier)
+        early = _WINDOWS.get(_window_key(group, hidden.dtype, size, device))
+        if early is not None and early.capacity >= slots and slots:
+            gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
+        counts, tokens = _table(offsets, num_tokens, group)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size)
+        offsets_dev, table = layout.to_device(device)
+        chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
+                         skip_gemms=knobs.timing == "comm")
         down_dtype = w_down.dtype
-        ctx.layout, ctx.chunks, ctx.spec, ctx.group, ctx.knobs = layout, chunks, spec, group, knobs
+        ctx.layout, ctx.chunks, ctx.table, ctx.spec, ctx.group, ctx.knobs = layout, chunks, table, spec, group, knobs
         ctx.shape = (num_tokens, top_k)
         if layout.capacity == 0:  # no rank has a token
             ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, None, None, None)
             return hidden.new_zeros(num_tokens, size, dtype=spec.out_dtype)
         win_x = _window(group, layout.capacity, size, hidden.dtype, device)
         win_y = _window(group, layout.capacity, size, down_dtype, device)
-        slots = num_tokens * top_k
-        gather_rows(hidden, row_order, top_k, out=win_x.send(rank)[:slots])
+        if win_x is not early:  # not gathered above (no window, or one too small, which _window replaced)
+            gather_rows(hidden, row_order, top_k, out=win_x.send(rank)[:slots])
         win_x.barrier()
-        x = torch.empty(layout.rows, size, dtype=hidden.dtype, device=device)
+        x = _receive_buffer("x", layout.rows, size, hidden.dtype, device, knobs)
         up = torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
         scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=down_dtype, device=device),
                    "down": torch.empty(layout.rows, size, dtype=down_dtype, device=device)}
-        _exchange(layout, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]), knobs,
-                  device)
+        _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]),
+                  knobs, device)
         scratch.clear()  # after _exchange joined the streams that read them
         rows = win_y.back(rank)[:slots]
         out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype)
@@ -442,18 +486,18 @@ class _OverlapEP(torch.autograd.Function):
             return (torch.zeros_like(hidden), torch.zeros_like(weights), *grads, None, None, None, None)
         rank = layout.rank
         size = hidden.shape[1]
+        slots = num_tokens * top_k
         grad_out = grad_out.contiguous()
         d_weights = routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype)
         win_dy = _window(group, layout.capacity, size, grad_out.dtype, device)
         win_dx = _window(group, layout.capacity, size, w_up.dtype, device)
-        slots = num_tokens * top_k
         gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(), out=win_dy.send(rank)[:slots])
         win_dy.barrier()
-        scratch = {"dy": torch.empty(layout.rows, size, dtype=grad_out.dtype, device=device),
+        scratch = {"dy": _receive_buffer("dy", layout.rows, size, grad_out.dtype, device, knobs),
                    "act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
                    "d_up": torch.empty_like(up),
                    "d_x": torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)}
-        _exchange(layout, win_dy, win_dx, scratch["dy"], lambda c: chunks.backward(c, x, up, grads=grads, **scratch),
+        _exchange(layout, ctx.table, win_dy, win_dx, scratch["dy"], lambda c: chunks.backward(c, x, up, grads=grads, **scratch),
                   knobs, device)
         scratch.clear()
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)

@@ -25,9 +25,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_ep import SHAPES  # noqa: E402
 
-VARIANTS = {"overlap_sm": {"copy_engine": False}, "overlap_ce": {"copy_engine": True},
-            "compute_only": {"timing": "compute"}, "comm_only_sm": {"timing": "comm", "copy_engine": False},
-            "single_gpu": None}
+VARIANTS = {"overlap_ce": {"copy_engine": True}, "compute_only": {"timing": "compute"},
+            "comm_only_ce": {"timing": "comm", "copy_engine": True}, "single_gpu": None}
+for _p in (8, 16, 32, 64, 132):  # the transfer kernel with _p programs
+    VARIANTS[f"overlap_k{_p}"] = {"copy_engine": False, "copy_programs": _p}
+    VARIANTS[f"comm_only_k{_p}"] = {"timing": "comm", "copy_engine": False, "copy_programs": _p}
 
 
 def _worker(rank, world, port, args):
@@ -62,12 +64,16 @@ def _worker(rank, world, port, args):
         knobs = VARIANTS[name]
         if knobs is None:
             def step():
+                for t in (x, weights, full_up, full_down):
+                    t.grad = None
                 out = ops.moe_experts_out(x, ids, weights, full_up, full_down, None, None, spec)
                 out.backward(grad)
         else:
             config = OverlapConfig(chunks=args.chunks, **knobs)
 
             def step():
+                for t in (x, weights, w_up, w_down):
+                    t.grad = None
                 out = ep_experts_overlapped(x, ids, weights, w_up, w_down, None, None, spec, knobs=config)
                 out.backward(grad)
         for _ in range(3):
@@ -86,12 +92,16 @@ def _worker(rank, world, port, args):
             times.append(e0.elapsed_time(e1))
         times.sort(); host.sort()
         dist.barrier()
+        results[name] = {"ms": times[len(times) // 2], "host_ms": host[len(host) // 2]}
+        if args.no_profile:
+            if rank == 0:
+                print(f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)", flush=True)
+            continue
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        results[name] = {"ms": times[len(times) // 2], "host_ms": host[len(host) // 2]}
         if rank == 0:
             prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{name}.json"))
             print(f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)", flush=True)
@@ -111,7 +121,8 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--variants", default="single_gpu,compute_only,overlap_sm,comm_only_sm")
+    p.add_argument("--variants", default="single_gpu,compute_only,overlap_k32,comm_only_k32")
+    p.add_argument("--no-profile", action="store_true", help="time only")
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
