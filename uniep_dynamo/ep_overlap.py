@@ -55,6 +55,8 @@ class OverlapConfig:
     # has at most COPY_ENGINE_SEGMENTS segments, else the kernel (BENCHMARKS.md has the measurements).
     copy_engine: bool | None = None
     copy_programs: int = 32  # programs (SMs) of the transfer kernel
+    copy_block: int = 8192  # elements a transfer program moves at a time (a power of two)
+    copy_warps: int = 8  # warps of a transfer program
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -62,8 +64,10 @@ class OverlapConfig:
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
             raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
-        if self.chunks < 1 or self.copy_programs < 1:
-            raise ValueError(f"uniep: OverlapConfig needs chunks >= 1 and copy_programs >= 1, got {self}")
+        if self.chunks < 1 or self.copy_programs < 1 or self.copy_warps < 1 or self.copy_block < 16 \
+                or self.copy_block & (self.copy_block - 1):
+            raise ValueError(f"uniep: OverlapConfig needs chunks, copy_programs and copy_warps >= 1 and copy_block a "
+                             f"power of two >= 16, got {self}")
 
     def chunk_experts(self, local_experts: int) -> int:
         return max(1, math.ceil(local_experts / max(1, self.chunks)))
@@ -76,7 +80,7 @@ class _Layout:
     of a row (every transfer of the layer moves [*, hidden] rows)."""
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
-                 width: int):
+                 width: int, block: int):
         from .kernels.triton_transfer import segment_table
 
         self.rank, self.world = rank, world
@@ -112,7 +116,7 @@ class _Layout:
             segments = [(s, self.send_start[s][first + e], self.recv_start[e][s], counts[s][first + e])
                         for s in order for e in range(e0, e1) if counts[s][first + e]]
             self.segments.append(segments)
-            rows, blocks = segment_table(segments, width)
+            rows, blocks = segment_table(segments, width, block)
             self.table_chunks.append((len(self.table), len(rows), blocks))
             self.table.extend(rows)
 
@@ -280,7 +284,8 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
                     local[row:row + n].copy_(peers[s][peer_row:peer_row + n])
         else:
             first, rows, blocks = layout.table_chunks[c]
-            copy_segments(table[first:first + rows], blocks, local, peers, push, knobs.copy_programs)
+            copy_segments(table[first:first + rows], blocks, local, peers, push, knobs.copy_programs, knobs.copy_block,
+                          knobs.copy_warps)
 
     def pull(c):
         with streams.on(streams.pull):
@@ -439,7 +444,8 @@ class _OverlapEP(torch.autograd.Function):
         if early is not None and early.capacity >= slots and slots:
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
-        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size,
+                         knobs.copy_block)
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")

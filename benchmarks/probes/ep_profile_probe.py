@@ -25,11 +25,19 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_ep import SHAPES  # noqa: E402
 
-VARIANTS = {"overlap_ce": {"copy_engine": True}, "compute_only": {"timing": "compute"},
-            "comm_only_ce": {"timing": "comm", "copy_engine": True}, "single_gpu": None}
-for _p in (8, 16, 32, 64, 132):  # the transfer kernel with _p programs
-    VARIANTS[f"overlap_k{_p}"] = {"copy_engine": False, "copy_programs": _p}
-    VARIANTS[f"comm_only_k{_p}"] = {"timing": "comm", "copy_engine": False, "copy_programs": _p}
+KINDS = {"overlap": {}, "compute_only": {"timing": "compute"}, "comm_only": {"timing": "comm"}, "single_gpu": None}
+
+
+def _variant(name):
+    """'kind' or 'kind:knob=value:knob=value' (OverlapConfig knobs, integers; copy_engine 0/1) -> knobs or None."""
+    kind, *pairs = name.split(":")
+    if KINDS[kind] is None:
+        return None
+    knobs = dict(KINDS[kind])
+    for pair in pairs:
+        key, value = pair.split("=")
+        knobs[key] = bool(int(value)) if key in ("copy_engine", "overlap") else int(value)
+    return knobs
 
 
 def _worker(rank, world, port, args):
@@ -61,7 +69,7 @@ def _worker(rank, world, port, args):
     full_up.requires_grad_(); full_down.requires_grad_()
     results = {}
     for name in args.variants.split(","):
-        knobs = VARIANTS[name]
+        knobs = _variant(name)
         if knobs is None:
             def step():
                 for t in (x, weights, full_up, full_down):
@@ -103,7 +111,7 @@ def _worker(rank, world, port, args):
                 step()
             torch.cuda.synchronize()
         if rank == 0:
-            prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{name}.json"))
+            prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{name.replace(':', '_')}.json"))
             print(f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)", flush=True)
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60),
                   flush=True)
@@ -121,7 +129,8 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--variants", default="single_gpu,compute_only,overlap_k32,comm_only_k32")
+    p.add_argument("--variants", default="single_gpu,compute_only,overlap:copy_engine=0,comm_only:copy_engine=0",
+                   help="comma-separated: kind[:knob=value...], kind one of " + ", ".join(KINDS))
     p.add_argument("--no-profile", action="store_true", help="time only")
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()

@@ -24,8 +24,6 @@ import triton.language as tl
 
 TABLE_COLUMNS = 5
 MAX_PEERS = 8
-COPY_BLOCK = 8192  # elements per block
-COPY_WARPS = 8
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -68,7 +66,7 @@ def _copy_segments(table_ptr, num_blocks, local_ptr, p0, p1, p2, p3, p4, p5, p6,
             tl.store(local_ptr + local_at + offs, tl.load(base + peer_at + offs, mask=mask), mask=mask)
 
 
-def segment_table(segments, width: int, block: int = COPY_BLOCK):
+def segment_table(segments, width: int, block: int):
     """Host rows of the table for segments [(source, peer row, local row, rows)] of [*, width] buffers, and the
     chunk's block count."""
     table, end = [], 0
@@ -80,9 +78,10 @@ def segment_table(segments, width: int, block: int = COPY_BLOCK):
 
 
 def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, peers, push: bool, programs: int,
-                  block: int = COPY_BLOCK) -> None:
+                  block: int, warps: int) -> None:
     """Pull (peer -> local) or push (local -> peer) every segment of ``table`` ([n, 5] int64 on the device,
-    from segment_table) with ``programs`` programs. local and peers[s]: contiguous buffers of one dtype."""
+    from segment_table with the same block) with ``programs`` programs of ``warps`` warps. local and peers[s]:
+    contiguous buffers of one dtype."""
     if num_blocks == 0:
         return
     if len(peers) > MAX_PEERS:
@@ -94,4 +93,4 @@ def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, pee
     ptrs = [p.view(bits) for p in peers]
     ptrs += [ptrs[0]] * (MAX_PEERS - len(ptrs))
     _copy_segments[(max(1, min(programs, num_blocks)),)](table, num_blocks, local.view(bits), *ptrs, PUSH=push,
-                                                        VEC=vec, BLOCK=block, num_warps=COPY_WARPS)
+                                                        VEC=vec, BLOCK=block, num_warps=warps)
