@@ -57,7 +57,7 @@ def _copy_segments(table_ptr, num_blocks, local_ptr, p0, p1, p2, p3, p4, p5, p6,
         base = _peer(tl.load(row), p0, p1, p2, p3, p4, p5, p6, p7)
         peer_at = tl.multiple_of(tl.load(row + 1), VEC)
         local_at = tl.multiple_of(tl.load(row + 2), VEC)
-        numel = tl.load(row + 3)
+        numel = tl.multiple_of(tl.load(row + 3), VEC)
         offs = (block - start) * BLOCK + lanes
         mask = offs < numel
         if PUSH:
