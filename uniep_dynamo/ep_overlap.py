@@ -273,6 +273,9 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     backs = [win_in.back(s) for s in range(layout.world)]
     pulled = []
 
+    # a transfer no GEMM runs beside (the first pull, the last push, all of them without overlap) takes every SM
+    solo_programs = max(knobs.copy_programs, _sm_count(device))
+
     def move(c, local, peers, push):
         if not transfer:
             return
@@ -284,8 +287,9 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
                     local[row:row + n].copy_(peers[s][peer_row:peer_row + n])
         else:
             first, rows, blocks = layout.table_chunks[c]
-            copy_segments(table[first:first + rows], blocks, local, peers, push, knobs.copy_programs, knobs.copy_block,
-                          knobs.copy_warps)
+            solo = not knobs.overlap or c == (num_chunks - 1 if push else 0)
+            copy_segments(table[first:first + rows], blocks, local, peers, push,
+                          solo_programs if solo else knobs.copy_programs, knobs.copy_block, knobs.copy_warps)
 
     def pull(c):
         with streams.on(streams.pull):
@@ -316,6 +320,10 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
             pull(c + ahead)
     streams.join()
     win_out.barrier()
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs

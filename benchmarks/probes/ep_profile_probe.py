@@ -77,7 +77,7 @@ def _worker(rank, world, port, args):
                 out = ops.moe_experts_out(x, ids, weights, full_up, full_down, None, None, spec)
                 out.backward(grad)
         else:
-            config = OverlapConfig(chunks=args.chunks, **knobs)
+            config = OverlapConfig(**{"chunks": args.chunks, **knobs})
 
             def step():
                 for t in (x, weights, w_up, w_down):

@@ -72,7 +72,7 @@ def segment_table(segments, width: int, block: int):
     table, end = [], 0
     for source, peer_row, local_row, rows in segments:
         numel = rows * width
-        end += triton.cdiv(numel, block)
+        end += -(-numel // block)
         table.append((source, peer_row * width, local_row * width, numel, end))
     return table, end
 
