@@ -34,7 +34,6 @@ from torch._dynamo.utils import counters
 
 from . import config as config_mod
 from . import gate_program
-from .launch import launch
 
 log = logging.getLogger("uniep")
 _LOGGED: set = set()  # (op, reason) pairs already logged
@@ -205,8 +204,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     grid = _grid(upper, cfg)
     d = d if d is not None else c
     h = h if h is not None else c
-    launch(
-        kernel, (grid,),
+    kernel[(grid,)](
         a, a.stride(0), a.stride(1), row_order, layer.top_k,
         b, b.stride(0), b.stride(1), b.stride(2),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0,
@@ -229,11 +227,10 @@ def _act_backward(layer: _Layer, *, d_act, up, d_up, offsets, two_halves, col_mu
 
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (triton.cdiv(max(layer.num_slots, 1), block_r), triton.cdiv(layer.inter, block_c))
-    launch(kernel, grid,
-           d_act, d_act.stride(0), up, up.stride(0), d_up, d_up.stride(0), offsets, layer.num_experts,
-           layer.inter, up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act,
-           act_alpha=layer.act_params[0], act_limit=layer.act_params[1], act_up_add=layer.act_params[2],
-           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    kernel[grid](d_act, d_act.stride(0), up, up.stride(0), d_up, d_up.stride(0), offsets, layer.num_experts,
+                 layer.inter, up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act,
+                 act_alpha=layer.act_params[0], act_limit=layer.act_params[1], act_up_add=layer.act_params[2],
+                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
 def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
@@ -247,8 +244,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     m, n = grad.shape[m_dim], grad.shape[n_dim]
     upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
-    launch(
-        kernel, (grid,),
+    kernel[(grid,)](
         p, p.stride(0), p.stride(1), q, q.stride(0), q.stride(1), row_order, w if w is not None else q, layer.top_k,
         offsets, layer.num_experts, m, n,
         grad, grad.stride(0), grad.stride(m_dim), grad.stride(n_dim),

@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
-
 TABLE_COLUMNS = 5
 MAX_PEERS = 8
 
@@ -94,6 +92,5 @@ def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, pee
     vec = max(1, 16 // local.element_size()) if (width * local.element_size()) % 16 == 0 else 1
     ptrs = [p.view(bits) for p in peers]
     ptrs += [ptrs[0]] * (MAX_PEERS - len(ptrs))
-    launch(_copy_segments, (max(1, min(programs, num_blocks)),),
-           table, num_blocks, local.view(bits), *ptrs, PUSH=push,
-           VEC=vec, BLOCK=block, num_warps=warps)
+    _copy_segments[(max(1, min(programs, num_blocks)),)](table, num_blocks, local.view(bits), *ptrs, PUSH=push,
+                                                        VEC=vec, BLOCK=block, num_warps=warps)
