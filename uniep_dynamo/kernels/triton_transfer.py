@@ -42,23 +42,14 @@ def _peer(source, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def _copy_segments(table_ptr, num_segments, num_blocks, local_ptr, p0, p1, p2, p3, p4, p5, p6, p7,
-                   PUSH: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    first = tl.program_id(0)
-    # the segment of this program's first block: a binary search over the running block counts
-    lo = first * 0
-    hi = num_segments - 1 + lo
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        right = tl.load(table_ptr + mid * 5 + 4) <= first
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    seg = lo
-    end = tl.load(table_ptr + seg * 5 + 4)
-    start = tl.where(seg > 0, tl.load(table_ptr + (seg - 1) * 5 + 4, mask=seg > 0, other=0), end * 0)
+def _copy_segments(table_ptr, num_blocks, local_ptr, p0, p1, p2, p3, p4, p5, p6, p7, PUSH: tl.constexpr,
+                   VEC: tl.constexpr, BLOCK: tl.constexpr):
+    seg = 0
+    start = tl.load(table_ptr + 4) * 0
+    end = tl.load(table_ptr + 4)
     lanes = tl.arange(0, BLOCK)
-    for block in range(first, num_blocks, tl.num_programs(0)):
-        while block >= end:  # later blocks of this program: walk on
+    for block in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+        while block >= end:
             seg += 1
             start = end
             end = tl.load(table_ptr + seg * 5 + 4)
@@ -101,6 +92,5 @@ def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, pee
     vec = max(1, 16 // local.element_size()) if (width * local.element_size()) % 16 == 0 else 1
     ptrs = [p.view(bits) for p in peers]
     ptrs += [ptrs[0]] * (MAX_PEERS - len(ptrs))
-    _copy_segments[(max(1, min(programs, num_blocks)),)](
-        table, table.shape[0], num_blocks, local.view(bits), *ptrs, PUSH=push, VEC=vec, BLOCK=block,
-        SEARCH_STEPS=max(1, table.shape[0].bit_length()), num_warps=warps)
+    _copy_segments[(max(1, min(programs, num_blocks)),)](table, num_blocks, local.view(bits), *ptrs, PUSH=push,
+                                                        VEC=vec, BLOCK=block, num_warps=warps)
