@@ -11,11 +11,12 @@ it. Providers, on the same module and inputs:
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
              (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory, copy-engine copies on
              their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)
-  uniep_overlap_sm  the same with each chunk's transfers as one Triton copy kernel over a segment table
-             (kernels/triton_transfer.py, --copy-programs programs) instead of one copy-engine copy per
-             (expert, source) segment
+  uniep_overlap_sm  the same with each chunk's transfers as one SM copy kernel (torch._foreach_copy_)
+             instead of one copy-engine copy per (expert, source) segment
+  uniep_overlap_kernel  the same with uniep's Triton transfer kernel over a segment table on the device
+             (kernels/triton_transfer.py; --copy-programs programs beside the GEMMs)
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
-  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only  the overlapped layer with its transfers (the
+  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only, overlap_kernel_comm_only  the overlapped layer with its transfers (the
              receive buffers filled with random values instead), or its GEMMs, skipped:
              timing only (their results are wrong), for the share of communication hidden
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
@@ -49,12 +50,15 @@ from bench_moe_layer import time_cuda  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
-PROVIDERS = ("eager", "inductor", "uniep", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_off",
-             "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only")
+PROVIDERS = ("eager", "inductor", "uniep", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_kernel",
+             "uniep_overlap_off", "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only",
+             "overlap_kernel_comm_only")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
-           "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False}}
+           "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False},
+           "uniep_overlap_kernel": {"copy_engine": False, "copy_kernel": True},
+           "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True}}
 
 
 def _overlapped_run(layer, chunks: int, copy_programs: int, **knobs):
@@ -266,7 +270,8 @@ def main():
         print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio}")
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
-        for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only")):
+        for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
+                            ("uniep_overlap_kernel", "overlap_kernel_comm_only")):
             if all(p in ms for p in (layer, "overlap_compute_only", comm)):
                 hidden = 1 - (ms[layer] - ms["overlap_compute_only"]) / ms[comm]
                 print(f"{shape}: {layer} {ms[layer]:.3f} ms, compute only {ms['overlap_compute_only']:.3f} ms, "

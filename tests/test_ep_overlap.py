@@ -18,9 +18,10 @@ pytestmark = [
                        "tests/test_gpu_ep.py runs the CUDA path"),
 ]
 
-# OverlapConfig's (chunks, overlap, copy_engine, copy_programs): one transfer program walks every segment of a
-# chunk; three share a whole-layer chunk
-KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False, 1), (1, True, False, 3)]
+# OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs): copy engines, torch._foreach_copy_,
+# and the transfer kernel with one program walking every segment of a chunk, and with three over one chunk
+KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False),
+         (2, True, False, True, 1), (1, True, False, True, 3)]
 
 
 def _case(routing, tokens, experts, top_k, gate, bias, split):

@@ -79,9 +79,10 @@ def _worker(rank, world, port, case, out_dir):
         dist.destroy_process_group()
 
 
-# OverlapConfig's (chunks, overlap, copy_engine, copy_programs) for the overlapped layer; the first twice (run to run)
-OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (8, True, False, 7),
-                 (4, False, False, 132)]
+# OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs) for the overlapped layer; the first
+# twice (run to run)
+OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (4, True, False),
+                 (8, True, False, True, 7), (4, False, False, True, 132)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

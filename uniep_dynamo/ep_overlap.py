@@ -50,11 +50,14 @@ class OverlapConfig:
     chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
     # Transfers as one copy-engine copy per (expert, source) segment (no SMs taken from the GEMMs, one host
-    # call each), or as one Triton kernel per chunk over a segment table on the device
-    # (kernels/triton_transfer.py; one host call, copy_programs SMs). None: the copy engines while a chunk
-    # has at most COPY_ENGINE_SEGMENTS segments, else the kernel (BENCHMARKS.md has the measurements).
+    # call each), or on the SMs. None: the copy engines while a chunk has at most COPY_ENGINE_SEGMENTS
+    # segments, else the SMs (BENCHMARKS.md has the measurements).
     copy_engine: bool | None = None
-    copy_programs: int = 32  # programs (SMs) of the transfer kernel
+    # On the SMs: one torch._foreach_copy_ per chunk (False; the segments sliced on the host), or uniep's
+    # Triton transfer kernel over a segment table on the device (True; kernels/triton_transfer.py: one host
+    # call, copy_programs programs). On H200s the kernel tied at 2 ranks and lost at 4 (BENCHMARKS.md).
+    copy_kernel: bool = False
+    copy_programs: int = 32  # programs of the transfer kernel beside the GEMMs (alone, it takes every SM)
     copy_block: int = 8192  # elements a transfer program moves at a time (a power of two)
     copy_warps: int = 8  # warps of a transfer program
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
@@ -267,7 +270,8 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     copy_engine = knobs.copy_engine
     if copy_engine is None:
         copy_engine = max(map(len, layout.segments), default=0) <= COPY_ENGINE_SEGMENTS
-    copy_engine = copy_engine or layout.world > MAX_PEERS  # the kernel addresses at most MAX_PEERS buffers
+    # the transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_
+    kernel = not copy_engine and knobs.copy_kernel and layout.world <= MAX_PEERS
     num_chunks = len(layout.chunks)
     sends = [win_out.send(s) for s in range(layout.world)]
     backs = [win_in.back(s) for s in range(layout.world)]
@@ -279,12 +283,16 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     def move(c, local, peers, push):
         if not transfer:
             return
-        if copy_engine:
-            for s, peer_row, row, n in layout.segments[c]:
-                if push:
-                    peers[s][peer_row:peer_row + n].copy_(local[row:row + n])
-                else:
-                    local[row:row + n].copy_(peers[s][peer_row:peer_row + n])
+        if not kernel:
+            pairs = [(peers[s][peer_row:peer_row + n], local[row:row + n]) if push else
+                     (local[row:row + n], peers[s][peer_row:peer_row + n])
+                     for s, peer_row, row, n in layout.segments[c]]
+            if copy_engine:
+                for dst, src in pairs:
+                    dst.copy_(src)
+            elif pairs:
+                dsts, srcs = zip(*pairs)
+                torch._foreach_copy_(list(dsts), list(srcs))
         else:
             first, rows, blocks = layout.table_chunks[c]
             solo = not knobs.overlap or c == (num_chunks - 1 if push else 0)

@@ -29,14 +29,14 @@ KINDS = {"overlap": {}, "compute_only": {"timing": "compute"}, "comm_only": {"ti
 
 
 def _variant(name):
-    """'kind' or 'kind:knob=value:knob=value' (OverlapConfig knobs, integers; copy_engine 0/1) -> knobs or None."""
+    """'kind' or 'kind:knob=value:knob=value' (OverlapConfig knobs, integers; booleans 0/1) -> knobs or None."""
     kind, *pairs = name.split(":")
     if KINDS[kind] is None:
         return None
     knobs = dict(KINDS[kind])
     for pair in pairs:
         key, value = pair.split("=")
-        knobs[key] = bool(int(value)) if key in ("copy_engine", "overlap") else int(value)
+        knobs[key] = bool(int(value)) if key in ("copy_engine", "copy_kernel", "overlap") else int(value)
     return knobs
 
 
@@ -129,7 +129,8 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--variants", default="single_gpu,compute_only,overlap:copy_engine=0,comm_only:copy_engine=0",
+    p.add_argument("--variants", default="single_gpu,compute_only,overlap:copy_engine=0:copy_kernel=1,"
+                   "comm_only:copy_engine=0:copy_kernel=1",
                    help="comma-separated: kind[:knob=value...], kind one of " + ", ".join(KINDS))
     p.add_argument("--no-profile", action="store_true", help="time only")
     p.add_argument("--out-dir", default=".")
