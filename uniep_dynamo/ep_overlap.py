@@ -548,4 +548,17 @@ def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_
             megakernel.log.warning("uniep: the overlapped EP layer runs the sequential one instead: %s", reason)
         return ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group)
     return _OverlapEP.apply(hidden, topk_weights, w_up, w_down, b_up, b_down, topk_ids, s, group,
-                            knobs if knobs is not None else OverlapConfig())
+                            knobs if knobs is not None else _default_knobs(hidden, topk_ids, w_up, w_down, s, group))
+
+
+def _default_knobs(hidden, topk_ids, w_up, w_down, spec, group) -> OverlapConfig:
+    """The tuned knobs of this shape and EP size from the tuning cache (uniep/tuner.py, tune_ep), else the
+    defaults. Ranks may pick differently (uneven token counts fall in other row buckets): the knobs only
+    schedule each rank's own transfers and GEMMs, between the same collectives and barriers."""
+    if hidden.device.type != "cuda":
+        return OverlapConfig()
+    from . import tuner
+    from .kernels import config as config_mod
+
+    key = tuner.ep_shape_key(hidden, topk_ids, w_up, w_down, spec, dist.get_world_size(group))
+    return tuner.cached_ep_config(config_mod._gpu_name(hidden.device), key) or OverlapConfig()

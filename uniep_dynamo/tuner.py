@@ -6,9 +6,11 @@ searched: every candidate keeps the heuristic's values, so a tuned config comput
 heuristic one (config.py's numerics contract), and the tuner checks it on every candidate anyway.
 ``gemm_candidates`` enumerates a GEMM's points and prunes those that cannot run or cannot win:
 shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
-a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. The expert-parallel knobs
-(SMs for communication, chunk and signal granularity, overlap) join the space with the fused EP kernel,
-which does not exist yet.
+a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. ``EP_SPACE`` holds the
+overlapped EP layer's knobs (ep_overlap.OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
+and the transfer kernel's programs, its SMs for communication); ``ep_candidates`` prunes repeats (more
+chunks than local experts, programs of a path without the kernel, the kernel past its rank limit). None of
+them changes numerics.
 
 Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA,
 CUDA events, the same seeded inputs for every candidate; a SwiGLU layer with [E, out, in] weights stands
@@ -17,6 +19,11 @@ the layer knobs, at most ``budget`` candidates per knob group; the winner and th
 timed again, in alternation, for the reported times. A candidate that fails to compile or
 launch, or whose output or any gradient differs by one bit from the heuristic's, is rejected. The
 result says how many were measured and rejected, and how long it took.
+
+EP tuner. ``tune_ep`` runs in every rank of the EP group: each candidate's forward + backward, with the
+same inputs; a candidate whose output or any gradient differs by one bit from the default config's on
+any rank is rejected; its time is the slowest rank's (all-reduced), so every rank picks the same winner.
+The GEMM tiles stay the single-GPU op's (tune those with ``tune_shape``).
 
 Cache. One JSON file per (uniep, torch, triton, GPU model) under ``$XDG_CACHE_HOME/uniep`` (default
 ``~/.cache/uniep``; ``UNIEP_CACHE_DIR`` overrides), entries keyed by dtype, E, H, I and the routed-row
@@ -340,3 +347,158 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
     result.tuned_ms, result.config = best_ms, best
     result.seconds = time.perf_counter() - started
     return result
+
+
+# ---- the EP space and tuner ---------------------------------------------------------------------
+
+EP_SPACE = {
+    "chunks": (1, 2, 4, 8),
+    "overlap": (True, False),
+    "transfer": ("copy_engine", "foreach", "kernel"),  # OverlapConfig.copy_engine / copy_kernel
+    "copy_programs": (16, 32, 64, 132),  # the transfer kernel's programs beside the GEMMs
+}
+
+
+def ep_candidates(local_experts: int, world: int):
+    """Every distinct OverlapConfig of EP_SPACE for ``local_experts`` experts a rank, the default first."""
+    from .ep_overlap import OverlapConfig
+    from .kernels.triton_transfer import MAX_PEERS
+
+    default = OverlapConfig()
+    out, seen = [default], {_ep_schedule(default, local_experts)}
+    for values in itertools.product(*EP_SPACE.values()):
+        knobs = dict(zip(EP_SPACE, values))
+        transfer = knobs.pop("transfer")
+        if transfer != "kernel":
+            if knobs["copy_programs"] != default.copy_programs:
+                continue  # only the kernel has programs
+        elif world > MAX_PEERS:
+            continue
+        cfg = OverlapConfig(copy_engine=transfer == "copy_engine", copy_kernel=transfer == "kernel", **knobs)
+        schedule = _ep_schedule(cfg, local_experts)
+        if schedule not in seen:  # e.g. more chunks than experts: the same schedule as fewer
+            seen.add(schedule)
+            out.append(cfg)
+    return out
+
+
+def _ep_schedule(cfg, local_experts: int) -> tuple:
+    """What a config does for this many local experts (configs with one schedule are one candidate)."""
+    chunk = cfg.chunk_experts(local_experts)
+    kernel = cfg.copy_kernel and cfg.copy_engine is False
+    return (chunk, cfg.overlap, cfg.copy_engine, kernel, cfg.copy_programs if kernel else None)
+
+
+@dataclass
+class EPTuneResult:
+    key: str
+    default_ms: float
+    tuned_ms: float
+    config: object  # ep_overlap.OverlapConfig
+    measured: int = 0
+    rejected: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def tune_ep(hidden, topk_ids, topk_weights, w_up, w_down, spec: str, group=None, budget: int = 12,
+            iters: int = 10, warmup: int = 3, progress=None, timer=None) -> EPTuneResult:
+    """Search EP_SPACE for this rank's layer (call it in every rank of ``group`` with its own shard; see the
+    module docstring). ``budget``: at most that many candidates besides the default. ``timer(run) -> ms``:
+    CUDA events on CUDA by default; tests pass a host clock."""
+    import torch.distributed as dist
+
+    from .ep_overlap import OverlapConfig, ep_experts_overlapped
+
+    started = time.perf_counter()
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, topk_weights, w_up, w_down)]
+    grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0)).to(hidden.device, hidden.dtype)
+    timer = timer if timer is not None else (lambda run: time_cuda(run, iters, warmup))
+
+    def run(cfg):
+        for t in leaves:
+            t.grad = None
+        out = ep_experts_overlapped(leaves[0], topk_ids, leaves[1], leaves[2], leaves[3], None, None, spec, group,
+                                    knobs=cfg)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def slowest(ms: float) -> float:
+        t = torch.tensor([ms], dtype=torch.float64, device=hidden.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
+    def everywhere(ok: bool) -> bool:
+        t = torch.tensor([1 if ok else 0], device=hidden.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return bool(t.item())
+
+    default = OverlapConfig()
+    reference = [t.clone() for t in run(default)]
+    best, best_ms = default, slowest(timer(lambda: run(default)))
+    result = EPTuneResult(ep_shape_key(hidden, topk_ids, w_up, w_down, spec, world), best_ms, best_ms, default)
+    cands = _spread(ep_candidates(w_up.shape[0], world)[1:], budget)
+    for i, cfg in enumerate(cands):
+        try:
+            got, failed = run(cfg), None
+        except Exception as exc:  # noqa: BLE001 -- a config the compiler or the device refuses
+            got, failed = None, f"failed: {type(exc).__name__}"
+        if not everywhere(failed is None):
+            reason = failed or "failed on another rank"
+            result.rejected[reason] = result.rejected.get(reason, 0) + 1
+            continue
+        if not everywhere(all(torch.equal(a, b) for a, b in zip(got, reference) if a is not None)):
+            result.rejected["changed the numerics"] = result.rejected.get("changed the numerics", 0) + 1
+            continue
+        ms = slowest(timer(lambda: run(cfg)))
+        result.measured += 1
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+        if progress is not None:
+            progress(i + 1, len(cands), best_ms)
+    if best != default:  # time the winner and the default again, in alternation (see tune_shape)
+        again = {"default": [], "tuned": []}
+        for _ in range(3):
+            again["default"].append(slowest(timer(lambda: run(default))))
+            again["tuned"].append(slowest(timer(lambda: run(best))))
+        result.default_ms, best_ms = min(again["default"]), min(again["tuned"])
+        if best_ms >= result.default_ms:
+            best, best_ms = default, result.default_ms
+    result.tuned_ms, result.config = best_ms, best
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def ep_shape_key(hidden, topk_ids, w_up, w_down, spec, world: int) -> str:
+    """The cache key of one rank's EP layer: its routed rows times the EP size, all experts, H, I, EP size."""
+    from .kernels import reference
+    from .spec import decode_spec
+
+    spec = decode_spec(spec) if isinstance(spec, str) else spec
+    inter = reference.effective_weight(w_down, spec.down_layout).shape[1]
+    return shape_key(hidden.dtype, topk_ids.numel() * world, w_up.shape[0] * world, hidden.shape[1], inter,
+                     ep_size=world)
+
+
+def ep_config_to_dict(cfg) -> dict:
+    return {"ep_overlap": dataclasses.asdict(cfg)}
+
+
+def cached_ep_config(gpu_name: str, key: str):
+    """The tuned OverlapConfig for ``key`` (an ep_size > 1 shape_key), or None."""
+    from .ep_overlap import OverlapConfig
+
+    if os.environ.get("UNIEP_TUNE", "1") == "0":
+        return None
+    entry = load_entries(gpu_name).get(key)
+    if entry is None or "ep_overlap" not in entry:
+        return None
+    try:
+        cfg = OverlapConfig(**entry["ep_overlap"])
+        if cfg.timing:
+            raise ValueError("a timing-only config")
+        return cfg
+    except (TypeError, ValueError) as exc:
+        log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
+        return None

@@ -1,0 +1,82 @@
+"""The EP part of the search space and tuner (uniep_dynamo/tuner.py): candidate pruning, the tuner over 2 gloo
+ranks (Triton's interpreter, the host clock for timing; times on CPU mean nothing, the mechanics are the
+test), and the cache round trip of a tuned OverlapConfig."""
+import dataclasses
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_ep import gloo_group, run_workers
+from test_reference import make
+from uniep_dynamo import tuner
+from uniep_dynamo.ep_overlap import OverlapConfig
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for symmetric memory")
+
+
+def _schedules(cands, local_experts):
+    return [tuner._ep_schedule(c, local_experts) for c in cands]
+
+
+def test_ep_candidates_default_first_distinct_and_pruned():
+    cands = tuner.ep_candidates(local_experts=64, world=2)
+    assert cands[0] == OverlapConfig()
+    assert len(set(_schedules(cands, 64))) == len(cands)
+    kernels = [c for c in cands if c.copy_kernel]
+    assert {c.copy_programs for c in kernels} == set(tuner.EP_SPACE["copy_programs"])
+    assert all(c.copy_programs == OverlapConfig().copy_programs for c in cands if not c.copy_kernel)
+    # one local expert: every chunk count is one chunk, so chunks no longer multiply the candidates
+    one = tuner.ep_candidates(local_experts=1, world=2)
+    assert len({c.chunk_experts(1) for c in one}) == 1 and len(one) < len(cands)
+    # past the transfer kernel's rank limit it is not a candidate
+    assert not any(c.copy_kernel for c in tuner.ep_candidates(local_experts=4, world=16))
+
+
+def _tune_worker(rank, world, port, out_dir):
+    with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
+        import uniep_dynamo  # noqa: F401
+
+        hidden, ids, weights, w_up, w_down, _, _, spec = make(12, 16, 12, 4, 2)
+        mine, experts = slice(rank * 6, rank * 6 + 6), slice(rank * 2, rank * 2 + 2)
+        # a candidate that computes something else (timing="comm" skips the GEMMs) must be rejected, and the
+        # one that does not must be measured
+        tuner.ep_candidates = lambda local, w: [OverlapConfig(), OverlapConfig(timing="comm"),
+                                                OverlapConfig(chunks=1, copy_engine=False, copy_kernel=True)]
+
+        def host_clock(run):
+            start = time.perf_counter()
+            run()
+            return (time.perf_counter() - start) * 1e3
+        result = tuner.tune_ep(hidden[mine], ids[mine], weights[mine], w_up[experts], w_down[experts], spec.encode(),
+                               timer=host_clock)
+        torch.save({"config": dataclasses.asdict(result.config), "measured": result.measured, "rejected": result.rejected,
+                    "key": result.key, "times": (result.default_ms, result.tuned_ms)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_tune_ep_rejects_changed_numerics_and_ranks_agree(tmp_path):
+    ranks = run_workers(_tune_worker, 2, (), tmp_path)
+    for r in ranks:
+        assert r["measured"] == 1 and r["rejected"] == {"changed the numerics": 1}
+        assert r["key"].endswith("/ep2") and "/E4/" in r["key"]
+    assert ranks[0]["config"] == ranks[1]["config"]
+    assert OverlapConfig(**ranks[0]["config"]) in (OverlapConfig(),
+                                                   OverlapConfig(chunks=1, copy_engine=False, copy_kernel=True))
+    assert ranks[0]["times"] == ranks[1]["times"]  # the slowest rank's time, on every rank
+
+
+def test_ep_cache_round_trip_and_a_broken_entry(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("UNIEP_CACHE_DIR", str(tmp_path))
+    cfg = OverlapConfig(chunks=2, copy_engine=False, copy_kernel=True, copy_programs=64)
+    key = tuner.shape_key(torch.bfloat16, 131072, 128, 2048, 768, ep_size=4)
+    tuner.store_entries("Fake GPU", {key: tuner.ep_config_to_dict(cfg), "bad": {"ep_overlap": {"chunks": 0}}})
+    assert tuner.cached_ep_config("Fake GPU", key) == cfg
+    assert tuner.cached_ep_config("Fake GPU", "absent") is None
+    assert tuner.cached_ep_config("Fake GPU", "bad") is None
+    assert "ignoring the tuning cache entry bad" in caplog.text
+    monkeypatch.setenv("UNIEP_TUNE", "0")
+    assert tuner.cached_ep_config("Fake GPU", key) is None
