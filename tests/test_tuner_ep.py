@@ -80,3 +80,19 @@ def test_ep_cache_round_trip_and_a_broken_entry(tmp_path, monkeypatch, caplog):
     assert "ignoring the tuning cache entry bad" in caplog.text
     monkeypatch.setenv("UNIEP_TUNE", "0")
     assert tuner.cached_ep_config("Fake GPU", key) is None
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_uniep_tune_ep_command_smoke_run(tmp_path, capsys):
+    import json
+
+    from uniep_dynamo.cli import uniep_main
+
+    out = tmp_path / "ep.json"
+    kernels = os.environ.get("UNIEP_KERNELS")
+    assert uniep_main(["tune", "--ep", "2", "--device", "cpu", "--shape", "16,12,4,2", "--tokens", "6",
+                       "--budget", "2", "--iters", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["key"].endswith("/ep2") and row["measured"] + sum(row["rejected"].values()) == 2
+    assert "EP over 2 ranks" in capsys.readouterr().out
+    assert os.environ.get("UNIEP_KERNELS") == kernels  # the smoke run's environment stays in its workers

@@ -11,6 +11,7 @@ uniep tune: search the MegaKernel's parameter space on this GPU and cache the wi
 
     uniep tune --hf-config Qwen/Qwen3-30B-A3B --tokens 8192
     uniep tune --shape 4096,14336,8,2 --shape 2048,768,128,8 --budget 8
+    uniep tune --ep 4 --shape 2048,768,128,8 --tokens 8192     # the overlapped EP layer's knobs on 4 GPUs
 """
 from __future__ import annotations
 
@@ -124,6 +125,12 @@ def tune_main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-save", action="store_true", help="do not write the tuning cache")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--ep", type=int, default=1, metavar="N",
+                        help="tune the overlapped EP layer's knobs over N ranks (N GPUs of this host; T tokens "
+                             "per rank, the experts split evenly) instead of one GPU's MegaKernel")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a smoke run of --ep (gloo, Triton's interpreter, tiny shapes; its times mean "
+                             "nothing and nothing is saved)")
     ns = parser.parse_args(argv)
 
     import json
@@ -145,6 +152,8 @@ def tune_main(argv=None) -> int:
             parser.error(f"--shape takes H,I,E,K, got {text!r}")
     if not shapes:
         parser.error("give --hf-config or --shape")
+    if ns.ep > 1:
+        return _tune_ep_main(ns, shapes)
     if not torch.cuda.is_available():
         print("uniep tune: needs a CUDA GPU (the search times the Triton MegaKernel)", file=sys.stderr)
         return 2
@@ -176,6 +185,119 @@ def tune_main(argv=None) -> int:
                  "tune_seconds": r.seconds, "config": tuner.config_to_dict(r.config)} for label, tokens, r in rows]},
                 f, indent=1)
     return 0
+
+
+def _tune_ep_main(ns, shapes) -> int:
+    import json
+    import os
+    import socket
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if ns.device == "cuda" and torch.cuda.device_count() < ns.ep:
+        print(f"uniep tune: --ep {ns.ep} needs {ns.ep} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    for label, (hidden, inter, experts, top_k) in shapes:
+        if experts % ns.ep:
+            print(f"uniep tune: {label}: {experts} experts do not split evenly over {ns.ep} ranks", file=sys.stderr)
+            return 2
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # the CPU smoke run's workers run the MegaKernel in Triton's interpreter (they inherit the environment)
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "UNIEP_KERNELS")}
+    if ns.device == "cpu":
+        os.environ.update(TRITON_INTERPRET="1", UNIEP_KERNELS="triton")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            mp.spawn(_tune_ep_worker, args=(ns.ep, port, ns, shapes, out), nprocs=ns.ep)
+            with open(out) as f:
+                data = json.load(f)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    print(f"\n{data['gpu']}, {data['dtype']}, EP over {ns.ep} ranks, forward + backward of the overlapped experts layer "
+          f"(ms on the slowest rank, median of {ns.iters})")
+    print(f"{'shape':28s} {'T/rank':>7s} {'default':>9s} {'tuned':>9s} {'speedup':>8s} {'measured':>9s} "
+          f"{'rejected':>9s} {'tune s':>7s}  tuned knobs")
+    for r in data["rows"]:
+        knobs = {k: v for k, v in r["config"].items() if k != "timing"}
+        print(f"{r['shape'][:28]:28s} {r['tokens']:7d} {r['default_ms']:9.3f} {r['tuned_ms']:9.3f} "
+              f"{r['default_ms'] / r['tuned_ms']:7.2f}x {r['measured']:9d} {sum(r['rejected'].values()):9d} "
+              f"{r['tune_seconds']:7.1f}  {knobs}")
+    if data.get("cache"):
+        print(f"tuning cache: {data['cache']}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0
+
+
+def _tune_ep_worker(rank, world, port, ns, shapes, out):
+    import dataclasses
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from . import tuner
+    from .kernels import gate_program
+    from .spec import ExpertsSpec
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if ns.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        dtype = getattr(torch, ns.dtype)
+    else:  # the smoke run (see _tune_ep_main)
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), dtype).encode()
+        rows, path = [], None
+        for label, (hidden, inter, experts, top_k) in shapes:
+            local = experts // world
+            for tokens in (int(t) for t in ns.tokens.split(",")):
+                g = torch.Generator().manual_seed(1000 * rank + tokens)
+                x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+                scores = torch.rand(tokens, experts, generator=g)
+                weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
+                w_up = (torch.randn(local, hidden, 2 * inter, generator=g) * hidden ** -0.5).to(device, dtype)
+                w_down = (torch.randn(local, inter, hidden, generator=g) * inter ** -0.5).to(device, dtype)
+                progress = _progress(f"{label} T={tokens} ep{world}") if rank == 0 else None
+                timer = None if device.type == "cuda" else _host_timer
+                r = tuner.tune_ep(x, ids.to(device), weights.to(device, dtype), w_up, w_down, spec, budget=ns.budget,
+                                  iters=ns.iters, progress=progress, timer=timer)
+                rows.append({"shape": label, "tokens": tokens, "key": r.key, "default_ms": r.default_ms,
+                             "tuned_ms": r.tuned_ms, "measured": r.measured, "rejected": r.rejected,
+                             "tune_seconds": r.seconds, "config": dataclasses.asdict(r.config)})
+                if rank == 0 and not ns.no_save and device.type == "cuda":
+                    path = tuner.store_entries(gpu, {r.key: {**tuner.ep_config_to_dict(r.config),
+                                                             "default_ms": r.default_ms, "tuned_ms": r.tuned_ms,
+                                                             "tune_seconds": r.seconds}})
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"gpu": gpu, "dtype": str(dtype).replace("torch.", ""), "ep": world, "rows": rows,
+                           "cache": path}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _host_timer(run) -> float:
+    import time
+
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) * 1e3
 
 
 def uniep_main(argv=None) -> int:
