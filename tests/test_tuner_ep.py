@@ -96,3 +96,10 @@ def test_uniep_tune_ep_command_smoke_run(tmp_path, capsys):
     assert row["key"].endswith("/ep2") and row["measured"] + sum(row["rejected"].values()) == 2
     assert "EP over 2 ranks" in capsys.readouterr().out
     assert os.environ.get("UNIEP_KERNELS") == kernels  # the smoke run's environment stays in its workers
+
+
+def test_confirm_keeps_the_winner_only_if_it_still_wins():
+    times = {"base": iter([5.0, 4.0, 6.0]), "fast": iter([3.0, 3.5, 9.0]), "slow": iter([4.5, 4.2, 4.1])}
+    assert tuner._confirm("base", "fast", lambda cfg: next(times[cfg])) == (4.0, "fast", 3.0)
+    times["base"] = iter([5.0, 4.0, 6.0])
+    assert tuner._confirm("base", "slow", lambda cfg: next(times[cfg])) == (4.0, "base", 4.0)

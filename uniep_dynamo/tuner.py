@@ -245,6 +245,17 @@ def time_cuda(run, iters: int, warmup: int) -> float:
     return times[len(times) // 2]
 
 
+def _confirm(base, best, timed, rounds: int = 3):
+    """(base ms, winner, winner ms) from timing ``base`` and ``best`` again in alternation, the least of
+    ``rounds`` each; the winner is ``base`` unless ``best`` still beats it."""
+    again = {"base": [], "best": []}
+    for _ in range(rounds):
+        again["base"].append(timed(base))
+        again["best"].append(timed(best))
+    base_ms, best_ms = min(again["base"]), min(again["best"])
+    return (base_ms, best, best_ms) if best_ms < base_ms else (base_ms, base, base_ms)
+
+
 def _spread(items: list, budget: int) -> list:
     """``budget`` items spread evenly over ``items`` (the first always kept), deterministically."""
     if budget <= 0 or len(items) <= budget:
@@ -337,13 +348,7 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
     # The winner's time is the least of many noisy measurements: time it and the heuristic again, in
     # alternation, and report those (keeping the heuristic where the winner does not hold up).
     if best != heuristic:
-        again = {"heuristic": [], "tuned": []}
-        for _ in range(3):
-            again["heuristic"].append(timed(heuristic))
-            again["tuned"].append(timed(best))
-        result.heuristic_ms, best_ms = min(again["heuristic"]), min(again["tuned"])
-        if best_ms >= result.heuristic_ms:
-            best, best_ms = heuristic, result.heuristic_ms
+        result.heuristic_ms, best, best_ms = _confirm(heuristic, best, timed)
     result.tuned_ms, result.config = best_ms, best
     result.seconds = time.perf_counter() - started
     return result
@@ -457,14 +462,8 @@ def tune_ep(hidden, topk_ids, topk_weights, w_up, w_down, spec: str, group=None,
             best, best_ms = cfg, ms
         if progress is not None:
             progress(i + 1, len(cands), best_ms)
-    if best != default:  # time the winner and the default again, in alternation (see tune_shape)
-        again = {"default": [], "tuned": []}
-        for _ in range(3):
-            again["default"].append(slowest(timer(lambda: run(default))))
-            again["tuned"].append(slowest(timer(lambda: run(best))))
-        result.default_ms, best_ms = min(again["default"]), min(again["tuned"])
-        if best_ms >= result.default_ms:
-            best, best_ms = default, result.default_ms
+    if best != default:  # time the winner and the default again (see tune_shape)
+        result.default_ms, best, best_ms = _confirm(default, best, lambda cfg: slowest(timer(lambda: run(cfg))))
     result.tuned_ms, result.config = best_ms, best
     result.seconds = time.perf_counter() - started
     return result
