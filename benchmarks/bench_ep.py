@@ -16,8 +16,9 @@ it. Providers, on the same module and inputs:
   uniep_overlap_kernel  the same with uniep's Triton transfer kernel over a segment table on the device
              (kernels/triton_transfer.py; --copy-programs programs beside the GEMMs)
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
-  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only, overlap_kernel_comm_only  the overlapped layer with its transfers (the
-             receive buffers filled with random values instead), or its GEMMs, skipped:
+  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only, overlap_kernel_comm_only  the overlapped
+             layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
+             skipped:
              timing only (their results are wrong), for the share of communication hidden
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed

@@ -52,8 +52,8 @@ def _tune_worker(rank, world, port, out_dir):
             return (time.perf_counter() - start) * 1e3
         result = tuner.tune_ep(hidden[mine], ids[mine], weights[mine], w_up[experts], w_down[experts], spec.encode(),
                                timer=host_clock)
-        torch.save({"config": dataclasses.asdict(result.config), "measured": result.measured, "rejected": result.rejected,
-                    "key": result.key, "times": (result.default_ms, result.tuned_ms)},
+        torch.save({"config": dataclasses.asdict(result.config), "measured": result.measured,
+                    "rejected": result.rejected, "key": result.key, "times": (result.default_ms, result.tuned_ms)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 

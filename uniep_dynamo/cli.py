@@ -222,8 +222,8 @@ def _tune_ep_main(ns, shapes) -> int:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    print(f"\n{data['gpu']}, {data['dtype']}, EP over {ns.ep} ranks, forward + backward of the overlapped experts layer "
-          f"(ms on the slowest rank, median of {ns.iters})")
+    print(f"\n{data['gpu']}, {data['dtype']}, EP over {ns.ep} ranks, forward + backward of the overlapped experts "
+          f"layer (ms on the slowest rank, median of {ns.iters})")
     print(f"{'shape':28s} {'T/rank':>7s} {'default':>9s} {'tuned':>9s} {'speedup':>8s} {'measured':>9s} "
           f"{'rejected':>9s} {'tune s':>7s}  tuned knobs")
     for r in data["rows"]:

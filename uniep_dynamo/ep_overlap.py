@@ -3,8 +3,9 @@ memory.
 
 The sequential EP layer (ep.py) runs dispatch all-to-all, experts, combine all-to-all one after the
 other. Here every rank keeps two rows buffers in symmetric memory, ``send`` and ``back``, which every
-peer can address; the transfers are copy-engine copies out of a peer's ``send`` (pull) and into a
-peer's ``back`` (push), on their own CUDA streams, so that they take no SMs from the GEMMs.
+peer can address; the transfers are copies out of a peer's ``send`` (pull) and into a peer's ``back``
+(push), on their own CUDA streams: copy-engine copies (no SMs taken from the GEMMs), or SM copies
+(torch._foreach_copy_, or the Triton transfer kernel of kernels/triton_transfer.py); OverlapConfig picks.
 
 Where each row goes comes from the routing plan alone, never from arrival order:
 
@@ -519,8 +520,8 @@ class _OverlapEP(torch.autograd.Function):
                    "act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
                    "d_up": torch.empty_like(up),
                    "d_x": torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)}
-        _exchange(layout, ctx.table, win_dy, win_dx, scratch["dy"], lambda c: chunks.backward(c, x, up, grads=grads, **scratch),
-                  knobs, device)
+        _exchange(layout, ctx.table, win_dy, win_dx, scratch["dy"],
+                  lambda c: chunks.backward(c, x, up, grads=grads, **scratch), knobs, device)
         scratch.clear()
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
         return (d_hidden, d_weights, *grads, None, None, None, None)

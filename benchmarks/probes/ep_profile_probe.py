@@ -111,7 +111,8 @@ def _worker(rank, world, port, args):
                 step()
             torch.cuda.synchronize()
         if rank == 0:
-            prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{name.replace(':', '_').replace('=', '')}.json"))
+            label = name.replace(":", "_").replace("=", "")
+            prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{label}.json"))
             print(f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)", flush=True)
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60),
                   flush=True)
