@@ -288,6 +288,7 @@ def _tune_ep_worker(rank, world, port, ns, shapes, out):
             with open(out, "w") as f:
                 json.dump({"gpu": gpu, "dtype": str(dtype).replace("torch.", ""), "ep": world, "rows": rows,
                            "cache": path}, f)
+        dist.barrier()  # no rank tears the group down while another still works in it
     finally:
         dist.destroy_process_group()
 
