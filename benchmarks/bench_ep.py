@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_layer import time_cuda  # noqa: E402
+from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
@@ -134,30 +133,14 @@ def _time(step, iters, warmup, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
-    if device.type == "cuda":
-        return time_cuda(step, iters, warmup=0)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return (time_cuda if device.type == "cuda" else time_host)(step, iters, warmup=0)
 
 
 def _worker(rank, world, port, args, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-        dtype = torch.bfloat16
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        dtype = torch.bfloat16
-    import uniep_dynamo  # noqa: F401  (registers backend="uniep" when the package is not installed)
+    from uniep_dynamo.ep import init_local_rank  # (importing uniep_dynamo registers backend="uniep")
+
+    device = init_local_rank(rank, world, port, args.device)
+    dtype = torch.bfloat16
     from torch._dynamo.utils import counters
 
     rows = []
@@ -256,10 +239,9 @@ def main():
     parser.add_argument("--copy-programs", type=int, default=32, help="programs of the transfer kernel")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args, args.out), nprocs=args.world)
+    from uniep_dynamo.ep import free_port
+
+    mp.spawn(_worker, args=(args.world, free_port(), args, args.out), nprocs=args.world)
     with open(args.out) as f:
         data = json.load(f)
     print(f"\n{data['device']}, torch {data['torch']}, world {args.world}, T={args.tokens} tokens per rank, bf16, "

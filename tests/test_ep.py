@@ -3,7 +3,6 @@ processes against the single-process op over all tokens and all experts: output,
 the routing plan each rank receives."""
 import contextlib
 import os
-import socket
 import time
 
 import pytest
@@ -12,15 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from test_reference import GPT_OSS, SILU_GLU, make
+from uniep_dynamo.ep import free_port, init_local_rank
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _case(routing, tokens, experts, top_k, gate, bias):
@@ -38,8 +32,8 @@ def _case(routing, tokens, experts, top_k, gate, bias):
 @contextlib.contextmanager
 def gloo_group(rank: int, world: int, port: int, **env):
     """A worker's gloo process group, with `env` set first; destroyed on the way out."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(**env)
+    init_local_rank(rank, world, port, "cpu")
     try:
         yield
     finally:
@@ -99,7 +93,7 @@ CASES = [
 
 def run_workers(worker, world: int, args: tuple, tmp_path, timeout: float = 300) -> list:
     """Run worker(rank, world, port, *args, out_dir) in `world` processes; each saves rank{r}.pt there."""
-    workers = mp.spawn(worker, args=(world, _free_port(), *args, str(tmp_path)), nprocs=world, join=False)
+    workers = mp.spawn(worker, args=(world, free_port(), *args, str(tmp_path)), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     while not workers.join(timeout=5):  # raises if a worker fails
         if time.monotonic() > deadline:

@@ -46,10 +46,9 @@ def _run(hidden, ids, weights, w_up, w_down, grad, fn):
 
 
 def _worker(rank, world, port, case, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    from uniep_dynamo.ep import init_local_rank
+
+    init_local_rank(rank, world, port)
     try:
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep import ep_experts

@@ -190,11 +190,12 @@ def tune_main(argv=None) -> int:
 def _tune_ep_main(ns, shapes) -> int:
     import json
     import os
-    import socket
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
+
+    from .ep import free_port
 
     if ns.device == "cuda" and torch.cuda.device_count() < ns.ep:
         print(f"uniep tune: --ep {ns.ep} needs {ns.ep} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
@@ -203,9 +204,7 @@ def _tune_ep_main(ns, shapes) -> int:
         if experts % ns.ep:
             print(f"uniep tune: {label}: {experts} experts do not split evenly over {ns.ep} ranks", file=sys.stderr)
             return 2
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # the CPU smoke run's workers run the MegaKernel in Triton's interpreter (they inherit the environment)
     saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "UNIEP_KERNELS")}
     if ns.device == "cpu":
@@ -242,24 +241,18 @@ def _tune_ep_main(ns, shapes) -> int:
 def _tune_ep_worker(rank, world, port, ns, shapes, out):
     import dataclasses
     import json
-    import os
 
     import torch
     import torch.distributed as dist
 
     from . import tuner
+    from .ep import init_local_rank
     from .kernels import gate_program
     from .spec import ExpertsSpec
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if ns.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-        dtype = getattr(torch, ns.dtype)
-    else:  # the smoke run (see _tune_ep_main)
-        device, dtype = torch.device("cpu"), torch.float32
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_local_rank(rank, world, port, ns.device)
+    # the CPU smoke run (see _tune_ep_main) runs float32 in Triton's interpreter
+    dtype = getattr(torch, ns.dtype) if device.type == "cuda" else torch.float32
     try:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), dtype).encode()
@@ -274,9 +267,9 @@ def _tune_ep_worker(rank, world, port, ns, shapes, out):
                 w_up = (torch.randn(local, hidden, 2 * inter, generator=g) * hidden ** -0.5).to(device, dtype)
                 w_down = (torch.randn(local, inter, hidden, generator=g) * inter ** -0.5).to(device, dtype)
                 progress = _progress(f"{label} T={tokens} ep{world}") if rank == 0 else None
-                timer = None if device.type == "cuda" else _host_timer
                 r = tuner.tune_ep(x, ids.to(device), weights.to(device, dtype), w_up, w_down, spec, budget=ns.budget,
-                                  iters=ns.iters, progress=progress, timer=timer)
+                                  iters=ns.iters, warmup=3 if device.type == "cuda" else 0,  # CPU: no meaning
+                                  progress=progress)
                 rows.append({"shape": label, "tokens": tokens, "key": r.key, "default_ms": r.default_ms,
                              "tuned_ms": r.tuned_ms, "measured": r.measured, "rejected": r.rejected,
                              "tune_seconds": r.seconds, "config": dataclasses.asdict(r.config)})
@@ -291,14 +284,6 @@ def _tune_ep_worker(rank, world, port, ns, shapes, out):
         dist.barrier()  # no rank tears the group down while another still works in it
     finally:
         dist.destroy_process_group()
-
-
-def _host_timer(run) -> float:
-    import time
-
-    start = time.perf_counter()
-    run()
-    return (time.perf_counter() - start) * 1e3
 
 
 def uniep_main(argv=None) -> int:

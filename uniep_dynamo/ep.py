@@ -297,3 +297,36 @@ def _combine_backward(ctx, grad_out):
 
 
 ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_context)
+
+
+# ---- processes on this host ----------------------------------------------------------------------
+
+# NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM: the multi-GPU hosts this project
+# runs on need it (set only where the environment does not say otherwise)
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_rank(rank: int, world: int, port: int, device_type: str = "cuda") -> torch.device:
+    """Join rank ``rank`` of a ``world``-process group on this host (rendezvous at ``port``): NCCL on GPU
+    ``rank``, or gloo on CPU. Returns the rank's device."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device_type != "cuda":
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        return torch.device("cpu")
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    return device

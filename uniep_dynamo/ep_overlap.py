@@ -81,10 +81,11 @@ class _Layout:
     """Where every row of one call lives, from the all-gathered table (host integers).
 
     counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens; width: the elements
-    of a row (every transfer of the layer moves [*, hidden] rows)."""
+    of a row (every transfer of the layer moves [*, hidden] rows); block: the transfer kernel's block, None
+    when the call does not use the kernel (no table then)."""
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
-                 width: int, block: int):
+                 width: int, block: int | None):
         from .kernels.triton_transfer import segment_table
 
         self.rank, self.world = rank, world
@@ -111,7 +112,7 @@ class _Layout:
         # per chunk: (source, row in the source's buffer, row here, rows) for each (expert, source) with rows,
         # this rank's own rows first; every transfer of the call (both directions, forward and backward)
         self.segments = []
-        # the same as the transfer kernel's table: per chunk (first table row, rows, blocks)
+        # with a block: the transfer kernel's table, and per chunk (first table row, rows, blocks)
         self.table, self.table_chunks = [], []
         order = [(rank + j) % world for j in range(world)]
         for e0 in range(0, local_experts, chunk):
@@ -120,9 +121,10 @@ class _Layout:
             segments = [(s, self.send_start[s][first + e], self.recv_start[e][s], counts[s][first + e])
                         for s in order for e in range(e0, e1) if counts[s][first + e]]
             self.segments.append(segments)
-            rows, blocks = segment_table(segments, width, block)
-            self.table_chunks.append((len(self.table), len(rows), blocks))
-            self.table.extend(rows)
+            if block is not None:
+                rows, blocks = segment_table(segments, width, block)
+                self.table_chunks.append((len(self.table), len(rows), blocks))
+                self.table.extend(rows)
 
     def to_device(self, device):
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
@@ -462,7 +464,7 @@ class _OverlapEP(torch.autograd.Function):
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
         layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size,
-                         knobs.copy_block)
+                         knobs.copy_block if knobs.copy_kernel else None)
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")

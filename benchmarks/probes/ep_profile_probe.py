@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 
@@ -41,12 +40,10 @@ def _variant(name):
 
 
 def _worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    from uniep_dynamo import ops  # noqa: F401
+    from uniep_dynamo import ops
+    from uniep_dynamo.ep import init_local_rank
+
+    device = init_local_rank(rank, world, port)
     from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
     from uniep_dynamo.kernels import gate_program
     from uniep_dynamo.spec import ExpertsSpec
@@ -137,10 +134,9 @@ def main():
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world)
+    from uniep_dynamo.ep import free_port
+
+    mp.spawn(_worker, args=(args.world, free_port(), args), nprocs=args.world)
 
 
 if __name__ == "__main__":
