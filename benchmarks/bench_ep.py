@@ -137,14 +137,13 @@ def _time(step, iters, warmup, device):
 
 
 def _worker(rank, world, port, args, out_path):
-    from uniep_dynamo.ep import init_local_rank  # (importing uniep_dynamo registers backend="uniep")
-
-    device = init_local_rank(rank, world, port, args.device)
-    dtype = torch.bfloat16
     from torch._dynamo.utils import counters
 
+    from uniep_dynamo.ep import local_rank  # (importing uniep_dynamo registers backend="uniep")
+
+    dtype = torch.bfloat16
     rows = []
-    try:
+    with local_rank(rank, world, port, args.device) as device:
         for shape in args.shapes.split(","):
             hidden, inter, experts, top_k = SHAPES[shape]
             torch.manual_seed(0)  # one router for all ranks
@@ -222,8 +221,6 @@ def _worker(rank, world, port, args, out_path):
             with open(out_path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                            "torch": torch.__version__, "rows": rows}, f, indent=1)
-    finally:
-        dist.destroy_process_group()
 
 
 def main():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from test_reference import GPT_OSS, SILU_GLU, make
-from uniep_dynamo.ep import free_port, init_local_rank
+from uniep_dynamo.ep import free_port, local_rank
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -33,11 +33,8 @@ def _case(routing, tokens, experts, top_k, gate, bias):
 def gloo_group(rank: int, world: int, port: int, **env):
     """A worker's gloo process group, with `env` set first; destroyed on the way out."""
     os.environ.update(**env)
-    init_local_rank(rank, world, port, "cpu")
-    try:
+    with local_rank(rank, world, port, "cpu"):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _worker(rank, world, port, case_args, out_dir):

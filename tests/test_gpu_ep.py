@@ -46,10 +46,9 @@ def _run(hidden, ids, weights, w_up, w_down, grad, fn):
 
 
 def _worker(rank, world, port, case, out_dir):
-    from uniep_dynamo.ep import init_local_rank
+    from uniep_dynamo.ep import local_rank
 
-    init_local_rank(rank, world, port)
-    try:
+    with local_rank(rank, world, port):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep import ep_experts
         from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
@@ -74,8 +73,6 @@ def _worker(rank, world, port, case, out_dir):
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
                                single[3][local].cpu(), single[4][local].cpu()]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs) for the overlapped layer; the first

@@ -243,17 +243,15 @@ def _tune_ep_worker(rank, world, port, ns, shapes, out):
     import json
 
     import torch
-    import torch.distributed as dist
 
     from . import tuner
-    from .ep import init_local_rank
+    from .ep import local_rank
     from .kernels import gate_program
     from .spec import ExpertsSpec
 
-    device = init_local_rank(rank, world, port, ns.device)
-    # the CPU smoke run (see _tune_ep_main) runs float32 in Triton's interpreter
-    dtype = getattr(torch, ns.dtype) if device.type == "cuda" else torch.float32
-    try:
+    with local_rank(rank, world, port, ns.device) as device:
+        # the CPU smoke run (see _tune_ep_main) runs float32 in Triton's interpreter
+        dtype = getattr(torch, ns.dtype) if device.type == "cuda" else torch.float32
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), dtype).encode()
         rows, path = [], None
@@ -281,9 +279,6 @@ def _tune_ep_worker(rank, world, port, ns, shapes, out):
             with open(out, "w") as f:
                 json.dump({"gpu": gpu, "dtype": str(dtype).replace("torch.", ""), "ep": world, "rows": rows,
                            "cache": path}, f)
-        dist.barrier()  # no rank tears the group down while another still works in it
-    finally:
-        dist.destroy_process_group()
 
 
 def uniep_main(argv=None) -> int:

@@ -28,6 +28,7 @@ tokens, so, for one tile configuration, the EP layer is meant to equal the singl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -315,18 +316,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_local_rank(rank: int, world: int, port: int, device_type: str = "cuda") -> torch.device:
-    """Join rank ``rank`` of a ``world``-process group on this host (rendezvous at ``port``): NCCL on GPU
-    ``rank``, or gloo on CPU. Returns the rank's device."""
+@contextlib.contextmanager
+def local_rank(rank: int, world: int, port: int, device_type: str = "cuda"):
+    """Rank ``rank`` of a ``world``-process group on this host (rendezvous at ``port``): NCCL on GPU
+    ``rank``, or gloo on CPU; yields the rank's device. On the way out the ranks meet at a barrier before
+    the group is destroyed (unless this rank failed), so that no rank tears down its connections while a
+    peer still uses them."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device_type != "cuda":
+        device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        return torch.device("cpu")
-    for key, value in MULTICAST_OFF.items():
-        os.environ.setdefault(key, value)
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    return device
+    else:
+        for key, value in MULTICAST_OFF.items():
+            os.environ.setdefault(key, value)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    try:
+        yield device
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -41,83 +41,83 @@ def _variant(name):
 
 def _worker(rank, world, port, args):
     from uniep_dynamo import ops
-    from uniep_dynamo.ep import init_local_rank
+    from uniep_dynamo.ep import local_rank
 
-    device = init_local_rank(rank, world, port)
-    from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
-    from uniep_dynamo.kernels import gate_program
-    from uniep_dynamo.spec import ExpertsSpec
+    with local_rank(rank, world, port) as device:
+        from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+        from uniep_dynamo.kernels import gate_program
+        from uniep_dynamo.spec import ExpertsSpec
 
-    hidden, inter, experts, top_k = SHAPES[args.shape]
-    dtype = torch.bfloat16
-    local = experts // world
-    g = torch.Generator().manual_seed(rank)
-    w_up = (torch.randn(local, hidden, 2 * inter, generator=g) * hidden ** -0.5).to(device, dtype).requires_grad_()
-    w_down = (torch.randn(local, inter, hidden, generator=g) * inter ** -0.5).to(device, dtype).requires_grad_()
-    x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
-    logits = torch.randn(args.tokens, experts, generator=g).to(device)
-    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
-    weights = weights.to(dtype).requires_grad_()
-    grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
-    spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), dtype).encode()
-    # single GPU: the same rows' work on one GPU is T tokens over all E experts
-    full_up = torch.randn(experts, hidden, 2 * inter, generator=g).mul_(hidden ** -0.5).to(device, dtype)
-    full_down = torch.randn(experts, inter, hidden, generator=g).mul_(inter ** -0.5).to(device, dtype)
-    full_up.requires_grad_(); full_down.requires_grad_()
-    results = {}
-    for name in args.variants.split(","):
-        knobs = _variant(name)
-        if knobs is None:
-            def step():
-                for t in (x, weights, full_up, full_down):
-                    t.grad = None
-                out = ops.moe_experts_out(x, ids, weights, full_up, full_down, None, None, spec)
-                out.backward(grad)
-        else:
-            config = OverlapConfig(**{"chunks": args.chunks, **knobs})
+        hidden, inter, experts, top_k = SHAPES[args.shape]
+        dtype = torch.bfloat16
+        local = experts // world
+        g = torch.Generator().manual_seed(rank)
+        w_up = (torch.randn(local, hidden, 2 * inter, generator=g) * hidden ** -0.5).to(device, dtype).requires_grad_()
+        w_down = (torch.randn(local, inter, hidden, generator=g) * inter ** -0.5).to(device, dtype).requires_grad_()
+        x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+        logits = torch.randn(args.tokens, experts, generator=g).to(device)
+        weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+        weights = weights.to(dtype).requires_grad_()
+        grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
+        spec = ExpertsSpec("io", "io", gate_program.encode("chunk", gate_program.SILU_GLU_EXPR), dtype).encode()
+        # single GPU: the same rows' work on one GPU is T tokens over all E experts
+        full_up = torch.randn(experts, hidden, 2 * inter, generator=g).mul_(hidden ** -0.5).to(device, dtype)
+        full_down = torch.randn(experts, inter, hidden, generator=g).mul_(inter ** -0.5).to(device, dtype)
+        full_up.requires_grad_(); full_down.requires_grad_()
+        results = {}
+        for name in args.variants.split(","):
+            knobs = _variant(name)
+            if knobs is None:
+                def step():
+                    for t in (x, weights, full_up, full_down):
+                        t.grad = None
+                    out = ops.moe_experts_out(x, ids, weights, full_up, full_down, None, None, spec)
+                    out.backward(grad)
+            else:
+                config = OverlapConfig(**{"chunks": args.chunks, **knobs})
 
-            def step():
-                for t in (x, weights, w_up, w_down):
-                    t.grad = None
-                out = ep_experts_overlapped(x, ids, weights, w_up, w_down, None, None, spec, knobs=config)
-                out.backward(grad)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        times, host = [], []
-        for _ in range(args.iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            t = time.perf_counter()
-            step()
-            host.append((time.perf_counter() - t) * 1e3)
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1))
-        times.sort(); host.sort()
-        dist.barrier()
-        results[name] = {"ms": times[len(times) // 2], "host_ms": host[len(host) // 2]}
-        if args.no_profile:
-            if rank == 0:
-                print(f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)", flush=True)
-            continue
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                def step():
+                    for t in (x, weights, w_up, w_down):
+                        t.grad = None
+                    out = ep_experts_overlapped(x, ids, weights, w_up, w_down, None, None, spec, knobs=config)
+                    out.backward(grad)
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
+            dist.barrier()
+            times, host = [], []
+            for _ in range(args.iters):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                t = time.perf_counter()
+                step()
+                host.append((time.perf_counter() - t) * 1e3)
+                e1.record()
+                torch.cuda.synchronize()
+                times.append(e0.elapsed_time(e1))
+            times.sort(); host.sort()
+            dist.barrier()
+            results[name] = {"ms": times[len(times) // 2], "host_ms": host[len(host) // 2]}
+            summary = f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)"
+            if args.no_profile:
+                if rank == 0:
+                    print(summary, flush=True)
+                continue
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            if rank == 0:
+                label = name.replace(":", "_").replace("=", "")
+                prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{label}.json"))
+                print(summary, flush=True)
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18,
+                                                max_name_column_width=60), flush=True)
+            dist.barrier()
         if rank == 0:
-            label = name.replace(":", "_").replace("=", "")
-            prof.export_chrome_trace(os.path.join(args.out_dir, f"{args.shape}-w{world}-{label}.json"))
-            print(f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)", flush=True)
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60),
-                  flush=True)
-        dist.barrier()
-    if rank == 0:
-        with open(os.path.join(args.out_dir, f"{args.shape}-w{world}-summary.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+            with open(os.path.join(args.out_dir, f"{args.shape}-w{world}-summary.json"), "w") as f:
+                json.dump(results, f, indent=1)
 
 
 def main():
