@@ -27,7 +27,8 @@ def test_explain_full_match_json():
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     report = uniep_dynamo.explain(model, input_ids=ids, labels=ids)
     data = json.loads(report.to_json())
-    assert data["totals"] == {"moe_experts": 2, "moe_router": 2, "ep_dispatch": 0, "ep_combine": 0, "unfused": 0,
+    assert data["totals"] == {"moe_experts": 2, "moe_router": 2, "ep_dispatch": 0, "ep_exchange": 0, "ep_combine": 0,
+                              "unfused": 0,
                               "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0}
     (graph,) = data["graphs"]
     assert [(r["op"], r["module"]) for r in graph["rewrites"]] == [

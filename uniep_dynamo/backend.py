@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import report
-from .lowering import lower_combine, lower_dispatch, lower_experts, lower_router, share_routing_plan
+from .lowering import lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_router, share_routing_plan
 from .patterns import find_ep_regions, find_experts_regions, find_router_regions
 
 log = logging.getLogger("uniep")
@@ -35,6 +35,10 @@ class UniepOptions:
     # Expert parallelism: the all-to-all dispatch plan with its count exchange, and the combine after the
     # return all-to-all (patterns/ep.py); False leaves them to the inner backend
     rewrite_ep: bool = True
+    # Under expert parallelism, the token all-to-all, the local experts and the all-to-all back, where one
+    # graph holds all three, become one uniep.ep_exchange, whose transfers run beside the grouped GEMMs
+    # (ep_overlap.py); False keeps the all-to-alls and uniep.moe_experts apart
+    overlap_ep: bool = True
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
     # through the same graph (retain_graph=True) then raises. False keeps them intact.
@@ -84,10 +88,14 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         counters["uniep"]["moe_router"] += 1
         log.info("uniep: rewrote %s (%d nodes) into uniep.moe_router [%s]", match.module, len(match.nodes),
                  match.spec.describe())
-    ep_matches, ep_misses = find_ep_regions(gm.graph) if opts.rewrite_ep else ([], [])
+    ep_matches, ep_misses = find_ep_regions(gm.graph, exchange=opts.overlap_ep) if opts.rewrite_ep else ([], [])
+    lower_ep = {"ep_dispatch": lower_dispatch, "ep_combine": lower_combine, "ep_exchange": lower_exchange}
+    # exchanges last: a combine's match holds the exchange's last node as its rows, which an exchange lowered
+    # first would have replaced
+    ep_matches.sort(key=lambda m: list(lower_ep).index(m.op))
     for match in ep_matches:
         replaced = [n.name for n in match.nodes]
-        call = (lower_dispatch if match.op == "ep_dispatch" else lower_combine)(gm, match)
+        call = lower_ep[match.op](gm, match)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"][match.op] += 1
         log.info("uniep: rewrote %s (%d nodes) into uniep.%s [%s]", match.module, len(match.nodes), match.op,

@@ -346,7 +346,7 @@ class _Chunks:
     over a chunk's rows and experts)."""
 
     def __init__(self, layout: _Layout, offsets: torch.Tensor, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
-                 skip_gemms: bool = False):
+                 skip_gemms: bool = False, config_shape: tuple | None = None):
         from .kernels import config as config_mod
         from .kernels import reference
 
@@ -354,10 +354,11 @@ class _Chunks:
         self.w_up, self.w_down, self.b_up, self.b_down = w_up, w_down, b_up, b_down
         self.up_width = reference.effective_weight(w_up, spec.up_layout).shape[2]  # [E, H, up_width]
         self.inter = reference.effective_weight(w_down, spec.down_layout).shape[1]  # [E, I, H]
-        # the config of the single-GPU op over every rank's rows and all E experts: same tiles, same bits
-        self.config = config_mod.current_config(layout.total_rows, w_up.shape[0] * layout.world, probe.shape[1],
-                                                self.inter, probe.device.type != "cuda", dtype=probe.dtype,
-                                                device=probe.device)
+        # the config of the single-GPU op over every rank's rows and all E experts (config_shape: the (rows,
+        # experts) of another op whose tiles to take): same tiles, same bits
+        rows, experts = config_shape or (layout.total_rows, w_up.shape[0] * layout.world)
+        self.config = config_mod.current_config(rows, experts, probe.shape[1], self.inter, probe.device.type != "cuda",
+                                                dtype=probe.dtype, device=probe.device)
         self.offsets = offsets  # _Layout.to_device
 
     def layer(self, c: int, probe):
@@ -565,3 +566,179 @@ def _default_knobs(hidden, topk_ids, w_up, w_down, spec, group) -> OverlapConfig
 
     key = tuner.ep_shape_key(hidden, topk_ids, w_up, w_down, spec, dist.get_world_size(group))
     return tuner.cached_ep_config(config_mod._gpu_name(hidden.device), key) or OverlapConfig()
+
+
+# ---- the token all-to-all, the local experts and the all-to-all back, as one overlapped call ------------------
+#
+# What the compile rewrite of a plain EP layer's second graph runs (ep.py's uniep::ep_exchange, patterns/ep.py's
+# exchange match): the rows arrive in the sender's order (the dispatch graph sorted them), with the split sizes
+# the host read and the per-(source, local expert) counts of the count exchange. The same windows, chunks and
+# transfers as above; only the layout comes from those sizes instead of an all-gathered routing table.
+
+def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -> str | None:
+    """None if this rank can run the overlapped exchange, else why the sequential steps run."""
+    from .kernels import megakernel
+
+    reason = megakernel.unsupported_reason(send, recv_counts, w_up, w_down, b_up, b_down, [], spec)
+    if reason is None and spec.out_dtype != send.dtype:
+        reason = f"the experts' output is {spec.out_dtype} and their input {send.dtype}"
+    if reason is None and recv_counts.dtype != torch.int64:
+        reason = f"the received counts are {recv_counts.dtype}"
+    return reason
+
+
+def _exchange_host(table: torch.Tensor, recv_counts: torch.Tensor):
+    """(every rank's row [send sizes to each rank..., takes the overlapped path], this rank's received
+    counts [source][local expert]) on the host: one device-to-host copy."""
+    world, local_experts = recv_counts.shape
+    flat = torch.cat([table.reshape(-1), recv_counts.reshape(-1).to(table.dtype)]).tolist()
+    width = world + 1
+    rows = [flat[s * width:(s + 1) * width] for s in range(world)]
+    start = world * width
+    counts = [flat[start + s * local_experts:start + (s + 1) * local_experts] for s in range(world)]
+    return rows, counts
+
+
+def _exchange_layout(rows, counts, rank: int, local_experts: int, knobs: OverlapConfig, width: int) -> _Layout:
+    """The _Layout of an exchange: source s's rows for rank r start after its rows for the ranks before r (the
+    split sizes), and within this rank's block they run expert by expert (the received counts)."""
+    world = len(rows)
+    per_expert = []
+    for s in range(world):
+        row = []
+        for r in range(world):
+            row.extend(counts[s] if r == rank else [rows[s][r]] + [0] * (local_experts - 1))
+        per_expert.append(row)
+    return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts,
+                   knobs.chunk_experts(local_experts), width, knobs.copy_block if knobs.copy_kernel else None)
+
+
+def _check_exchange(rows, counts, rank: int, send_sizes, recv_sizes, sent: int):
+    world = len(rows)
+    problems = []
+    if list(rows[rank][:world]) != list(send_sizes) or sum(send_sizes) != sent:
+        problems.append(f"send sizes {list(send_sizes)} for {sent} rows")
+    got = [rows[s][rank] for s in range(world)]
+    if got != list(recv_sizes):
+        problems.append(f"receive sizes {list(recv_sizes)}, but the sources send {got}")
+    sums = [sum(c) for c in counts]
+    if sums != list(recv_sizes):
+        problems.append(f"received per-expert counts that sum to {sums} per source, receive sizes {list(recv_sizes)}")
+    if problems:
+        raise ValueError("uniep.ep_exchange: inconsistent split sizes on rank %d: %s" % (rank, "; ".join(problems)))
+
+
+def _all_to_all(t, out_splits, in_splits, group):
+    out = t.new_empty(sum(out_splits), *t.shape[1:])
+    dist.all_to_all_single(out, t.contiguous(), list(out_splits), list(in_splits), group=group)
+    return out
+
+
+def _local_ids(recv_counts, rows: int):
+    world, local_experts = recv_counts.shape
+    ids = torch.arange(local_experts, device=recv_counts.device).repeat(world)
+    return ids.repeat_interleave(recv_counts.reshape(-1), output_size=rows).unsqueeze(-1)
+
+
+def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
+    ids = _local_ids(recv_counts, x.shape[0])
+    return torch.ops.uniep.moe_experts(x, ids, torch.ones_like(ids, dtype=x.dtype), w_up, w_down, b_up, b_down, [],
+                                       spec)[0]
+
+
+def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
+                     knobs: OverlapConfig | None = None):
+    """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
+    received rows and the up projection (the overlapped path's, in its layout), and the [W, W + 1] table of
+    every rank's send sizes and whether it takes the overlapped path.
+
+    Every rank all-gathers its send sizes with that flag; the overlapped path runs only where every rank takes
+    it (the ranks meet in its barriers), else the sequential steps the rewrite replaced: the all-to-all, the
+    experts op on the received rows (local expert ids from the counts, weight 1), the all-to-all back."""
+    from .kernels import megakernel
+    from .kernels import reference
+
+    s = decode_spec(spec)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_experts, size, device = w_up.shape[0], send.shape[1], send.device
+    received = sum(recv_sizes)
+    up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
+    reason = _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, s)
+    mine = torch.tensor(list(send_sizes) + [int(reason is None)], dtype=torch.int64).to(device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    table = torch.stack(parts)
+    rows, counts = _exchange_host(table, recv_counts)
+    if not all(row[world] for row in rows):
+        why = reason or "another rank cannot take it"
+        if ("ep_exchange", why) not in megakernel._LOGGED and send.is_cuda:
+            megakernel._LOGGED.add(("ep_exchange", why))
+            megakernel.log.warning("uniep: the overlapped EP exchange runs the sequential steps instead: %s", why)
+        x = _all_to_all(send, recv_sizes, send_sizes, group)
+        back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec), send_sizes,
+                           recv_sizes, group)
+        return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
+    _check_exchange(rows, counts, rank, send_sizes, recv_sizes, send.shape[0])
+    knobs = knobs or OverlapConfig()
+    layout = _exchange_layout(rows, counts, rank, local_experts, knobs, size)
+    offsets, transfers = layout.to_device(device)
+    chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, send, config_shape=(layout.rows, local_experts))
+    x = _receive_buffer("x", layout.rows, size, send.dtype, device, knobs)
+    up = torch.empty(layout.rows, up_width, dtype=w_up.dtype, device=device)
+    if layout.capacity == 0:  # no rank sends a row
+        return send.new_empty(0, size), x, up, table
+    win_x = _window(group, layout.capacity, size, send.dtype, device)
+    win_y = _window(group, layout.capacity, size, w_down.dtype, device)
+    win_x.send(rank)[:send.shape[0]].copy_(send)
+    win_x.barrier()
+    scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
+               "down": torch.empty(layout.rows, size, dtype=w_down.dtype, device=device)}
+    _exchange(layout, transfers, win_x, win_y, x,
+              lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]), knobs, device)
+    scratch.clear()
+    return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
+
+
+def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
+                      recv_sizes, knobs: OverlapConfig | None = None):
+    """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
+    table says). The sequential path runs the experts op's forward again on the saved received rows, for what
+    its backward op reads."""
+    s = decode_spec(spec)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
+    grad_back = grad_back.contiguous()
+    rows, counts = _exchange_host(table, recv_counts)
+    if not all(row[world] for row in rows):
+        # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
+        d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
+        ids = _local_ids(recv_counts, x.shape[0])
+        ones = torch.ones_like(ids, dtype=x.dtype)
+        _, row_order, slot_row, offsets, up_rows, down_rows = torch.ops.uniep.moe_experts(
+            x, ids, ones, w_up, w_down, b_up, b_down, [], spec)
+        d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
+            d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
+            spec)
+        return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
+                d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
+    knobs = knobs or OverlapConfig()
+    layout = _exchange_layout(rows, counts, rank, local_experts, knobs, size)
+    offsets, transfers = layout.to_device(device)
+    chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, grad_back,
+                     config_shape=(layout.rows, local_experts))
+    grads = [torch.empty_like(p) for p in (w_up, w_down)] + [torch.empty_like(b) if b is not None else None
+                                                            for b in (b_up, b_down)]
+    if layout.capacity == 0:
+        return (grad_back.new_zeros(0, size), *[g.zero_() if g is not None else None for g in grads])
+    win_dy = _window(group, layout.capacity, size, grad_back.dtype, device)
+    win_dx = _window(group, layout.capacity, size, w_up.dtype, device)
+    win_dy.send(rank)[:grad_back.shape[0]].copy_(grad_back)
+    win_dy.barrier()
+    scratch = {"dy": _receive_buffer("dy", layout.rows, size, grad_back.dtype, device, knobs),
+               "act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
+               "d_up": torch.empty_like(up),
+               "d_x": torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)}
+    _exchange(layout, transfers, win_dy, win_dx, scratch["dy"],
+              lambda c: chunks.backward(c, x, up, grads=grads, **scratch), knobs, device)
+    scratch.clear()
+    return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)

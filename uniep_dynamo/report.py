@@ -19,9 +19,9 @@ from torch.fx import Graph, Node
 from .patterns import graph_utils as gu
 
 UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_router", "moe_router_backward", "ep_dispatch",
-             "ep_dispatch_backward", "ep_combine", "ep_combine_backward")
-_A2A = ("all_to_all", "the token all-to-all runs in the inner backend: uniep rewrites the dispatch plan and count "
-        "exchange before it and the combine after it (patterns/ep.py), not the exchange itself")
+             "ep_dispatch_backward", "ep_combine", "ep_combine_backward", "ep_exchange", "ep_exchange_backward")
+_A2A = ("all_to_all", "this all-to-all runs in the inner backend: uniep fuses the token all-to-alls only where one "
+        "graph holds the all-to-all, the experts and the all-to-all back (uniep.ep_exchange, patterns/ep.py)")
 _UNSUPPORTED_ANCHORS = {
     "all_to_all_single": _A2A, "all_to_all_single_autograd": _A2A, "all_to_all": _A2A,
 }
@@ -124,10 +124,10 @@ class Recorder:
         self.graphs: list[GraphRecord] = []
 
     def totals(self) -> dict:
-        totals = {"moe_experts": 0, "moe_router": 0, "ep_dispatch": 0, "ep_combine": 0, "unfused": 0,
+        totals = {"moe_experts": 0, "moe_router": 0, "ep_dispatch": 0, "ep_exchange": 0, "ep_combine": 0, "unfused": 0,
                   "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0}
         for g in self.graphs:
-            for op in ("moe_experts", "moe_router", "ep_dispatch", "ep_combine"):
+            for op in ("moe_experts", "moe_router", "ep_dispatch", "ep_exchange", "ep_combine"):
                 totals[op] += sum(1 for r in g.rewrites if r.op == op)
             totals["ep_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "ep")
             totals["unfused"] += sum(1 for m in g.near_misses if m.pattern == "experts")

@@ -7,7 +7,7 @@ import operator
 import torch
 from torch.fx import GraphModule
 
-from ..patterns.ep import CombineMatch, DispatchMatch
+from ..patterns.ep import CombineMatch, DispatchMatch, ExchangeMatch
 from .experts import take_place
 
 
@@ -41,6 +41,22 @@ def lower_combine(gm: GraphModule, match: CombineMatch) -> torch.fx.Node:
     with graph.inserting_before(match.out):
         call = graph.call_function(torch.ops.uniep.ep_combine.default, (match.rows, match.order, match.weights))
     take_place(match.out, call, call)
+    for node in reversed(match.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    _require_erased(match.nodes, graph)
+    return call
+
+
+def lower_exchange(gm: GraphModule, match: ExchangeMatch) -> torch.fx.Node:
+    graph = gm.graph
+    with graph.inserting_after(match.back):
+        call = graph.call_function(torch.ops.uniep.ep_exchange.default,
+                                   (match.send, match.recv_counts, match.w_up, match.w_down, match.b_up, match.b_down,
+                                    match.experts_spec, match.group_name, match.send_sizes, match.recv_sizes))
+    with graph.inserting_after(call):
+        back = graph.call_function(operator.getitem, (call, 0))
+    take_place(match.back, back, call)
     for node in reversed(match.nodes):
         if not node.users:
             graph.erase_node(node)

@@ -244,10 +244,140 @@ def _match_combine(setitem: Node, order_of: dict) -> CombineMatch:
     return CombineMatch(rows, index, weights, total, nodes, gu.module_path(setitem))
 
 
-def find_ep_regions(graph: Graph) -> tuple[list, list]:
+@dataclass
+class ExchangeMatch:
+    """all_to_all(send) -> experts on the received rows -> all_to_all back: the nodes the op replaces."""
+    send: Node  # [S, H] rows in the sender's order
+    recv_counts: Node  # [W, E_local] rows each source sends to each local expert
+    w_up: Node
+    w_down: Node
+    b_up: Node | None
+    b_down: Node | None
+    experts_spec: str  # the experts op's spec
+    group_name: str
+    send_sizes: list  # the all-to-all's input split sizes (ints or SymInt nodes)
+    recv_sizes: list  # its output split sizes
+    back: Node  # the returned rows (the last wait)
+    nodes: list
+    module: str
+    world: int
+    local_experts: int
+    op: str = "ep_exchange"
+    spelling: str = "all_to_all + experts + all_to_all back"
+
+    @property
+    def spec(self):
+        return _Described(f"{self.local_experts} local experts over {self.world} ranks, transfers beside the GEMMs")
+
+
+def _waits_back(node: Node, chain: list) -> Node:
+    """Walk back over wait_tensor nodes (each read once) from `node`; returns the first node that is not one."""
+    while _is_op(node, "wait_tensor"):
+        _require(len(node.users) == 1, f"the received rows {node.name} are read {len(node.users)} times")
+        chain.append(node)
+        node = node.args[0]
+    return node
+
+
+def _same_sizes(a, b) -> bool:
+    if not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)) or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        try:
+            if not gu.same_int(gu.constant(x), gu.constant(y)):
+                return False
+        except gu.NotConstant:
+            return False
+    return True
+
+
+def _match_exchange(call: Node, order_of: dict) -> ExchangeMatch:
+    """Anchored at a uniep.moe_experts call (the experts rewrite ran first) whose rows come straight from an
+    all_to_all_single and whose result goes straight back through one with the split sizes swapped."""
+    from ..spec import decode_spec
+
+    _require(len(call.args) == 9 and all(v is None for v in call.kwargs.values()),
+             "the experts call takes a routing plan")
+    x, ids, weights, w_up, w_down, b_up, b_down, post_operands, spec = call.args
+    _require(not post_operands and decode_spec(spec).post is None, "the experts have a post-expert program")
+    # the return: getitem(call, 0) -> all_to_all_single -> wait(s)
+    _require(len(call.users) == 1, "the experts op's saved outputs are read")
+    out = next(iter(call.users))
+    _require(_is_op(out, "getitem") and out.args[1] == 0, "the experts op's output is not read once")
+    back_a2a = _only_user(out, "the experts' rows")
+    _require(_is_op(back_a2a, "all_to_all_single") and back_a2a.args[0] is out and len(back_a2a.args) == 4
+             and not back_a2a.kwargs, "the experts' rows do not go back through a functional all_to_all_single")
+    back, back_waits = back_a2a, []
+    while len(back.users) == 1 and _is_op(next(iter(back.users)), "wait_tensor"):
+        back = next(iter(back.users))
+        back_waits.append(back)
+    _require(back_waits, "the return all_to_all is not waited on")
+    # the arrival: all_to_all_single -> wait(s) -> the experts' rows
+    _require(set(x.users) == {call}, f"the received rows {x.name} are read outside the experts")
+    in_waits = []
+    a2a = _waits_back(x, in_waits)
+    _require(in_waits, "the received rows are not waited on")
+    _require(_is_op(a2a, "all_to_all_single") and len(a2a.args) == 4 and not a2a.kwargs,
+             "the experts' rows do not come from a functional all_to_all_single")
+    _require(len(a2a.users) == 1, "the all_to_all's result is read twice")
+    send, recv_sizes, send_sizes, group_name = a2a.args
+    _require(isinstance(group_name, str) and back_a2a.args[3] == group_name,
+             "the two all_to_alls are not over one named process group")
+    _require(_same_sizes(back_a2a.args[1], send_sizes) and _same_sizes(back_a2a.args[2], recv_sizes),
+             "the return all_to_all does not swap the dispatch's split sizes")
+    world = len(send_sizes)
+    size = _group_size(group_name)
+    _require(size == world, f"the split sizes name {world} ranks, the process group {size}", world, size)
+    s_shape = _shape(send)
+    _require(s_shape is not None and len(s_shape) == 2 and _dtype(send) in _FLOAT_DTYPES,
+             "the sent rows are not a floating [S, H] tensor", "[S, H]", s_shape)
+    # the local expert of each received row: arange(E_local).repeat(W).repeat_interleave(recv_counts.reshape(-1))
+    local_experts = _shape(w_up)[0] if _shape(w_up) else None
+    _require(_is_op(ids, "unsqueeze") and gu.is_dim(gu.constant(ids.args[1] if len(ids.args) > 1
+                                                                 else ids.kwargs.get("dim")), 1, 2),
+             "the local expert ids are not a column")
+    rep = ids.args[0]
+    _require(_is_op(rep, "repeat_interleave") and len(rep.args) == 2 and set(rep.kwargs) <= {"output_size"},
+             "the local expert ids are not a repeat_interleave of expert numbers by counts")
+    base, reps = rep.args
+    _require(_is_op(base, "repeat") and len(base.args) == 2 and not base.kwargs
+             and gu.same_int(gu.constant(base.args[1]), world), "the expert numbers are not repeated once per rank")
+    ar = base.args[0]
+    _require(_is_op(ar, "arange") and len(ar.args) == 1 and set(ar.kwargs) <= {"device", "dtype"}
+             and ar.kwargs.get("dtype") in (None, torch.int64) and local_experts is not None
+             and gu.same_int(gu.constant(ar.args[0]), local_experts),
+             "the expert numbers are not arange(local experts)", local_experts, ar.args[:1])
+    _require(_is_op(reps, "reshape", "view", "flatten") and (_is_op(reps, "flatten") or
+                                                           list(gu.constant(reps.args[1:])) in ([-1], [[-1]], [(-1,)])),
+             "the repeat counts are not the received counts flattened")
+    recv_counts = reps.args[0]
+    c_shape = _shape(recv_counts)
+    _require(c_shape is not None and len(c_shape) == 2 and gu.same_int(c_shape[0], world)
+             and gu.same_int(c_shape[1], local_experts) and _dtype(recv_counts) == torch.int64,
+             "the received counts are not an int64 [ranks, local experts] tensor", (world, local_experts), c_shape)
+    _require(_is_op(weights, "ones_like") and weights.args[0] is ids and len(weights.args) == 1
+             and set(weights.kwargs) <= {"dtype"} and weights.kwargs.get("dtype") == _dtype(send),
+             "the experts' routing weights are not ones_like(ids) in the rows' dtype")
+    _require(set(ids.users) == {call, weights} and set(weights.users) == {call},
+             "the local expert ids or weights are read outside the experts")
+    for node in (ar, base, rep):
+        _require(len(node.users) == 1, f"{node.name} is read outside the local expert ids")
+    nodes = [a2a, *in_waits, ar, base, rep, ids, weights, call, out, back_a2a, *back_waits]
+    if len(reps.users) == 1:
+        nodes.append(reps)
+    nodes.sort(key=order_of.get)
+    _require_no_writes_to_inputs(nodes, [send, recv_counts, w_up, w_down, b_up, b_down])
+    return ExchangeMatch(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, list(send_sizes),
+                         list(recv_sizes), back, nodes, gu.module_path(call), world, local_experts)
+
+
+def find_ep_regions(graph: Graph, exchange: bool = True) -> tuple[list, list]:
     """(matches, near misses): every proven dispatch (anchored at an argsort that feeds an all_to_all of
-    per-expert counts) and combine (anchored at a buf[order] = rows write into empty_like(rows) read as
-    [T, K, H])."""
+    per-expert counts), exchange (anchored at a uniep.moe_experts call whose rows come from an all-to-all;
+    only with ``exchange``) and combine (anchored at a buf[order] = rows write into empty_like(rows) read
+    as [T, K, H])."""
     order_of = {n: i for i, n in enumerate(graph.nodes)}
     matches, misses = [], []
     for node in list(graph.nodes):
@@ -257,12 +387,24 @@ def find_ep_regions(graph: Graph) -> tuple[list, list]:
                 if not _feeds_count_exchange(node):
                     continue
                 matches.append(_match_dispatch(node, order_of))
+            elif node.op == "call_function" and node.target is torch.ops.uniep.moe_experts.default \
+                    and exchange and _feeds_from_all_to_all(node):
+                matches.append(_match_exchange(node, order_of))
             elif name == "setitem" and node.op == "call_function" and len(node.args) == 3 \
                     and _is_op(node.args[0], "empty_like") and node.args[0].args[:1] == (node.args[2],):
                 matches.append(_match_combine(node, order_of))
         except Mismatch as exc:
             misses.append(NearMiss(node, str(exc), gu.module_path(node), exc.expected, exc.actual, 0, [str(exc)]))
     return matches, misses
+
+
+def _feeds_from_all_to_all(call: Node) -> bool:
+    """Whether the experts call's rows come (through waits) from an all_to_all_single: the exchange shape,
+    worth a near miss when it fails."""
+    try:
+        return _is_op(_waits_back(call.args[0], []), "all_to_all_single")
+    except Mismatch:
+        return True
 
 
 def _feeds_count_exchange(sort: Node) -> bool:

@@ -1,0 +1,193 @@
+"""uniep.ep_exchange on CPU: the token all-to-all, the local experts and the all-to-all back as one op, whose
+overlapped path (ep_overlap.exchange_forward/backward) runs the transfers beside the grouped GEMMs. 2 and 4
+gloo processes, the Triton kernels in the interpreter, symmetric memory stood in by shared files.
+
+The overlapped path must give the bits of the sequential steps it replaces (the same experts kernels over the
+received rows), for the op called directly with uneven split sizes and for a plain-PyTorch EP model compiled
+with backend="uniep" (examples/ep_moe.py), against the same compile with the exchange rewrite off."""
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_ep import gloo_group, run_workers
+from test_reference import GPT_OSS, SILU_GLU, make
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for symmetric memory; "
+                       "tests/test_gpu_ep.py runs the CUDA path"),
+]
+
+INTERPRETER = {"UNIEP_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+
+
+def _counts(routing: str, world: int, local_experts: int) -> torch.Tensor:
+    """[source, global expert] rows, the same on every rank."""
+    experts = world * local_experts
+    c = torch.randint(0, 5, (world, experts), generator=torch.Generator().manual_seed(3))
+    if routing == "one_rank_receives_nothing":
+        c[:, local_experts:2 * local_experts] = 0
+    elif routing == "idle_expert":  # one expert gets no row from anyone, one source sends nothing
+        c[:, 1] = 0
+        c[world - 1] = 0
+    elif routing == "empty":
+        c.zero_()
+    return c
+
+
+class _Spy:
+    """Counts the overlapped pipeline's phases on this rank."""
+
+    def __init__(self):
+        from uniep_dynamo import ep_overlap
+
+        self.calls, self._inner = 0, ep_overlap._exchange
+        ep_overlap._exchange = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._inner(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _group(rank, world, port, device):
+    """gloo with the interpreter on CPU; NCCL on GPU ``rank`` (tests/test_gpu_ep.py)."""
+    if device == "cpu":
+        with gloo_group(rank, world, port, **INTERPRETER):
+            yield torch.device("cpu"), torch.float32, 1
+    else:
+        from uniep_dynamo.ep import local_rank
+
+        with local_rank(rank, world, port) as dev:
+            yield dev, torch.bfloat16, 97  # bf16, and about a hundred times the rows
+
+
+def _op_worker(rank, world, port, routing, gate, device, out_dir):
+    with _group(rank, world, port, device) as (device, dtype, scale):
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo import ep_overlap
+
+        local_experts = 2 if device.type == "cpu" else 4
+        hidden, inter = (16, 12) if device.type == "cpu" else (512, 384)
+        c = _counts(routing, world, local_experts) * scale
+        block = c.view(world, world, local_experts)  # [source, destination rank, local expert]
+        send_sizes = block[rank].sum(1).tolist()
+        recv_sizes = block[:, rank].sum(1).tolist()
+        recv_counts = block[:, rank].clone()
+        bias = gate == GPT_OSS
+        _, _, _, w_up, w_down, b_up, b_down, spec = make(1, hidden, inter, local_experts, 1, gate=gate, dtype=dtype,
+                                                         layout="io" if bias else "oi", bias=bias, seed=10 + rank)
+        w_up, w_down, b_up, b_down = (t.to(device) if t is not None else None for t in (w_up, w_down, b_up, b_down))
+        recv_counts = recv_counts.to(device)
+        g = torch.Generator().manual_seed(20 + rank)
+        send = torch.randn(sum(send_sizes), hidden, generator=g).to(device, dtype)
+        grad = torch.randn(sum(send_sizes), hidden, generator=g).to(device, dtype)
+        group_name = dist.group.WORLD.group_name
+        spy = _Spy()
+        results = {}
+        for path in ("overlapped", "sequential"):
+            if path == "sequential":  # one rank cannot take the overlapped path, so no rank does
+                real = ep_overlap._exchange_unsupported
+                ep_overlap._exchange_unsupported = (lambda *a: "a test says so") if rank == world - 1 else real
+            leaves = [t.clone().requires_grad_() if t is not None else None for t in (send, w_up, w_down, b_up, b_down)]
+            back = torch.ops.uniep.ep_exchange(leaves[0], recv_counts, *leaves[1:], spec.encode(), group_name,
+                                               send_sizes, recv_sizes)[0]
+            back.backward(grad)
+            results[path] = [back.detach().cpu()] + [t.grad.cpu() if t is not None else None for t in leaves]
+            results[path + "_phases"] = spy.calls
+            spy.calls = 0
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world,routing,gate", [
+    (2, "random", SILU_GLU),
+    (4, "random", SILU_GLU),
+    (2, "random", GPT_OSS),  # [E, H, 2I] layout, interleaved clamped gate, biases
+    (4, "one_rank_receives_nothing", SILU_GLU),
+    (2, "idle_expert", SILU_GLU),
+    (2, "empty", SILU_GLU),
+], ids=lambda v: v if isinstance(v, (int, str)) and len(str(v)) < 30 else "gpt_oss" if v == GPT_OSS else "silu")
+def test_exchange_op_overlapped_equals_sequential(world, routing, gate, tmp_path):
+    """Rows back and the gradients of the rows and of every expert parameter: bitwise the sequential
+    steps', on every rank; the overlapped path ran (a forward and a backward phase) unless no row moves."""
+    check_op(run_workers(_op_worker, world, (routing, gate, "cpu"), tmp_path), routing)
+
+
+def check_op(ranks, routing):
+    for r in ranks:
+        assert r["sequential_phases"] == 0
+        assert r["overlapped_phases"] == (0 if routing == "empty" else 2)
+        for i, (a, b) in enumerate(zip(r["overlapped"], r["sequential"])):
+            assert (a is None) == (b is None), i
+            if a is not None:
+                assert torch.equal(a, b), i
+
+
+def test_exchange_op_refuses_inconsistent_sizes(tmp_path):
+    run_workers(_inconsistent_worker, 2, (), tmp_path)
+
+
+def _inconsistent_worker(rank, world, port, out_dir):
+    with gloo_group(rank, world, port, **INTERPRETER):
+        import uniep_dynamo  # noqa: F401
+
+        _, _, _, w_up, w_down, _, _, spec = make(1, 8, 4, 1, 1)
+        recv_counts = torch.tensor([[2], [3]])  # the sources say 2 and 2
+        with pytest.raises(ValueError, match="inconsistent split sizes"):
+            torch.ops.uniep.ep_exchange(torch.randn(4, 8), recv_counts, w_up, w_down, None, None, spec.encode(),
+                                        dist.group.WORLD.group_name, [2, 2], [2, 2])
+        torch.save({}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _model_worker(rank, world, port, device, out_dir):
+    with _group(rank, world, port, device) as (device, dtype, scale):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+        import uniep_dynamo
+        from ep_moe import ExpertParallelMoE
+
+        hidden, inter = (16, 12) if device.type == "cpu" else (512, 384)
+        torch.manual_seed(0)
+        model = ExpertParallelMoE(hidden, inter, 2 * world, 2)
+        with torch.no_grad():
+            for p in (model.gate_up_proj, model.down_proj):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) * 0.3)
+        model.to(device, dtype)
+        x = torch.randn((10 + 3 * rank) * scale, hidden, generator=torch.Generator().manual_seed(100 + rank))
+        x = x.to(device, dtype)
+        inner = "aot_eager" if device.type == "cpu" else "inductor"
+        spy = _Spy()
+        results = {}
+        for overlap in (True, False):
+            torch._dynamo.reset()
+            model.zero_grad()
+            xi = x.clone().requires_grad_()
+            compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner, "overlap_ep": overlap})
+            with uniep_dynamo.recording() as report:
+                out = compiled(xi)
+            out.square().mean().backward()
+            results[overlap] = {"tensors": [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]],
+                                "totals": report.totals(), "phases": spy.calls}
+            spy.calls = 0
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_compiled_plain_ep_model_exchange_equals_unfused(tmp_path):
+    """examples/ep_moe.py compiled: with the exchange rewrite, the graph after the host sync becomes one
+    uniep.ep_exchange (and the combine), and the output and every gradient are bitwise those of the same
+    compile with the all-to-alls and uniep.moe_experts left apart."""
+    check_model(run_workers(_model_worker, 2, ("cpu",), tmp_path, timeout=600))
+
+
+def check_model(ranks):
+    for r in ranks:
+        on, off = r[True], r[False]
+        assert on["totals"]["ep_exchange"] == 1 and off["totals"]["ep_exchange"] == 0, (on["totals"], off["totals"])
+        assert on["totals"]["ep_dispatch"] == off["totals"]["ep_dispatch"] == 1
+        assert on["phases"] == 2 and off["phases"] == 0
+        for i, (a, b) in enumerate(zip(on["tensors"], off["tensors"])):
+            assert torch.equal(a, b), i
