@@ -201,4 +201,4 @@ def test_compiled_plain_ep_model_exchange_on_gpus(world, tmp_path):
     from test_ep_exchange import _model_worker, check_model
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
-    check_model(run_workers(_model_worker, world, ("cuda",), tmp_path, timeout=600))
+    check_model(run_workers(_model_worker, world, ("cuda", "plain"), tmp_path, timeout=600))

@@ -271,12 +271,78 @@ class ExchangeMatch:
 
 
 def _waits_back(node: Node, chain: list) -> Node:
-    """Walk back over wait_tensor nodes (each read once) from `node`; returns the first node that is not one."""
-    while _is_op(node, "wait_tensor"):
+    """Walk back from `node` over wait_tensor nodes and pass-through autograd functions (each read once),
+    adding them to `chain`; returns the first node that is neither."""
+    while True:
+        if _is_op(node, "wait_tensor"):
+            _require(len(node.users) == 1, f"the received rows {node.name} are read {len(node.users)} times")
+            chain.append(node)
+            node = node.args[0]
+            continue
+        inner = _pass_through_input(node)
+        if inner is None:
+            return node
         _require(len(node.users) == 1, f"the received rows {node.name} are read {len(node.users)} times")
-        chain.append(node)
-        node = node.args[0]
+        chain.extend(_pass_through_nodes(node))
+        node = inner
+
+
+def _waits_forward(node: Node, chain: list) -> Node:
+    """Walk forward from `node` while its one reader is a wait_tensor or a pass-through autograd function."""
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if _is_op(user, "wait_tensor"):
+            chain.append(user)
+            node = user
+        elif gu.op_name(user) == "autograd_function_apply" and len(user.users) == 1:
+            get = next(iter(user.users))
+            if _pass_through_input(get) is not node:
+                break
+            chain.extend(_pass_through_nodes(get))
+            node = get
+        else:
+            break
     return node
+
+
+def _pass_through_input(node: Node):
+    """x, if `node` is getitem(autograd_function_apply(fwd, bwd, x), 0) of an autograd.Function whose forward
+    only waits on x and whose backward passes the gradient through (how torch 2.11's
+    all_to_all_single_autograd wraps its result, _FromTorchTensor); else None."""
+    if not (_is_op(node, "getitem") and node.args[1] == 0):
+        return None
+    apply = node.args[0]
+    if not (isinstance(apply, Node) and gu.op_name(apply) == "autograd_function_apply" and len(apply.users) == 1):
+        return None
+    fwd, bwd, *inputs = apply.args
+    if len(inputs) != 1 or not isinstance(inputs[0], Node):
+        return None
+    owner = apply.graph.owning_module
+    bodies = [getattr(owner, b.target, None) if isinstance(b, Node) and b.op == "get_attr" and owner is not None
+              else None for b in (fwd, bwd)]
+    if not all(isinstance(b, torch.fx.GraphModule) and _passes_through(b) for b in bodies):
+        return None
+    return inputs[0]
+
+
+def _pass_through_nodes(get: Node) -> list:
+    apply = get.args[0]
+    return [get, apply] + [b for b in apply.args[:2] if isinstance(b, Node) and len(b.users) == 1]
+
+
+def _passes_through(body: torch.fx.GraphModule) -> bool:
+    """Whether the body's first output is one of its inputs, through wait_tensor calls only, and it computes
+    nothing else (Dynamo brackets an autograd.Function's body with grad-mode switches)."""
+    nodes = list(body.graph.nodes)
+    if any(n.op not in ("placeholder", "output") and not _is_op(n, "wait_tensor", "_set_grad_enabled")
+           for n in nodes):
+        return False
+    result = next(n for n in nodes if n.op == "output").args[0]
+    while isinstance(result, (tuple, list)) and result:
+        result = result[0]
+    while _is_op(result, "wait_tensor"):
+        result = result.args[0]
+    return isinstance(result, Node) and result.op == "placeholder"
 
 
 def _same_sizes(a, b) -> bool:
@@ -309,16 +375,14 @@ def _match_exchange(call: Node, order_of: dict) -> ExchangeMatch:
     back_a2a = _only_user(out, "the experts' rows")
     _require(_is_op(back_a2a, "all_to_all_single") and back_a2a.args[0] is out and len(back_a2a.args) == 4
              and not back_a2a.kwargs, "the experts' rows do not go back through a functional all_to_all_single")
-    back, back_waits = back_a2a, []
-    while len(back.users) == 1 and _is_op(next(iter(back.users)), "wait_tensor"):
-        back = next(iter(back.users))
-        back_waits.append(back)
-    _require(back_waits, "the return all_to_all is not waited on")
+    back_waits = []
+    back = _waits_forward(back_a2a, back_waits)
+    _require(any(_is_op(n, "wait_tensor") for n in back_waits), "the return all_to_all is not waited on")
     # the arrival: all_to_all_single -> wait(s) -> the experts' rows
     _require(set(x.users) == {call}, f"the received rows {x.name} are read outside the experts")
     in_waits = []
     a2a = _waits_back(x, in_waits)
-    _require(in_waits, "the received rows are not waited on")
+    _require(any(_is_op(n, "wait_tensor") for n in in_waits), "the received rows are not waited on")
     _require(_is_op(a2a, "all_to_all_single") and len(a2a.args) == 4 and not a2a.kwargs,
              "the experts' rows do not come from a functional all_to_all_single")
     _require(len(a2a.users) == 1, "the all_to_all's result is read twice")
