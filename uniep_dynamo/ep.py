@@ -315,7 +315,8 @@ def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name,
     op (local expert ids ``arange(E_local).repeat(W).repeat_interleave(recv_counts)``, weight 1, spec ``spec``),
     and the results back the same way. On the overlapped path (ep_overlap.exchange_forward) the transfers run
     beside the grouped GEMMs, chunk by chunk, with the same bits. Returns (back, then what the backward reads:
-    the received rows, the up projection, the [W, W + 1] table of send sizes and paths)."""
+    the received rows, the up projection, and on the host the [W, W + 1 + E_local] table of send sizes, paths
+    and received counts, so that the backward does not synchronize again)."""
     from .ep_overlap import exchange_forward
 
     return exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
@@ -330,7 +331,7 @@ def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group
     world = recv_counts.shape[0]
     return (send.new_empty(send.shape[0], send.shape[1], dtype=s.out_dtype), send.new_empty(received, send.shape[1]),
             send.new_empty(received, up_width, dtype=w_up.dtype),
-            recv_counts.new_empty(world, world + 1, dtype=torch.int64))
+            torch.empty(world, world + 1 + recv_counts.shape[1], dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(),

@@ -587,21 +587,38 @@ def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -
     return reason
 
 
-def _exchange_host(table: torch.Tensor, recv_counts: torch.Tensor):
-    """(every rank's row [send sizes to each rank..., takes the overlapped path], this rank's received
-    counts [source][local expert]) on the host: one device-to-host copy."""
-    world, local_experts = recv_counts.shape
-    flat = torch.cat([table.reshape(-1), recv_counts.reshape(-1).to(table.dtype)]).tolist()
-    width = world + 1
-    rows = [flat[s * width:(s + 1) * width] for s in range(world)]
-    start = world * width
-    counts = [flat[start + s * local_experts:start + (s + 1) * local_experts] for s in range(world)]
-    return rows, counts
+def _exchange_host(table: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+    """The all-gathered [W, W + 1] table (every rank's send sizes to each rank, and whether it takes the
+    overlapped path) beside this rank's received counts, [W, W + 1 + E_local], on the host: one device-to-host
+    copy, the exchange's one synchronization. The backward reads it again from the host, without another."""
+    return torch.cat([table, recv_counts.to(table.dtype)], dim=1).cpu()
+
+
+def _split_host(host: torch.Tensor):
+    """(rows [s] = send sizes of rank s to each rank, then its flag; counts [s] = rows from s per local expert)."""
+    world = host.shape[0]
+    flat = host.tolist()
+    return [row[:world + 1] for row in flat], [row[world + 1:] for row in flat]
+
+
+_EXCHANGE_LAYOUTS: dict = {}
 
 
 def _exchange_layout(rows, counts, rank: int, local_experts: int, knobs: OverlapConfig, width: int) -> _Layout:
     """The _Layout of an exchange: source s's rows for rank r start after its rows for the ranks before r (the
-    split sizes), and within this rank's block they run expert by expert (the received counts)."""
+    split sizes), and within this rank's block they run expert by expert (the received counts). The last few
+    are cached by their host integers: a backward (and, with steady routing, the next step) reuses them."""
+    key = (tuple(map(tuple, rows)), tuple(map(tuple, counts)), rank, local_experts, knobs.chunk_experts(local_experts),
+           width, knobs.copy_block if knobs.copy_kernel else None)
+    layout = _EXCHANGE_LAYOUTS.get(key)
+    if layout is None:
+        layout = _EXCHANGE_LAYOUTS[key] = _build_exchange_layout(rows, counts, rank, local_experts, knobs, width)
+        while len(_EXCHANGE_LAYOUTS) > 8:
+            _EXCHANGE_LAYOUTS.pop(next(iter(_EXCHANGE_LAYOUTS)))
+    return layout
+
+
+def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: OverlapConfig, width: int) -> _Layout:
     world = len(rows)
     per_expert = []
     for s in range(world):
@@ -649,8 +666,9 @@ def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
 def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
                      knobs: OverlapConfig | None = None):
     """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
-    received rows and the up projection (the overlapped path's, in its layout), and the [W, W + 1] table of
-    every rank's send sizes and whether it takes the overlapped path.
+    received rows and the up projection (the overlapped path's, in its layout), and on the host the
+    [W, W + 1 + E_local] table of every rank's send sizes, whether it takes the overlapped path, and the rows
+    this rank receives from it per local expert.
 
     Every rank all-gathers its send sizes with that flag; the overlapped path runs only where every rank takes
     it (the ranks meet in its barriers), else the sequential steps the rewrite replaced: the all-to-all, the
@@ -667,8 +685,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     mine = torch.tensor(list(send_sizes) + [int(reason is None)], dtype=torch.int64).to(device)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts)
-    rows, counts = _exchange_host(table, recv_counts)
+    table = _exchange_host(torch.stack(parts), recv_counts)
+    rows, counts = _split_host(table)
     if not all(row[world] for row in rows):
         why = reason or "another rank cannot take it"
         if ("ep_exchange", why) not in megakernel._LOGGED and send.is_cuda:
@@ -708,7 +726,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
     grad_back = grad_back.contiguous()
-    rows, counts = _exchange_host(table, recv_counts)
+    rows, counts = _split_host(table)
     if not all(row[world] for row in rows):
         # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
