@@ -10,6 +10,8 @@ it. Providers, on the same module and inputs:
              in the second, the token all-to-all, the experts and the all-to-all back become one
              uniep.ep_exchange (transfers beside the GEMMs, as in uniep_overlap_* below) and the combine
              uniep.ep_combine
+  uniep_kernel  the same with options={"ep_knobs": {"copy_engine": False, "copy_kernel": True}}: the exchange's
+             transfers on the SMs through uniep's Triton transfer kernel
   uniep_sequential  the same compile with options={"overlap_ep": False}: the token all-to-alls stay NCCL
              all_to_all_single around uniep.moe_experts
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
@@ -54,7 +56,7 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
-PROVIDERS = ("eager", "inductor", "uniep", "uniep_sequential", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_kernel",
+PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_sequential", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_kernel",
              "uniep_overlap_off", "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only",
              "overlap_kernel_comm_only")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False},
@@ -179,7 +181,10 @@ def _worker(rank, world, port, args, out_path):
                 if provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif provider.startswith("uniep"):
-                    run = torch.compile(module, backend="uniep", options={"overlap_ep": provider == "uniep"})
+                    options = {"overlap_ep": provider != "uniep_sequential"}
+                    if provider == "uniep_kernel":
+                        options["ep_knobs"] = {"copy_engine": False, "copy_kernel": True}
+                    run = torch.compile(module, backend="uniep", options=options)
                 else:
                     run = module if provider == "eager" else torch.compile(module, backend="inductor")
 
@@ -219,7 +224,7 @@ def _worker(rank, world, port, args, out_path):
                              "rewrites": {k: v for k, v in counters["uniep"].items()}})
                 if rank == 0:
                     print(f"{shape:14s} {provider:20s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
-                          f"{dict(counters['uniep']) if provider in ('uniep', 'uniep_sequential') else ''}", flush=True)
+                          f"{dict(counters['uniep']) if provider.startswith('uniep') else ''}", flush=True)
             del layer, module
             liger = None
         if rank == 0:

@@ -90,13 +90,17 @@ def _op_worker(rank, world, port, routing, gate, device, out_dir):
         group_name = dist.group.WORLD.group_name
         spy = _Spy()
         results = {}
-        for path in ("overlapped", "sequential"):
+        # the overlapped path with its defaults, and with the transfer kernel over one chunk (the knobs the compile
+        # rewrite passes from options={"ep_knobs": ...})
+        knobs = {"overlapped": "", "overlapped_kernel": '{"chunks": 1, "copy_engine": false, "copy_kernel": true}',
+                 "sequential": ""}
+        for path in knobs:
             if path == "sequential":  # one rank cannot take the overlapped path, so no rank does
                 real = ep_overlap._exchange_unsupported
                 ep_overlap._exchange_unsupported = (lambda *a: "a test says so") if rank == world - 1 else real
             leaves = [t.clone().requires_grad_() if t is not None else None for t in (send, w_up, w_down, b_up, b_down)]
             back = torch.ops.uniep.ep_exchange(leaves[0], recv_counts, *leaves[1:], spec.encode(), group_name,
-                                               send_sizes, recv_sizes)[0]
+                                               send_sizes, recv_sizes, knobs[path])[0]
             back.backward(grad)
             results[path] = [back.detach().cpu()] + [t.grad.cpu() if t is not None else None for t in leaves]
             results[path + "_phases"] = spy.calls
@@ -121,11 +125,12 @@ def test_exchange_op_overlapped_equals_sequential(world, routing, gate, tmp_path
 def check_op(ranks, routing):
     for r in ranks:
         assert r["sequential_phases"] == 0
-        assert r["overlapped_phases"] == (0 if routing == "empty" else 2)
-        for i, (a, b) in enumerate(zip(r["overlapped"], r["sequential"])):
-            assert (a is None) == (b is None), i
-            if a is not None:
-                assert torch.equal(a, b), i
+        for path in ("overlapped", "overlapped_kernel"):
+            assert r[path + "_phases"] == (0 if routing == "empty" else 2), path
+            for i, (a, b) in enumerate(zip(r[path], r["sequential"])):
+                assert (a is None) == (b is None), (path, i)
+                if a is not None:
+                    assert torch.equal(a, b), (path, i)
 
 
 def test_exchange_op_refuses_inconsistent_sizes(tmp_path):

@@ -39,6 +39,8 @@ class UniepOptions:
     # graph holds all three, become one uniep.ep_exchange, whose transfers run beside the grouped GEMMs
     # (ep_overlap.py); False keeps the all-to-alls and uniep.moe_experts apart
     overlap_ep: bool = True
+    # OverlapConfig fields for those exchanges (ep_overlap.py), e.g. {"chunks": 8, "copy_kernel": True}
+    ep_knobs: dict = field(default_factory=dict)
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
     # through the same graph (retain_graph=True) then raises. False keeps them intact.
@@ -52,6 +54,10 @@ class UniepOptions:
         if unknown:
             raise ValueError(f"uniep: unknown option(s) {unknown}; known options are {sorted(known)}")
         opts = cls(**options)
+        if opts.ep_knobs:
+            from .ep_overlap import OverlapConfig
+
+            OverlapConfig(**opts.ep_knobs)  # a bad field or value fails here, at compile time
         if isinstance(opts.inner_backend, str) and opts.inner_backend not in INNER_BACKENDS:
             raise ValueError(f"uniep: inner_backend {opts.inner_backend!r} is not one of {INNER_BACKENDS} "
                              "(or pass a backend callable)")
@@ -95,7 +101,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     ep_matches.sort(key=lambda m: list(lower_ep).index(m.op))
     for match in ep_matches:
         replaced = [n.name for n in match.nodes]
-        call = lower_ep[match.op](gm, match)
+        call = lower_ep[match.op](gm, match, opts.ep_knobs) if match.op == "ep_exchange" else \
+            lower_ep[match.op](gm, match)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"][match.op] += 1
         log.info("uniep: rewrote %s (%d nodes) into uniep.%s [%s]", match.module, len(match.nodes), match.op,

@@ -304,27 +304,31 @@ ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_con
 # ---- the token all-to-all, the local experts and the all-to-all back, as one op ------------------------------
 
 _EXCHANGE_SCHEMA = ("(Tensor send, Tensor recv_counts, Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, "
-                    "str spec, str group_name, SymInt[] send_sizes, SymInt[] recv_sizes) "
+                    "str spec, str group_name, SymInt[] send_sizes, SymInt[] recv_sizes, str knobs=\"\") "
                     "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("uniep::ep_exchange", mutates_args=(), schema=_EXCHANGE_SCHEMA)
-def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes):
+def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, knobs=""):
     """``back = all_to_all(experts(all_to_all(send)))``: this rank's rows [S, H] (in the order the dispatch sorted
     them) to the local experts' ranks by ``send_sizes``, rows from every rank by ``recv_sizes`` into the experts
     op (local expert ids ``arange(E_local).repeat(W).repeat_interleave(recv_counts)``, weight 1, spec ``spec``),
-    and the results back the same way. On the overlapped path (ep_overlap.exchange_forward) the transfers run
+    and the results back the same way. ``knobs``: OverlapConfig fields as JSON ("" for the defaults). On the
+    overlapped path (ep_overlap.exchange_forward) the transfers run
     beside the grouped GEMMs, chunk by chunk, with the same bits. Returns (back, then what the backward reads:
     the received rows, the up projection, and on the host the [W, W + 1 + E_local] table of send sizes, paths
     and received counts, so that the backward does not synchronize again)."""
     from .ep_overlap import exchange_forward
 
+    from .ep_overlap import knobs_from_json
+
     return exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
-                            send_sizes, recv_sizes)
+                            send_sizes, recv_sizes, knobs_from_json(knobs))
 
 
 @ep_exchange.register_fake
-def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes):
+def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes,
+                      knobs=""):
     s = decode_spec(spec)
     received = sum(recv_sizes)
     up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
@@ -337,42 +341,43 @@ def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group
 @torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(),
                          schema="(Tensor grad_back, Tensor x, Tensor up, Tensor recv_counts, Tensor table, Tensor w_up, "
                                 "Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, "
-                                "SymInt[] send_sizes, SymInt[] recv_sizes) -> (Tensor, Tensor, Tensor, Tensor[])")
+                                "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs) -> (Tensor, Tensor, Tensor, Tensor[])")
 def ep_exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
-                         send_sizes, recv_sizes):
+                         send_sizes, recv_sizes, knobs):
     """(d_send, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given])."""
-    from .ep_overlap import exchange_backward
+    from .ep_overlap import exchange_backward, knobs_from_json
 
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
-        send_sizes, recv_sizes)
+        send_sizes, recv_sizes, knobs_from_json(knobs))
     return d_send, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 
 
 @ep_exchange_backward.register_fake
 def _ep_exchange_backward_fake(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
-                               send_sizes, recv_sizes):
+                               send_sizes, recv_sizes, knobs):
     return (torch.empty_like(grad_back), torch.empty_like(w_up), torch.empty_like(w_down),
             [torch.empty_like(b) for b in (b_up, b_down) if b is not None])
 
 
 def _exchange_setup_context(ctx, inputs, output):
-    send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes = inputs
+    send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, *knobs = inputs
     ctx.save_for_backward(output[1], output[2], recv_counts, output[3], w_up, w_down, b_up, b_down)
-    ctx.args = (spec, group_name, send_sizes, recv_sizes)
+    ctx.args = (spec, group_name, send_sizes, recv_sizes, knobs[0] if knobs else "")
+    ctx.num_inputs = len(inputs)
     ctx.has_bias = (b_up is not None, b_down is not None)
 
 
 def _exchange_backward(ctx, grad_back, *_unused):
     x, up, recv_counts, table, w_up, w_down, b_up, b_down = ctx.saved_tensors
     if grad_back is None:
-        return (None,) * 10
+        return (None,) * ctx.num_inputs
     d_send, d_w_up, d_w_down, d_biases = torch.ops.uniep.ep_exchange_backward(
         grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, *ctx.args)
     it = iter(d_biases)
     d_b_up = next(it) if ctx.has_bias[0] else None
     d_b_down = next(it) if ctx.has_bias[1] else None
-    return d_send, None, d_w_up, d_w_down, d_b_up, d_b_down, None, None, None, None
+    return (d_send, None, d_w_up, d_w_down, d_b_up, d_b_down) + (None,) * (ctx.num_inputs - 6)
 
 
 ep_exchange.register_autograd(_exchange_backward, setup_context=_exchange_setup_context)

@@ -575,6 +575,19 @@ def _default_knobs(hidden, topk_ids, w_up, w_down, spec, group) -> OverlapConfig
 # the host read and the per-(source, local expert) counts of the count exchange. The same windows, chunks and
 # transfers as above; only the layout comes from those sizes instead of an all-gathered routing table.
 
+def knobs_from_json(text: str) -> OverlapConfig:
+    """OverlapConfig from the JSON object of its fields the compile rewrite passes ("" for the defaults)."""
+    if not text:
+        return OverlapConfig()
+    import json
+
+    fields = json.loads(text)
+    if not isinstance(fields, dict) or "timing" in fields:
+        raise ValueError(f"uniep: EP overlap knobs {text!r} must be a JSON object of OverlapConfig's scheduling "
+                         "fields")
+    return OverlapConfig(**fields)
+
+
 def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -> str | None:
     """None if this rank can run the overlapped exchange, else why the sequential steps run."""
     from .kernels import megakernel

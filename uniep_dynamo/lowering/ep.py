@@ -48,12 +48,15 @@ def lower_combine(gm: GraphModule, match: CombineMatch) -> torch.fx.Node:
     return call
 
 
-def lower_exchange(gm: GraphModule, match: ExchangeMatch) -> torch.fx.Node:
+def lower_exchange(gm: GraphModule, match: ExchangeMatch, knobs: dict | None = None) -> torch.fx.Node:
+    import json
+
     graph = gm.graph
     with graph.inserting_after(match.back):
         call = graph.call_function(torch.ops.uniep.ep_exchange.default,
                                    (match.send, match.recv_counts, match.w_up, match.w_down, match.b_up, match.b_down,
-                                    match.experts_spec, match.group_name, match.send_sizes, match.recv_sizes))
+                                    match.experts_spec, match.group_name, match.send_sizes, match.recv_sizes,
+                                    json.dumps(knobs, sort_keys=True) if knobs else ""))
     with graph.inserting_after(call):
         back = graph.call_function(operator.getitem, (call, 0))
     take_place(match.back, back, call)
