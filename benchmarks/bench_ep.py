@@ -6,14 +6,15 @@ experts (stable sort, histc offsets, torch._grouped_mm), the way HF's AllToAllEP
 it. Providers, on the same module and inputs:
   eager      as written
   inductor   torch.compile(layer): the sequential path (NCCL all_to_all_single + torch._grouped_mm)
-  uniep      torch.compile(layer, backend="uniep"): uniep.moe_router and uniep.ep_dispatch in the first graph;
+  uniep      torch.compile(layer, backend="uniep", options={"overlap_ep": True}): uniep.moe_router and
+             uniep.ep_dispatch in the first graph;
              in the second, the token all-to-all, the experts and the all-to-all back become one
              uniep.ep_exchange (transfers beside the GEMMs, as in uniep_overlap_* below) and the combine
              uniep.ep_combine
   uniep_kernel  the same with options={"ep_knobs": {"copy_engine": False, "copy_kernel": True}}: the exchange's
              transfers on the SMs through uniep's Triton transfer kernel
-  uniep_sequential  the same compile with options={"overlap_ep": False}: the token all-to-alls stay NCCL
-             all_to_all_single around uniep.moe_experts
+  uniep_sequential  the same compile with uniep's default options (overlap_ep=False): the token all-to-alls
+             stay NCCL all_to_all_single around uniep.moe_experts
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
              (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory, copy-engine copies on
              their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)

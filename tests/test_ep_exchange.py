@@ -194,21 +194,24 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
             for p in (model.gate_up_proj, model.down_proj):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) * 0.3)
         model.to(device, dtype)
-        x = torch.randn((10 + 3 * rank) * scale, hidden, generator=torch.Generator().manual_seed(100 + rank))
-        x = x.to(device, dtype)
+        # two steps with other token counts: the second compiles the graphs again with dynamic split sizes
+        xs = [torch.randn((tokens + 3 * rank) * scale, hidden, generator=torch.Generator().manual_seed(100 + rank))
+              .to(device, dtype) for tokens in (10, 7)]
         inner = "aot_eager" if device.type == "cpu" else "inductor"
         spy = _Spy()
         results = {}
         for overlap in (True, False):
             torch._dynamo.reset()
-            model.zero_grad()
-            xi = x.clone().requires_grad_()
             compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner, "overlap_ep": overlap})
+            tensors = []
             with uniep_dynamo.recording() as report:
-                out = compiled(xi)
-            out.square().mean().backward()
-            results[overlap] = {"tensors": [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]],
-                                "totals": report.totals(), "phases": spy.calls}
+                for x in xs:
+                    model.zero_grad()
+                    xi = x.clone().requires_grad_()
+                    out = compiled(xi)
+                    out.square().mean().backward()
+                    tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
+            results[overlap] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls}
             spy.calls = 0
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -227,9 +230,11 @@ def test_compiled_plain_ep_model_exchange_equals_unfused(spelling, tmp_path):
 def check_model(ranks, exchanges=1):
     for r in ranks:
         on, off = r[True], r[False]
-        assert on["totals"]["ep_exchange"] == exchanges and off["totals"]["ep_exchange"] == 0, \
+        # each of the two steps compiles its graphs (the second with dynamic split sizes) and runs a forward and
+        # a backward phase
+        assert on["totals"]["ep_exchange"] == 2 * exchanges and off["totals"]["ep_exchange"] == 0, \
             (on["totals"], off["totals"])
-        assert on["totals"]["ep_dispatch"] == off["totals"]["ep_dispatch"] == 1
-        assert on["phases"] == 2 * exchanges and off["phases"] == 0
+        assert on["totals"]["ep_dispatch"] == off["totals"]["ep_dispatch"] == 2
+        assert on["phases"] == 4 * exchanges and off["phases"] == 0
         for i, (a, b) in enumerate(zip(on["tensors"], off["tensors"])):
             assert torch.equal(a, b), i

@@ -315,14 +315,18 @@ def _pass_through_input(node: Node):
     if not (isinstance(apply, Node) and gu.op_name(apply) == "autograd_function_apply" and len(apply.users) == 1):
         return None
     fwd, bwd, *inputs = apply.args
-    if len(inputs) != 1 or not isinstance(inputs[0], Node):
+    # with dynamic shapes Dynamo also passes the sizes' symbols in
+    tensors = [a for a in inputs if gu.tensor_meta(a) is not None]
+    if len(tensors) != 1 or any(not isinstance(gu.example(a), (int, torch.SymInt)) for a in inputs
+                                if a is not tensors[0]):
         return None
     owner = apply.graph.owning_module
     bodies = [getattr(owner, b.target, None) if isinstance(b, Node) and b.op == "get_attr" and owner is not None
               else None for b in (fwd, bwd)]
-    if not all(isinstance(b, torch.fx.GraphModule) and _passes_through(b) for b in bodies):
+    if not all(isinstance(b, torch.fx.GraphModule) for b in bodies) or not _passes_through(bodies[0], False) \
+            or not _passes_through(bodies[1], True):
         return None
-    return inputs[0]
+    return tensors[0]
 
 
 def _pass_through_nodes(get: Node) -> list:
@@ -330,8 +334,9 @@ def _pass_through_nodes(get: Node) -> list:
     return [get, apply] + [b for b in apply.args[:2] if isinstance(b, Node) and len(b.users) == 1]
 
 
-def _passes_through(body: torch.fx.GraphModule) -> bool:
-    """Whether the body's first output is one of its inputs, through wait_tensor calls only, and it computes
+def _passes_through(body: torch.fx.GraphModule, backward: bool) -> bool:
+    """Whether the body returns its tensor input (forward; its sizes' symbols may come in and go out as saved
+    values) or its incoming gradient (backward: the first input), through wait_tensor calls only, and computes
     nothing else (Dynamo brackets an autograd.Function's body with grad-mode switches)."""
     nodes = list(body.graph.nodes)
     if any(n.op not in ("placeholder", "output") and not _is_op(n, "wait_tensor", "_set_grad_enabled")
@@ -339,10 +344,19 @@ def _passes_through(body: torch.fx.GraphModule) -> bool:
         return False
     result = next(n for n in nodes if n.op == "output").args[0]
     while isinstance(result, (tuple, list)) and result:
-        result = result[0]
+        # the forward's (outputs, saved); the backward's one gradient per input, None for the sizes
+        given = [r for r in result if r is not None]
+        if len(given) != 1 and not isinstance(result[0], (tuple, list)):
+            return False
+        result = result[0] if isinstance(result[0], (tuple, list)) or len(given) != 1 else given[0]
     while _is_op(result, "wait_tensor"):
         result = result.args[0]
-    return isinstance(result, Node) and result.op == "placeholder"
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if backward:
+        return bool(placeholders) and result is placeholders[0]
+    sizes = (int, torch.SymInt)
+    return result in placeholders and all(isinstance(gu.example(p), sizes) for p in placeholders if p is not result) \
+        and not isinstance(gu.example(result), sizes)
 
 
 def _same_sizes(a, b) -> bool:
