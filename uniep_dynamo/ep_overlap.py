@@ -444,6 +444,44 @@ def _table(offsets: torch.Tensor, num_tokens: int, group):
     return [row[:-1] for row in table], [row[-1] for row in table]
 
 
+def _forward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, fill) -> _Window:
+    """The forward's transfers and GEMMs: fill(window) writes this rank's rows into the window's ``send``, then
+    every chunk is pulled into ``x``, runs its up and down GEMMs (``up`` keeps the up projection) and is pushed
+    back. Returns the window whose ``back`` holds this rank's result rows, in its send order."""
+    size, device = x.shape[1], x.device
+    win_x = _window(group, layout.capacity, size, x.dtype, device)
+    win_y = _window(group, layout.capacity, size, chunks.w_down.dtype, device)
+    fill(win_x)
+    win_x.barrier()
+    scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
+               "down": torch.empty(layout.rows, size, dtype=chunks.w_down.dtype, device=device)}
+    _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]),
+              knobs, device)
+    scratch.clear()  # after _exchange joined the streams that read them
+    return win_y
+
+
+def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, dy_dtype, grads,
+                    fill) -> _Window:
+    """The backward's transfers and GEMMs: fill(window) writes this rank's output-gradient rows into the
+    window's ``send``; every chunk's rows are pulled, run the input- and weight-gradient GEMMs (the weight and
+    bias gradients into ``grads``) and the input-gradient rows are pushed back. Returns the window whose
+    ``back`` holds this rank's input-gradient rows, in its send order."""
+    size, device = x.shape[1], x.device
+    win_dy = _window(group, layout.capacity, size, dy_dtype, device)
+    win_dx = _window(group, layout.capacity, size, chunks.w_up.dtype, device)
+    fill(win_dy)
+    win_dy.barrier()
+    scratch = {"dy": _receive_buffer("dy", layout.rows, size, dy_dtype, device, knobs),
+               "act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
+               "d_up": torch.empty_like(up),
+               "d_x": torch.empty(layout.rows, size, dtype=chunks.w_up.dtype, device=device)}
+    _exchange(layout, table, win_dy, win_dx, scratch["dy"],
+              lambda c: chunks.backward(c, x, up, grads=grads, **scratch), knobs, device)
+    scratch.clear()
+    return win_dx
+
+
 class _OverlapEP(torch.autograd.Function):
 
     @staticmethod
@@ -469,24 +507,18 @@ class _OverlapEP(torch.autograd.Function):
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")
-        down_dtype = w_down.dtype
         ctx.layout, ctx.chunks, ctx.table, ctx.spec, ctx.group, ctx.knobs = layout, chunks, table, spec, group, knobs
         ctx.shape = (num_tokens, top_k)
         if layout.capacity == 0:  # no rank has a token
             ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, None, None, None)
             return hidden.new_zeros(num_tokens, size, dtype=spec.out_dtype)
-        win_x = _window(group, layout.capacity, size, hidden.dtype, device)
-        win_y = _window(group, layout.capacity, size, down_dtype, device)
-        if win_x is not early:  # not gathered above (no window, or one too small, which _window replaced)
-            gather_rows(hidden, row_order, top_k, out=win_x.send(rank)[:slots])
-        win_x.barrier()
         x = _receive_buffer("x", layout.rows, size, hidden.dtype, device, knobs)
         up = torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
-        scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=down_dtype, device=device),
-                   "down": torch.empty(layout.rows, size, dtype=down_dtype, device=device)}
-        _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]),
-                  knobs, device)
-        scratch.clear()  # after _exchange joined the streams that read them
+
+        def fill(win):
+            if win is not early:  # not gathered above (no window, or one too small, which _window replaced)
+                gather_rows(hidden, row_order, top_k, out=win.send(rank)[:slots])
+        win_y = _forward_phase(layout, table, chunks, group, knobs, x, up, fill)
         rows = win_y.back(rank)[:slots]
         out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype)
         routed = layout.send_start[rank][-1]
@@ -502,7 +534,6 @@ class _OverlapEP(torch.autograd.Function):
         layout, chunks, group, knobs = ctx.layout, ctx.chunks, ctx.group, ctx.knobs
         w_up, w_down, b_up, b_down = chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down
         num_tokens, top_k = ctx.shape
-        device = hidden.device
         # every chunk writes its experts' gradients (zeros for a chunk without rows)
         grads = [torch.empty_like(w_up), torch.empty_like(w_down),
                  torch.empty_like(b_up) if b_up is not None else None,
@@ -511,21 +542,13 @@ class _OverlapEP(torch.autograd.Function):
             grads = [g.zero_() if g is not None else None for g in grads]
             return (torch.zeros_like(hidden), torch.zeros_like(weights), *grads, None, None, None, None)
         rank = layout.rank
-        size = hidden.shape[1]
         slots = num_tokens * top_k
         grad_out = grad_out.contiguous()
         d_weights = routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype)
-        win_dy = _window(group, layout.capacity, size, grad_out.dtype, device)
-        win_dx = _window(group, layout.capacity, size, w_up.dtype, device)
-        gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(), out=win_dy.send(rank)[:slots])
-        win_dy.barrier()
-        scratch = {"dy": _receive_buffer("dy", layout.rows, size, grad_out.dtype, device, knobs),
-                   "act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
-                   "d_up": torch.empty_like(up),
-                   "d_x": torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)}
-        _exchange(layout, ctx.table, win_dy, win_dx, scratch["dy"],
-                  lambda c: chunks.backward(c, x, up, grads=grads, **scratch), knobs, device)
-        scratch.clear()
+        win_dx = _backward_phase(
+            layout, ctx.table, chunks, group, knobs, x, up, grad_out.dtype, grads,
+            lambda win: gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(),
+                                    out=win.send(rank)[:slots]))
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
         return (d_hidden, d_weights, *grads, None, None, None, None)
 
@@ -671,9 +694,10 @@ def _local_ids(recv_counts, rows: int):
 
 
 def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
+    """(ids, weights, the experts op's outputs) over the received rows, as the replaced graph ran it."""
     ids = _local_ids(recv_counts, x.shape[0])
-    return torch.ops.uniep.moe_experts(x, ids, torch.ones_like(ids, dtype=x.dtype), w_up, w_down, b_up, b_down, [],
-                                       spec)[0]
+    ones = torch.ones_like(ids, dtype=x.dtype)
+    return ids, ones, torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec)
 
 
 def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
@@ -706,7 +730,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
             megakernel._LOGGED.add(("ep_exchange", why))
             megakernel.log.warning("uniep: the overlapped EP exchange runs the sequential steps instead: %s", why)
         x = _all_to_all(send, recv_sizes, send_sizes, group)
-        back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec), send_sizes,
+        back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec)[2][0], send_sizes,
                            recv_sizes, group)
         return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
     _check_exchange(rows, counts, rank, send_sizes, recv_sizes, send.shape[0])
@@ -718,15 +742,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     up = torch.empty(layout.rows, up_width, dtype=w_up.dtype, device=device)
     if layout.capacity == 0:  # no rank sends a row
         return send.new_empty(0, size), x, up, table
-    win_x = _window(group, layout.capacity, size, send.dtype, device)
-    win_y = _window(group, layout.capacity, size, w_down.dtype, device)
-    win_x.send(rank)[:send.shape[0]].copy_(send)
-    win_x.barrier()
-    scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
-               "down": torch.empty(layout.rows, size, dtype=w_down.dtype, device=device)}
-    _exchange(layout, transfers, win_x, win_y, x,
-              lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]), knobs, device)
-    scratch.clear()
+    win_y = _forward_phase(layout, transfers, chunks, group, knobs, x, up,
+                           lambda win: win.send(rank)[:send.shape[0]].copy_(send))
     return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
 
 
@@ -743,10 +760,8 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     if not all(row[world] for row in rows):
         # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
-        ids = _local_ids(recv_counts, x.shape[0])
-        ones = torch.ones_like(ids, dtype=x.dtype)
-        _, row_order, slot_row, offsets, up_rows, down_rows = torch.ops.uniep.moe_experts(
-            x, ids, ones, w_up, w_down, b_up, b_down, [], spec)
+        ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
+            x, recv_counts, w_up, w_down, b_up, b_down, spec)
         d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
             d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
             spec)
@@ -761,15 +776,6 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
                                                             for b in (b_up, b_down)]
     if layout.capacity == 0:
         return (grad_back.new_zeros(0, size), *[g.zero_() if g is not None else None for g in grads])
-    win_dy = _window(group, layout.capacity, size, grad_back.dtype, device)
-    win_dx = _window(group, layout.capacity, size, w_up.dtype, device)
-    win_dy.send(rank)[:grad_back.shape[0]].copy_(grad_back)
-    win_dy.barrier()
-    scratch = {"dy": _receive_buffer("dy", layout.rows, size, grad_back.dtype, device, knobs),
-               "act": torch.empty(layout.rows, chunks.inter, dtype=w_down.dtype, device=device),
-               "d_up": torch.empty_like(up),
-               "d_x": torch.empty(layout.rows, size, dtype=w_up.dtype, device=device)}
-    _exchange(layout, transfers, win_dy, win_dx, scratch["dy"],
-              lambda c: chunks.backward(c, x, up, grads=grads, **scratch), knobs, device)
-    scratch.clear()
+    win_dx = _backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype, grads,
+                             lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
     return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)
