@@ -37,8 +37,16 @@ def main():
     parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--gemms", default="up,down,grad_act,grad_input,wgrad_up,wgrad_down")
+    parser.add_argument("--tma", default="off", choices=("off", "on", "both"),
+                        help="the row GEMMs' tiles by pointer loads (off), tensor descriptors (on), or each")
+    parser.add_argument("--top", type=int, default=0,
+                        help="only the first N tile candidates (the list starts with the ones that won before)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sweep_megakernel.json"))
     args = parser.parse_args()
+    import dataclasses
+
+    candidates = CANDIDATES[:args.top] if args.top else CANDIDATES
+    variants = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
     dtype, dev = torch.bfloat16, "cuda"
     silu = encode("chunk", SILU_GLU_EXPR)
     results = []
@@ -99,20 +107,22 @@ def main():
                 print(json.dumps({"shape": name, "gemm": gemm, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}))
                 continue
             flops, launch = launches[gemm]
-            rows = []
-            for bm, bn, bk, warps, stages in CANDIDATES:
-                cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                try:
-                    ms = time_cuda(lambda: launch(cfg), iters=10, warmup=2)
-                    rows.append({"config": [bm, bn, bk, warps, stages], "ms": round(ms, 4),
-                                 "tflops": round(flops / ms / 1e9, 1)})
-                except Exception as exc:  # noqa: BLE001
-                    rows.append({"config": [bm, bn, bk, warps, stages], "error": repr(exc)[:120]})
-            ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-            best = ok[0] if ok else None
-            print(json.dumps({"shape": name, "gemm": gemm, "best": best,
-                              "all": [(r["config"], r.get("tflops", r.get("error"))) for r in rows]}), flush=True)
-            results.append({"shape": name, "gemm": gemm, "rows": rows})
+            for tma in variants:
+                layer.config = dataclasses.replace(layer.config, tma=tma)
+                rows = []
+                for bm, bn, bk, warps, stages in candidates:
+                    cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = time_cuda(lambda: launch(cfg), iters=10, warmup=2)
+                        rows.append({"config": [bm, bn, bk, warps, stages], "ms": round(ms, 4),
+                                     "tflops": round(flops / ms / 1e9, 1)})
+                    except Exception as exc:  # noqa: BLE001
+                        rows.append({"config": [bm, bn, bk, warps, stages], "error": repr(exc)[:120]})
+                ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+                best = ok[0] if ok else None
+                print(json.dumps({"shape": name, "gemm": gemm, "tma": tma, "best": best,
+                                  "all": [(r["config"], r.get("tflops", r.get("error"))) for r in rows]}), flush=True)
+                results.append({"shape": name, "gemm": gemm, "tma": tma, "rows": rows})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -12,7 +12,7 @@ Numerics contract (what a tuner may change freely):
   rounding. ``act_grad_in_epilogue`` takes the activation backward from the fp32 accumulator instead
   of the rounded GEMM output. These two are the "numerics knobs".
 - Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
-  ``num_programs`` (persistent grid size), ``fuse_gather`` -- only schedules the same arithmetic:
+  ``num_programs`` (persistent grid size), ``fuse_gather``, ``pack_gate_up``, ``tma`` -- only schedules the same arithmetic:
   each output element is the same chain of ``block_k``-wide MMAs in the same order, the combine and
   the routing-weight gradient run in fixed-configuration kernels, and no reduction is split across
   programs. Results are bitwise identical across their values (tests/test_gpu.py holds this).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs")
-LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up")
+LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
 
@@ -71,6 +71,11 @@ class MegaKernelConfig:
     # Gated up projection: one accumulator over a packed [gate block | up block] weight tile (True),
     # or two accumulators (False). Bitwise the same; packing issues one wide MMA per K step.
     pack_gate_up: bool = True
+    # Load the row GEMMs' operand tiles with Hopper's bulk tensor copies (Triton tensor descriptors)
+    # instead of pointer loads, where the operands allow it (contiguous rows, 16-byte strides, K a
+    # multiple of block_k, no fused gather, no interleaved gate). The gated up projection then takes its
+    # two halves in two accumulators. The same tiles reach the same MMAs: bitwise the same.
+    tma: bool = False
     # Activation backward in the activation-gradient GEMM's epilogue, from its fp32 accumulator (True),
     # or as an element-wise pass over its output rounded to the storage dtype (False, the reference's
     # rounding; measured faster on an H200 because the epilogue's register pressure slows the GEMM).

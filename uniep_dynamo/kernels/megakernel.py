@@ -204,6 +204,25 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     grid = _grid(upper, cfg)
     d = d if d is not None else c
     h = h if h is not None else c
+    a_desc = b_desc = None
+    b_kmajor, b_expert_rows = False, 0
+    packed = two_halves and epilogue == GLU_FWD and layer.config.pack_gate_up
+    if layer.config.tma and k % cfg.block_k == 0 and _tma_available(a):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if not gather and _tma_2d(a, a.shape[0], a.stride(0), a.stride(1)):
+            a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+        e, kb, nb = b.shape
+        if col_mult == 1 and cfg.block_n <= 256 and cfg.block_k <= 256:
+            if _tma_2d(b, e * kb, b.stride(1), b.stride(2)) and b.stride(0) == kb * b.stride(1):
+                b_desc = TensorDescriptor(b, [e * kb, nb], [b.stride(1), 1], [cfg.block_k, cfg.block_n])
+                b_expert_rows = kb
+            elif _tma_2d(b, e * nb, b.stride(2), b.stride(1)) and b.stride(0) == nb * b.stride(2) and \
+                    (not layer.interpret or TMA_KMAJOR_INTERPRETED):
+                b_desc = TensorDescriptor(b, [e * nb, kb], [b.stride(2), 1], [cfg.block_n, cfg.block_k])
+                b_kmajor, b_expert_rows = True, nb
+        if b_desc is not None:
+            packed = False  # two loads of one descriptor: the gate and the up half in two accumulators
     kernel[(grid,)](
         a, a.stride(0), a.stride(1), row_order, layer.top_k,
         b, b.stride(0), b.stride(1), b.stride(2),
@@ -213,11 +232,46 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         up_shift, COL_MULT=col_mult, act_alpha=layer.act_params[0], act_limit=layer.act_params[1],
         act_up_add=layer.act_params[2],
         GATHER=gather, A_SCALE=a_scale, EPILOGUE=epilogue, ACT=layer.act, TWO_HALVES=two_halves,
-        TWO_ACC=two_halves and epilogue == GLU_FWD and not layer.config.pack_gate_up,
-        PACKED=two_halves and epilogue == GLU_FWD and layer.config.pack_gate_up, HAS_BIAS=bias is not None,
+        TWO_ACC=two_halves and epilogue == GLU_FWD and not packed,
+        PACKED=packed, HAS_BIAS=bias is not None,
         DOT_PRECISION=layer.dot_precision, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=layer.block_e,
-        GROUP_M=cfg.group_m, num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, num_programs=grid,
+        a_desc=a_desc, b_desc=b_desc, b_expert_rows=b_expert_rows,
+        TMA_A=a_desc is not None, TMA_B=b_desc is not None, B_KMAJOR=b_kmajor,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# Weight tiles stored K-major ([E, out, in] up projection, for one) are loaded [block_n, block_k] and
+# transposed in the kernel. Triton's interpreter multiplies that transposed view with numpy, whose
+# matmul rounds a transposed operand differently from a contiguous one, so on CPU the results would
+# differ in the last bits from the pointer loads' (the GPU's MMAs do not care: tests/test_gpu_megakernel.py
+# holds the bits there). The interpreter therefore keeps pointer loads for them unless a test asks.
+TMA_KMAJOR_INTERPRETED = False
+
+
+@functools.lru_cache(maxsize=16)
+def _tma_device(device) -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    if device.type != "cuda":
+        return True  # Triton's interpreter emulates the copies (CPU tests)
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_available(t) -> bool:
+    """Bulk tensor copies: Hopper or newer (or the interpreter), and a Triton with tensor descriptors."""
+    return _tma_device(t.device)
+
+
+def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
+    """Can a 2-D tensor descriptor with this row stride (elements) and unit column stride cover ``t``'s
+    storage from its first element? Base and row stride 16-byte aligned, at least one row."""
+    size = t.element_size()
+    return (col_stride == 1 and rows > 0 and t.data_ptr() % 16 == 0 and (row_stride * size) % 16 == 0
+            and row_stride > 0)
 
 
 def _act_backward(layer: _Layer, *, d_act, up, d_up, offsets, two_halves, col_mult, up_shift):

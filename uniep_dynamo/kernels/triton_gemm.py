@@ -134,6 +134,8 @@ def _rows_gemm(
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, num_programs,
+    a_desc=None, b_desc=None, b_expert_rows=0,
+    TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
 ):
     e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     total_m = tl.sum(tiles)
@@ -181,12 +183,29 @@ def _rows_gemm(
         if TWO_ACC:
             b2_ptrs = b_base + (cols * COL_MULT + UP_SHIFT)[None, :] * stride_bn
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # TMA_B: the weight's 2-D view stacks the experts' rows (descriptor coordinates are int32)
+        b_row0 = expert.to(tl.int32) * b_expert_rows
+        b_col0 = (tn * BLOCK_N * COL_MULT).to(tl.int32)
         for k0 in range(0, K, BLOCK_K):
             if PACKED:
                 b_col_mask = packed_mask
             else:
                 b_col_mask = col_mask
-            if EVEN_K:
+            if TMA_A or TMA_B:
+                # Bulk tensor copies (EVEN_K only). Rows past this expert's end and columns past N come
+                # from the next expert's rows or the tensor's zero fill and land only in masked outputs.
+                if TMA_A:
+                    a = a_desc.load([row_start.to(tl.int32), k0])
+                else:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                if TMA_B:
+                    if B_KMAJOR:
+                        b = tl.trans(b_desc.load([b_row0 + b_col0, k0]))
+                    else:
+                        b = b_desc.load([b_row0 + k0, b_col0])
+                else:
+                    b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
             else:
@@ -199,7 +218,12 @@ def _rows_gemm(
                 a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             if TWO_ACC:
-                if EVEN_K:
+                if TMA_B:
+                    if B_KMAJOR:
+                        b2 = tl.trans(b_desc.load([b_row0 + b_col0 + UP_SHIFT, k0]))
+                    else:
+                        b2 = b_desc.load([b_row0 + k0, b_col0 + UP_SHIFT])
+                elif EVEN_K:
                     b2 = tl.load(b2_ptrs, mask=col_mask[None, :], other=0.0)
                 else:
                     b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
