@@ -157,17 +157,22 @@ def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
-@pytest.mark.parametrize("case", [
-    (37, 64, 32, 8, 2, SILU_GLU, "oi", False),   # weights [E, out, in]: K-major weight tiles
-    (37, 64, 32, 8, 2, SILU_GLU, "io", True),    # weights [E, in, out]: N-major tiles, biases
-    (29, 64, 32, 4, 2, RELU2, "oi", False),      # no gate
-    (17, 64, 32, 4, 2, GPT_OSS, "io", True),     # interleaved gate: token tiles only (no weight descriptor)
-    (37, 40, 24, 4, 2, SILU_GLU, "oi", False),   # K not a multiple of block_k: pointer loads throughout
+@pytest.mark.parametrize("case, kmajor, nmajor", [
+    # (T, H, I, E, K, gate, layout, bias), then the expected K-major and N-major weight descriptors: one per
+    # row GEMM, but none for the packed gate|up tile of a gated up projection (pointer loads) and none for an
+    # interleaved gate's. Up and down weights are K-major when stored [E, out, in], the backward's the other way.
+    ((150, 64, 32, 4, 2, SILU_GLU, "oi", False), 1, 2),  # ~75 rows per expert: whole and partial row chunks
+    ((100, 64, 32, 4, 2, SILU_GLU, "io", True), 2, 1),   # biases
+    ((29, 64, 32, 4, 2, RELU2, "oi", False), 2, 2),      # no gate: the up projection gets one too
+    ((17, 64, 32, 4, 2, GPT_OSS, "io", True), 2, 1),     # interleaved clamped gate, biases
+    ((37, 40, 24, 4, 2, SILU_GLU, "oi", False), 0, 0),   # K not a multiple of block_k: pointer loads throughout
 ], ids=["silu_oi", "silu_io_bias", "relu2", "gpt_oss", "uneven_k"])
-def test_tma_tiles_do_not_change_results(case, monkeypatch):
-    """config.tma loads the row GEMMs' tiles through tensor descriptors (the interpreter emulates them):
+def test_tma_tiles_do_not_change_results(case, kmajor, nmajor, monkeypatch):
+    """config.tma loads the GEMMs' tiles through tensor descriptors (the interpreter emulates them):
     bitwise the results of pointer loads, and the descriptors are really made where the operands allow."""
     import triton.tools.tensor_descriptor as td
+
+    from uniep_dynamo.kernels import megakernel
 
     made = []
 
@@ -178,8 +183,12 @@ def test_tma_tiles_do_not_change_results(case, monkeypatch):
 
     args = make(*case)
     t, h, i, e, k = case[:5]
-    # 64-column tiles, so that token [bm, bk], N-major [bk, bn] and K-major [bn, bk] tiles differ in shape
+    # Tile shapes that tell the descriptors apart: token [bm, bk] = [16, 32], N-major weight [bk, bn] =
+    # [32, 64], K-major [bn, bk] = [64, 32]; the weight gradients' [bk, bm] = [32, 16] and [bk, 128].
     base = kconfig.heuristic_config(t * k, e, h, i, interpret=True).replace_gemms(block_n=64)
+    wgrad = dataclasses.replace(base.wgrad_up, block_n=128)
+    base = dataclasses.replace(base, wgrad_up=wgrad, wgrad_down=wgrad)
+    assert (base.up.block_m, base.up.block_k) == (16, 32)
     with kconfig.use_config(base):
         a = run(args, "triton", monkeypatch)
     monkeypatch.setattr(td, "TensorDescriptor", Recording)
@@ -187,25 +196,19 @@ def test_tma_tiles_do_not_change_results(case, monkeypatch):
         b = run(args, "triton", monkeypatch)
     for x, y in zip(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
-    bm, bn, bk = base.up.block_m, base.up.block_n, base.up.block_k
-    if h % bk or i % bk:
-        assert made == []
-        return
-    assert made.count((bm, bk)) == 4  # token tiles of up, down, grad_act and grad_input
-    # Weight tiles: one per GEMM, but none for GPT-OSS's interleaved up projection. Up and down are
-    # K-major for [E, out, in] weights and N-major for [E, in, out]; the backward GEMMs the other way.
-    kmajor, nmajor = 2, (1 if case[5] == GPT_OSS else 2)
-    assert made.count((bk, bn)) == nmajor and made.count((bn, bk)) == 0
+    tiles = {shape: made.count(shape) for shape in ((16, 32), (32, 64), (64, 32), (32, 16), (32, 128))}
+    # token tiles of up, down, grad_act, grad_input (none where K is uneven); N-major weights; K-major ones
+    # only on the GPU (below); both operands of both weight gradients (their rows need no evenness)
+    even = h % 32 == 0 and i % 32 == 0
+    assert tiles == {(16, 32): 4 if even else 0, (32, 64): nmajor, (64, 32): 0, (32, 16): 2, (32, 128): 2}
     # K-major weight tiles are transposed in the kernel. The interpreter's numpy matmul rounds a
     # transposed operand differently (see megakernel.TMA_KMAJOR_INTERPRETED), so here they are checked
     # for their indexing only; the GPU test checks their bits.
-    from uniep_dynamo.kernels import megakernel
-
     made.clear()
     monkeypatch.setattr(megakernel, "TMA_KMAJOR_INTERPRETED", True)
     with kconfig.use_config(dataclasses.replace(base, tma=True)):
         c = run(args, "triton", monkeypatch)
-    assert made.count((bn, bk)) == kmajor
+    assert made.count((64, 32)) == kmajor
     for x, y in zip(a, c):
         assert (x is None and y is None) or max_rel_err(x, y) < 1e-5
 

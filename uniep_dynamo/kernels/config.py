@@ -71,10 +71,11 @@ class MegaKernelConfig:
     # Gated up projection: one accumulator over a packed [gate block | up block] weight tile (True),
     # or two accumulators (False). Bitwise the same; packing issues one wide MMA per K step.
     pack_gate_up: bool = True
-    # Load the row GEMMs' operand tiles with Hopper's bulk tensor copies (Triton tensor descriptors)
-    # instead of pointer loads, where the operands allow it (contiguous rows, 16-byte strides, K a
-    # multiple of block_k, no fused gather, no interleaved gate). The gated up projection then takes its
-    # two halves in two accumulators. The same tiles reach the same MMAs: bitwise the same.
+    # Load the GEMMs' operand tiles with Hopper's bulk tensor copies (Triton tensor descriptors) instead
+    # of pointer loads, where the operands allow it: unit column stride and 16-byte row strides, K a
+    # multiple of block_k for the row GEMMs, no fused gather; not the packed gate|up weight tile or an
+    # interleaved gate's weights (those keep pointer loads); the weight gradients' last partial chunk
+    # of rows per expert by masked loads. The same tiles reach the same MMAs: bitwise the same.
     tma: bool = False
     # Activation backward in the activation-gradient GEMM's epilogue, from its fp32 accumulator (True),
     # or as an element-wise pass over its output rounded to the storage dtype (False, the reference's

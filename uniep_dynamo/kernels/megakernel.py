@@ -213,7 +213,9 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         if not gather and _tma_2d(a, a.shape[0], a.stride(0), a.stride(1)):
             a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
         e, kb, nb = b.shape
-        if col_mult == 1 and cfg.block_n <= 256 and cfg.block_k <= 256:
+        # The packed gate|up weight tile takes two column blocks of one weight; it keeps pointer loads
+        # (measured: two accumulators cost the up projection more than the copies gain).
+        if col_mult == 1 and not packed and cfg.block_n <= 256 and cfg.block_k <= 256:
             if _tma_2d(b, e * kb, b.stride(1), b.stride(2)) and b.stride(0) == kb * b.stride(1):
                 b_desc = TensorDescriptor(b, [e * kb, nb], [b.stride(1), 1], [cfg.block_k, cfg.block_n])
                 b_expert_rows = kb
@@ -221,8 +223,6 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
                     (not layer.interpret or TMA_KMAJOR_INTERPRETED):
                 b_desc = TensorDescriptor(b, [e * nb, kb], [b.stride(2), 1], [cfg.block_n, cfg.block_k])
                 b_kmajor, b_expert_rows = True, nb
-        if b_desc is not None:
-            packed = False  # two loads of one descriptor: the gate and the up half in two accumulators
     kernel[(grid,)](
         a, a.stride(0), a.stride(1), row_order, layer.top_k,
         b, b.stride(0), b.stride(1), b.stride(2),
@@ -298,6 +298,14 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     m, n = grad.shape[m_dim], grad.shape[n_dim]
     upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
+    p_desc = q_desc = None
+    if (layer.config.tma and not (p_gather or q_gather or q_scale) and _tma_available(p)
+            and max(cfg.block_m, cfg.block_n, cfg.block_k) <= 256
+            and _tma_2d(p, p.shape[0], p.stride(0), p.stride(1)) and _tma_2d(q, q.shape[0], q.stride(0), q.stride(1))):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        p_desc = TensorDescriptor(p, [p.shape[0], m], [p.stride(0), 1], [cfg.block_k, cfg.block_m])
+        q_desc = TensorDescriptor(q, [q.shape[0], n], [q.stride(0), 1], [cfg.block_k, cfg.block_n])
     kernel[(grid,)](
         p, p.stride(0), p.stride(1), q, q.stride(0), q.stride(1), row_order, w if w is not None else q, layer.top_k,
         offsets, layer.num_experts, m, n,
@@ -306,7 +314,8 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         P_GATHER=p_gather, Q_GATHER=q_gather, Q_SCALE=q_scale, HAS_BIAS=bias_grad is not None,
         DOT_PRECISION=layer.dot_precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_programs=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_programs=grid, p_desc=p_desc, q_desc=q_desc, TMA=p_desc is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):

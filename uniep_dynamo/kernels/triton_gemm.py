@@ -271,6 +271,7 @@ def _weight_grad_gemm(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, num_programs,
+    p_desc=None, q_desc=None, TMA: tl.constexpr = False,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -292,7 +293,23 @@ def _weight_grad_gemm(
         n_mask = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         bias_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for r0 in range(lo, hi, BLOCK_K):
+        r_start = lo
+        if TMA:
+            # Whole BLOCK_K-row chunks of this expert by bulk tensor copies (P and Q neither gathered nor
+            # scaled); the last partial chunk below by masked loads. The same chunks in the same order.
+            r_full = lo + (hi - lo) // BLOCK_K * BLOCK_K
+            m0 = (tm * BLOCK_M).to(tl.int32)
+            n0 = (tn * BLOCK_N).to(tl.int32)
+            for r0 in range(lo.to(tl.int32), r_full.to(tl.int32), BLOCK_K):
+                p = p_desc.load([r0, m0])
+                q = q_desc.load([r0, n0])
+                acc = tl.dot(tl.trans(p), q.to(p.dtype), acc, input_precision=DOT_PRECISION)
+                if HAS_BIAS:
+                    if tm == 0:
+                        ones = tl.full([16, BLOCK_K], 1.0, dtype=p.dtype)
+                        bias_acc = tl.dot(ones, q.to(p.dtype), bias_acc, input_precision=DOT_PRECISION)
+            r_start = r_full
+        for r0 in range(r_start, hi, BLOCK_K):
             rows = r0 + offs_r
             r_mask = rows < hi
             if P_GATHER or Q_GATHER or Q_SCALE:
