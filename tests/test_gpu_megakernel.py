@@ -80,7 +80,7 @@ SWEEP = [("block_m", v) for v in (64, 128)] + [("block_n", v) for v in (64, 128)
         [("num_warps", v) for v in (4, 8)] + [("num_stages", v) for v in (2, 3, 4)] + \
         [("group_m", v) for v in (1, 4, 16)] + [("num_programs", v) for v in (0, 132, 264)] + \
         [("fuse_gather", v) for v in (True, False)] + [("pack_gate_up", v) for v in (True, False)] + \
-        [("tma", v) for v in (True, False)]
+        [("tma", v) for v in (True, False)] + [("tma_weight_grad", v) for v in (True, False)]
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["qwen_like", "gpt_oss_bias"])

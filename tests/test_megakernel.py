@@ -168,7 +168,7 @@ def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
     ((37, 40, 24, 4, 2, SILU_GLU, "oi", False), 0, 0),   # K not a multiple of block_k: pointer loads throughout
 ], ids=["silu_oi", "silu_io_bias", "relu2", "gpt_oss", "uneven_k"])
 def test_tma_tiles_do_not_change_results(case, kmajor, nmajor, monkeypatch):
-    """config.tma loads the GEMMs' tiles through tensor descriptors (the interpreter emulates them):
+    """config.tma and tma_weight_grad load the GEMMs' tiles through tensor descriptors (the interpreter emulates them):
     bitwise the results of pointer loads, and the descriptors are really made where the operands allow."""
     import triton.tools.tensor_descriptor as td
 
@@ -192,7 +192,7 @@ def test_tma_tiles_do_not_change_results(case, kmajor, nmajor, monkeypatch):
     with kconfig.use_config(base):
         a = run(args, "triton", monkeypatch)
     monkeypatch.setattr(td, "TensorDescriptor", Recording)
-    with kconfig.use_config(dataclasses.replace(base, tma=True)):
+    with kconfig.use_config(dataclasses.replace(base, tma=True, tma_weight_grad=True)):
         b = run(args, "triton", monkeypatch)
     for x, y in zip(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
@@ -206,7 +206,7 @@ def test_tma_tiles_do_not_change_results(case, kmajor, nmajor, monkeypatch):
     # for their indexing only; the GPU test checks their bits.
     made.clear()
     monkeypatch.setattr(megakernel, "TMA_KMAJOR_INTERPRETED", True)
-    with kconfig.use_config(dataclasses.replace(base, tma=True)):
+    with kconfig.use_config(dataclasses.replace(base, tma=True, tma_weight_grad=True)):
         c = run(args, "triton", monkeypatch)
     assert made.count((64, 32)) == kmajor
     for x, y in zip(a, c):

@@ -57,7 +57,8 @@ SPACE = {
     "num_stages": (2, 3, 4, 5),
     "num_programs": (0, "sms"),  # 0: a program per tile; "sms": a persistent grid of one program per SM
 }
-LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False), "tma": (False, True)}
+LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False), "tma": (True, False),
+               "tma_weight_grad": (False, True)}
 SMEM_LIMIT = {9: 227 * 1024}  # bytes of shared memory a block may use, by compute capability major (Hopper)
 DEFAULT_SMEM_LIMIT = 99 * 1024
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread; more spills (255 is the hardware's cap)
@@ -143,7 +144,8 @@ def config_to_dict(cfg: MegaKernelConfig) -> dict:
 def config_from_dict(data: dict) -> MegaKernelConfig:
     gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
     layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up", "act_grad_in_epilogue")}
-    layer["tma"] = bool(data.get("tma", False))  # entries written before the knob existed
+    for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
+        layer[knob] = bool(data.get(knob, False))
     return MegaKernelConfig(**gemms, **layer)
 
 

@@ -1,6 +1,6 @@
-"""The MegaKernel layer (forward + backward of uniep.moe_experts) with the row GEMMs' tiles loaded by pointer
-loads (the heuristic config) and by tensor descriptors (config.tma), alternating, on the same inputs; checks
-that the two give the same bits.
+"""The MegaKernel layer (forward + backward of uniep.moe_experts) with the GEMMs' tiles loaded by pointer loads
+and by tensor descriptors (config.tma: the row GEMMs; tma_weight_grad: the weight gradients too), alternating,
+on the same inputs; checks that the variants give the same bits.
 
     python benchmarks/probes/tma_probe.py --shapes mixtral,qwen3-30b-a3b,olmoe [--tokens 8192] [--rounds 3]
 """
@@ -43,9 +43,11 @@ def main():
         w_up = (torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype) * 0.02)
         w_down = (torch.randn(experts, hidden, inter, device=dev, dtype=dtype) * 0.02)
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_up, w_down)]
-        base = kconfig.heuristic_config(tokens * top_k, experts, hidden, inter)
+        base = dataclasses.replace(kconfig.heuristic_config(tokens * top_k, experts, hidden, inter), tma=False,
+                                   tma_weight_grad=False)
         variants = {"pointer loads": base, "tensor descriptors": dataclasses.replace(base, tma=True),
-                    "pointer loads, two accumulators": dataclasses.replace(base, pack_gate_up=False)}
+                    "tensor descriptors, weight gradients too": dataclasses.replace(base, tma=True,
+                                                                                    tma_weight_grad=True)}
 
         def step(cfg):
             for t in leaves:

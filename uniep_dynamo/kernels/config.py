@@ -12,7 +12,7 @@ Numerics contract (what a tuner may change freely):
   rounding. ``act_grad_in_epilogue`` takes the activation backward from the fp32 accumulator instead
   of the rounded GEMM output. These two are the "numerics knobs".
 - Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
-  ``num_programs`` (persistent grid size), ``fuse_gather``, ``pack_gate_up``, ``tma`` -- only schedules the same arithmetic:
+  ``num_programs`` (persistent grid size), ``fuse_gather``, ``pack_gate_up``, ``tma``, ``tma_weight_grad`` -- only schedules the same arithmetic:
   each output element is the same chain of ``block_k``-wide MMAs in the same order, the combine and
   the routing-weight gradient run in fixed-configuration kernels, and no reduction is split across
   programs. Results are bitwise identical across their values (tests/test_gpu.py holds this).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs")
-LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma")
+LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
 
@@ -71,12 +71,15 @@ class MegaKernelConfig:
     # Gated up projection: one accumulator over a packed [gate block | up block] weight tile (True),
     # or two accumulators (False). Bitwise the same; packing issues one wide MMA per K step.
     pack_gate_up: bool = True
-    # Load the GEMMs' operand tiles with Hopper's bulk tensor copies (Triton tensor descriptors) instead
-    # of pointer loads, where the operands allow it: unit column stride and 16-byte row strides, K a
-    # multiple of block_k for the row GEMMs, no fused gather; not the packed gate|up weight tile or an
-    # interleaved gate's weights (those keep pointer loads); the weight gradients' last partial chunk
-    # of rows per expert by masked loads. The same tiles reach the same MMAs: bitwise the same.
+    # Load the row GEMMs' (up, down, grad_act, grad_input) operand tiles with Hopper's bulk tensor copies
+    # (Triton tensor descriptors) instead of pointer loads, where the operands allow it: unit column
+    # stride, 16-byte row strides, K a multiple of block_k, no fused gather; the packed gate|up weight
+    # tile and an interleaved gate's weights keep pointer loads. The same tiles reach the same MMAs:
+    # bitwise the same. On by the GPU heuristics (measured faster on an H200, BENCHMARKS.md).
     tma: bool = False
+    # The same for the weight-gradient GEMMs: whole chunks of an expert's rows by tensor descriptors,
+    # the last partial chunk by masked loads. Measured slower on an H200 (BENCHMARKS.md): off.
+    tma_weight_grad: bool = False
     # Activation backward in the activation-gradient GEMM's epilogue, from its fp32 accumulator (True),
     # or as an element-wise pass over its output rounded to the storage dtype (False, the reference's
     # rounding; measured faster on an H200 because the epilogue's register pressure slows the GEMM).
@@ -113,7 +116,7 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     up = GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=4)
     wgrad = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep,
-                            wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad)
+                            wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad, tma=True)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []

@@ -299,7 +299,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
     p_desc = q_desc = None
-    if (layer.config.tma and not (p_gather or q_gather or q_scale) and _tma_available(p)
+    if (layer.config.tma_weight_grad and not (p_gather or q_gather or q_scale) and _tma_available(p)
             and max(cfg.block_m, cfg.block_n, cfg.block_k) <= 256
             and _tma_2d(p, p.shape[0], p.stride(0), p.stride(1)) and _tma_2d(q, q.shape[0], q.stride(0), q.stride(1))):
         from triton.tools.tensor_descriptor import TensorDescriptor
