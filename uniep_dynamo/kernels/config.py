@@ -75,7 +75,7 @@ class MegaKernelConfig:
     # (Triton tensor descriptors) instead of pointer loads, where the operands allow it: unit column
     # stride, 16-byte row strides, K a multiple of block_k, no fused gather; the packed gate|up weight
     # tile and an interleaved gate's weights keep pointer loads. The same tiles reach the same MMAs:
-    # bitwise the same. On by the GPU heuristics (measured faster on an H200, BENCHMARKS.md).
+    # bitwise the same. The GPU heuristics turn it on for experts with many rows (see heuristic_config).
     tma: bool = False
     # The same for the weight-gradient GEMMs: whole chunks of an expert's rows by tensor descriptors,
     # the last partial chunk by masked loads. Measured slower on an H200 (BENCHMARKS.md): off.
@@ -115,8 +115,12 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     deep = GemmConfig(block_m=block_m, block_n=256, block_k=64, num_warps=8, num_stages=4)
     up = GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=4)
     wgrad = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    # Tensor-descriptor tiles in the row GEMMs: faster on an H200 with many rows per expert (Mixtral-8x7B
+    # at T=8192, 8192 rows each: 31.39 -> 30.44 ms a layer), slower with few (Qwen3-30B-A3B's 512:
+    # 4.98 -> 5.11 ms; OLMoE's 1024 and DeepSeek-V3's 256 also lost in one of two runs). BENCHMARKS.md.
+    tma = num_rows >= 2048 * num_experts
     return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep,
-                            wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad, tma=True)
+                            wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad, tma=tma)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []
