@@ -24,8 +24,8 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def _heuristic():
-    return kconfig.heuristic_config(16384, 8, 4096, 14336)
+def _heuristic(rows=16384):
+    return kconfig.heuristic_config(rows, 8, 4096, 14336)
 
 
 def test_every_candidate_is_valid_and_keeps_the_numerics_knobs():
@@ -80,12 +80,12 @@ def test_cache_round_trip_and_lookup_by_the_op(monkeypatch):
     monkeypatch.setattr(kconfig, "_gpu_name", lambda device: "NVIDIA H200")
     cuda = torch.device("cuda", 0)
     assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.bfloat16, device=cuda) == _tuned()
-    assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.float16, device=cuda) == _heuristic()
+    assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.float16, device=cuda) == _heuristic(9000)
     assert kconfig.current_config(9000, 8, 4096, 14336, True, dtype=torch.bfloat16, device=cuda) != _tuned()
     with kconfig.use_config(_heuristic()):  # an explicit config wins over the cache
         assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.bfloat16, device=cuda) == _heuristic()
     monkeypatch.setenv("UNIEP_TUNE", "0")
-    assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.bfloat16, device=cuda) == _heuristic()
+    assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.bfloat16, device=cuda) == _heuristic(9000)
 
 
 def test_a_cached_config_that_changes_numerics_is_not_used(monkeypatch, caplog):
