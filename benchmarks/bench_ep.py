@@ -60,10 +60,10 @@ SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), 
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_sequential", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_kernel",
              "uniep_overlap_off", "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only",
              "overlap_kernel_comm_only")
-OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False},
+OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
-           "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False},
+           "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": False},
            "uniep_overlap_kernel": {"copy_engine": False, "copy_kernel": True},
            "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True}}
 

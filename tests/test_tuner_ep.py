@@ -24,14 +24,15 @@ def test_ep_candidates_default_first_distinct_and_pruned():
     cands = tuner.ep_candidates(local_experts=64, world=2)
     assert cands[0] == OverlapConfig()
     assert len(set(_schedules(cands, 64))) == len(cands)
-    kernels = [c for c in cands if c.copy_kernel]
+    kernels = [c for c in cands if c.copy_kernel and c.copy_engine is False]
     assert {c.copy_programs for c in kernels} == set(tuner.EP_SPACE["copy_programs"])
     assert all(c.copy_programs == OverlapConfig().copy_programs for c in cands if not c.copy_kernel)
     # one local expert: every chunk count is one chunk, so chunks no longer multiply the candidates
     one = tuner.ep_candidates(local_experts=1, world=2)
     assert len({c.chunk_experts(1) for c in one}) == 1 and len(one) < len(cands)
-    # past the transfer kernel's rank limit it is not a candidate
-    assert not any(c.copy_kernel for c in tuner.ep_candidates(local_experts=4, world=16))
+    # past the transfer kernel's rank limit no candidate asks for it (the default's copy_kernel=True then runs
+    # torch._foreach_copy_, ep_overlap.MAX_PEERS)
+    assert not any(c.copy_kernel and c.copy_engine is False for c in tuner.ep_candidates(local_experts=4, world=16))
 
 
 def _tune_worker(rank, world, port, out_dir):

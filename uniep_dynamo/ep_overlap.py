@@ -54,10 +54,11 @@ class OverlapConfig:
     # call each), or on the SMs. None: the copy engines while a chunk has at most COPY_ENGINE_SEGMENTS
     # segments, else the SMs (BENCHMARKS.md has the measurements).
     copy_engine: bool | None = None
-    # On the SMs: one torch._foreach_copy_ per chunk (False; the segments sliced on the host), or uniep's
-    # Triton transfer kernel over a segment table on the device (True; kernels/triton_transfer.py: one host
-    # call, copy_programs programs). On H200s the kernel tied at 2 ranks and lost at 4 (BENCHMARKS.md).
-    copy_kernel: bool = False
+    # On the SMs: uniep's Triton transfer kernel over a segment table on the device (True;
+    # kernels/triton_transfer.py: one host call, copy_programs programs), or one torch._foreach_copy_ per
+    # chunk (False; the segments sliced on the host, about 1100 slices a step on Qwen3-30B-A3B). Side by side
+    # on H200s the kernel won at 2 and 4 ranks (BENCHMARKS.md); past MAX_PEERS ranks the foreach path runs.
+    copy_kernel: bool = True
     copy_programs: int = 32  # programs of the transfer kernel beside the GEMMs (alone, it takes every SM)
     copy_block: int = 8192  # elements a transfer program moves at a time (a power of two)
     copy_warps: int = 8  # warps of a transfer program
