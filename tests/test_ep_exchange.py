@@ -142,10 +142,18 @@ def _inconsistent_worker(rank, world, port, out_dir):
         import uniep_dynamo  # noqa: F401
 
         _, _, _, w_up, w_down, _, _, spec = make(1, 8, 4, 1, 1)
-        recv_counts = torch.tensor([[2], [3]])  # the sources say 2 and 2
-        with pytest.raises(ValueError, match="inconsistent split sizes"):
+        # rank 1's received counts say 3 rows from rank 1, its sizes and the senders' say 2: both ranks raise
+        # the same error (rank 0 alone would otherwise wait for rank 1 in the exchange's barriers)
+        recv_counts = torch.tensor([[2], [3]]) if rank == 1 else torch.tensor([[2], [2]])
+        with pytest.raises(ValueError, match=r"inconsistent split sizes: rank 1: received per-expert counts that "
+                                             r"sum to \[2, 3\] per source, receive sizes \[2, 2\]$"):
             torch.ops.uniep.ep_exchange(torch.randn(4, 8), recv_counts, w_up, w_down, None, None, spec.encode(),
                                         dist.group.WORLD.group_name, [2, 2], [2, 2])
+        # a rank whose send sizes do not cover its rows
+        with pytest.raises(ValueError, match=r"rank 0: send sizes \[2, 2\] for 5 rows$"):
+            torch.ops.uniep.ep_exchange(torch.randn(5 if rank == 0 else 4, 8), torch.tensor([[2], [2]]), w_up,
+                                        w_down, None, None, spec.encode(), dist.group.WORLD.group_name, [2, 2],
+                                        [2, 2])
         torch.save({}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

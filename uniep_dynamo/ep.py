@@ -316,8 +316,8 @@ def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name,
     and the results back the same way. ``knobs``: OverlapConfig fields as JSON ("" for the defaults). On the
     overlapped path (ep_overlap.exchange_forward) the transfers run
     beside the grouped GEMMs, chunk by chunk, with the same bits. Returns (back, then what the backward reads:
-    the received rows, the up projection, and on the host the [W, W + 1 + E_local] table of send sizes, paths
-    and received counts, so that the backward does not synchronize again)."""
+    the received rows, the up projection, and on the host the [W, 3W + 2 + E_local] table of send sizes, paths,
+    the size check's claims and received counts, so that the backward does not synchronize again)."""
     from .ep_overlap import exchange_forward
 
     from .ep_overlap import knobs_from_json
@@ -335,7 +335,7 @@ def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group
     world = recv_counts.shape[0]
     return (send.new_empty(send.shape[0], send.shape[1], dtype=s.out_dtype), send.new_empty(received, send.shape[1]),
             send.new_empty(received, up_width, dtype=w_up.dtype),
-            torch.empty(world, world + 1 + recv_counts.shape[1], dtype=torch.int64, device="cpu"))
+            torch.empty(world, 3 * world + 2 + recv_counts.shape[1], dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(),

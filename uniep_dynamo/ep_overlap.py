@@ -624,18 +624,28 @@ def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -
     return reason
 
 
+def _exchange_claims(send, recv_counts, send_sizes, recv_sizes, ok: bool) -> torch.Tensor:
+    """What a rank all-gathers, [3W + 2] on the device: its send sizes, whether it takes the overlapped path, and
+    for the ranks' common size check its receive sizes, its rows, and the per-source sums of its received
+    counts."""
+    host = torch.tensor(list(send_sizes) + [int(ok)] + list(recv_sizes) + [send.shape[0]], dtype=torch.int64)
+    return torch.cat([host.to(send.device), recv_counts.sum(1).to(torch.int64)])
+
+
 def _exchange_host(table: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
-    """The all-gathered [W, W + 1] table (every rank's send sizes to each rank, and whether it takes the
-    overlapped path) beside this rank's received counts, [W, W + 1 + E_local], on the host: one device-to-host
-    copy, the exchange's one synchronization. The backward reads it again from the host, without another."""
+    """The all-gathered [W, 3W + 2] claims beside this rank's received counts, [W, 3W + 2 + E_local], on the
+    host: one device-to-host copy, the exchange's one synchronization. The backward reads it again from the
+    host, without another."""
     return torch.cat([table, recv_counts.to(table.dtype)], dim=1).cpu()
 
 
 def _split_host(host: torch.Tensor):
-    """(rows [s] = send sizes of rank s to each rank, then its flag; counts [s] = rows from s per local expert)."""
+    """(rows [s] = send sizes of rank s to each rank, then its flag; counts [s] = rows from s per local expert;
+    claims [s] = rank s's receive sizes, its rows, and the sums of its received counts per source)."""
     world = host.shape[0]
     flat = host.tolist()
-    return [row[:world + 1] for row in flat], [row[world + 1:] for row in flat]
+    return ([row[:world + 1] for row in flat], [row[3 * world + 2:] for row in flat],
+            [row[world + 1:3 * world + 2] for row in flat])
 
 
 _EXCHANGE_LAYOUTS: dict = {}
@@ -667,19 +677,23 @@ def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: O
                    knobs.chunk_experts(local_experts), width, knobs.copy_block if knobs.copy_kernel else None)
 
 
-def _check_exchange(rows, counts, rank: int, send_sizes, recv_sizes, sent: int):
+def _check_exchange(rows, claims):
+    """Every rank checks every rank's split sizes on the same all-gathered table, so that all of them raise the
+    same error together (one rank raising alone would leave the others waiting in a collective)."""
     world = len(rows)
     problems = []
-    if list(rows[rank][:world]) != list(send_sizes) or sum(send_sizes) != sent:
-        problems.append(f"send sizes {list(send_sizes)} for {sent} rows")
-    got = [rows[s][rank] for s in range(world)]
-    if got != list(recv_sizes):
-        problems.append(f"receive sizes {list(recv_sizes)}, but the sources send {got}")
-    sums = [sum(c) for c in counts]
-    if sums != list(recv_sizes):
-        problems.append(f"received per-expert counts that sum to {sums} per source, receive sizes {list(recv_sizes)}")
+    for r in range(world):
+        recv_sizes, sent, sums = claims[r][:world], claims[r][world], claims[r][world + 1:]
+        if sum(rows[r][:world]) != sent:
+            problems.append(f"rank {r}: send sizes {rows[r][:world]} for {sent} rows")
+        got = [rows[s][r] for s in range(world)]
+        if got != recv_sizes:
+            problems.append(f"rank {r}: receive sizes {recv_sizes}, but the sources send {got}")
+        if sums != recv_sizes:
+            problems.append(f"rank {r}: received per-expert counts that sum to {sums} per source, receive sizes "
+                            f"{recv_sizes}")
     if problems:
-        raise ValueError("uniep.ep_exchange: inconsistent split sizes on rank %d: %s" % (rank, "; ".join(problems)))
+        raise ValueError("uniep.ep_exchange: inconsistent split sizes: " + "; ".join(problems))
 
 
 def _all_to_all(t, out_splits, in_splits, group):
@@ -705,8 +719,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
                      knobs: OverlapConfig | None = None):
     """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
     received rows and the up projection (the overlapped path's, in its layout), and on the host the
-    [W, W + 1 + E_local] table of every rank's send sizes, whether it takes the overlapped path, and the rows
-    this rank receives from it per local expert.
+    [W, 3W + 2 + E_local] table of every rank's send sizes, whether it takes the overlapped path, what its size
+    check reads (_exchange_claims), and the rows this rank receives from it per local expert.
 
     Every rank all-gathers its send sizes with that flag; the overlapped path runs only where every rank takes
     it (the ranks meet in its barriers), else the sequential steps the rewrite replaced: the all-to-all, the
@@ -720,11 +734,12 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     received = sum(recv_sizes)
     up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
     reason = _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, s)
-    mine = torch.tensor(list(send_sizes) + [int(reason is None)], dtype=torch.int64).to(device)
+    mine = _exchange_claims(send, recv_counts, send_sizes, recv_sizes, reason is None)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
     table = _exchange_host(torch.stack(parts), recv_counts)
-    rows, counts = _split_host(table)
+    rows, counts, claims = _split_host(table)
+    _check_exchange(rows, claims)
     if not all(row[world] for row in rows):
         why = reason or "another rank cannot take it"
         if ("ep_exchange", why) not in megakernel._LOGGED and send.is_cuda:
@@ -734,7 +749,6 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
         back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec)[2][0], send_sizes,
                            recv_sizes, group)
         return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
-    _check_exchange(rows, counts, rank, send_sizes, recv_sizes, send.shape[0])
     knobs = knobs or OverlapConfig()
     layout = _exchange_layout(rows, counts, rank, local_experts, knobs, size)
     offsets, transfers = layout.to_device(device)
@@ -757,7 +771,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
     grad_back = grad_back.contiguous()
-    rows, counts = _split_host(table)
+    rows, counts, _ = _split_host(table)
     if not all(row[world] for row in rows):
         # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)

@@ -116,8 +116,9 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     up = GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=4)
     wgrad = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     # Tensor-descriptor tiles in the row GEMMs: faster on an H200 with many rows per expert (Mixtral-8x7B
-    # at T=8192, 8192 rows each: 31.39 -> 30.44 ms a layer), slower with few (Qwen3-30B-A3B's 512:
-    # 4.98 -> 5.11 ms; OLMoE's 1024 and DeepSeek-V3's 256 also lost in one of two runs). BENCHMARKS.md.
+    # at T=8192, 2048 rows each: 31.39 -> 30.44 ms a layer; Qwen3-30B-A3B at T=32768, 2048 rows each:
+    # 17.21 -> 16.81), slower with few (Qwen3-30B-A3B at T=8192, 512 rows: 4.98 -> 5.11 ms; OLMoE's 1024 and
+    # DeepSeek-V3's 256 rows also lost). BENCHMARKS.md.
     tma = num_rows >= 2048 * num_experts
     return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep,
                             wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad, tma=tma)
