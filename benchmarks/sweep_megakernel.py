@@ -41,11 +41,18 @@ def main():
                         help="the row GEMMs' tiles by pointer loads (off), tensor descriptors (on), or each")
     parser.add_argument("--top", type=int, default=0,
                         help="only the first N tile candidates (the list starts with the ones that won before)")
+    parser.add_argument("--loops", action="store_true",
+                        help="each tile candidate also with a persistent grid (one program per SM), alone and with "
+                             "Triton's flatten and warp_specialize loop options")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sweep_megakernel.json"))
     args = parser.parse_args()
     import dataclasses
 
-    candidates = CANDIDATES[:args.top] if args.top else CANDIDATES
+    tiles = CANDIDATES[:args.top] if args.top else CANDIDATES
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    loops = [{}] + ([dict(num_programs=sms, flatten=f, warp_specialize=w) for f in (False, True) for w in (False, True)]
+                    if args.loops else [])
+    candidates = [(t, extra) for t in tiles for extra in loops]
     variants = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
     dtype, dev = torch.bfloat16, "cuda"
     silu = encode("chunk", SILU_GLU_EXPR)
@@ -110,14 +117,15 @@ def main():
             for tma in variants:
                 layer.config = dataclasses.replace(layer.config, tma=tma)
                 rows = []
-                for bm, bn, bk, warps, stages in candidates:
-                    cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                for (bm, bn, bk, warps, stages), extra in candidates:
+                    cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, **extra)
+                    label = [bm, bn, bk, warps, stages] + ([extra["num_programs"], int(extra["flatten"]),
+                                                            int(extra["warp_specialize"])] if extra else [])
                     try:
                         ms = time_cuda(lambda: launch(cfg), iters=10, warmup=2)
-                        rows.append({"config": [bm, bn, bk, warps, stages], "ms": round(ms, 4),
-                                     "tflops": round(flops / ms / 1e9, 1)})
+                        rows.append({"config": label, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)})
                     except Exception as exc:  # noqa: BLE001
-                        rows.append({"config": [bm, bn, bk, warps, stages], "error": repr(exc)[:120]})
+                        rows.append({"config": label, "error": repr(exc)[:120]})
                 ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
                 best = ok[0] if ok else None
                 print(json.dumps({"shape": name, "gemm": gemm, "tma": tma, "best": best,

@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass
 
 NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue")
-SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs")
+SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
+                    "warp_specialize")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
@@ -44,6 +45,11 @@ class GemmConfig:
     # Persistent grid: 0 launches one program per tile; N > 0 launches N programs that walk the
     # tiles in strides of N (the tile count is only known on the device, from the routing plan).
     num_programs: int = 0
+    # Triton's loop options on the tile loop (for a persistent grid): flatten the tile and K loops into one
+    # software pipeline (the next tile's loads start during this tile's epilogue), and warp specialization
+    # (producer and consumer warps). They schedule the same MMAs.
+    flatten: bool = False
+    warp_specialize: bool = False
 
     def validate(self, interpret: bool = False) -> None:
         for name in ("block_m", "block_n", "block_k"):

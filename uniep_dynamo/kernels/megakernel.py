@@ -239,6 +239,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         GROUP_M=cfg.group_m, num_programs=grid,
         a_desc=a_desc, b_desc=b_desc, b_expert_rows=b_expert_rows,
         TMA_A=a_desc is not None, TMA_B=b_desc is not None, B_KMAJOR=b_kmajor,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -315,6 +316,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         DOT_PRECISION=layer.dot_precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_programs=grid, p_desc=p_desc, q_desc=q_desc, TMA=p_desc is not None,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

@@ -136,13 +136,14 @@ def _rows_gemm(
     GROUP_M: tl.constexpr, num_programs,
     a_desc=None, b_desc=None, b_expert_rows=0,
     TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     total_m = tl.sum(tiles)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = total_m * num_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_tiles, num_programs):
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         # Group-M swizzle: GROUP_M row tiles walk the column tiles together (weight tiles stay in L2).
         per_group = GROUP_M * num_n
         first_m = (tile // per_group) * GROUP_M
@@ -272,12 +273,14 @@ def _weight_grad_gemm(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, num_programs,
     p_desc=None, q_desc=None, TMA: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_m * num_n
     offs_r = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_experts * per_expert, num_programs):
+    for tile in tl.range(tl.program_id(0), num_experts * per_expert, num_programs, flatten=FLATTEN,
+                         warp_specialize=WARP_SPEC):
         expert = tile // per_expert
         local = tile % per_expert
         per_group = GROUP_M * num_n
