@@ -80,7 +80,8 @@ SWEEP = [("block_m", v) for v in (64, 128)] + [("block_n", v) for v in (64, 128)
         [("num_warps", v) for v in (4, 8)] + [("num_stages", v) for v in (2, 3, 4)] + \
         [("group_m", v) for v in (1, 4, 16)] + [("num_programs", v) for v in (0, 132, 264)] + \
         [("fuse_gather", v) for v in (True, False)] + [("pack_gate_up", v) for v in (True, False)] + \
-        [("tma", v) for v in (True, False)] + [("tma_weight_grad", v) for v in (True, False)]
+        [("tma", v) for v in (True, False)] + [("tma_weight_grad", v) for v in (True, False)] + \
+        [("loops", dict(num_programs=132, flatten=f, warp_specialize=w)) for f in (True, False) for w in (True, False)]
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["qwen_like", "gpt_oss_bias"])
@@ -91,7 +92,9 @@ def test_scheduling_knobs_are_bitwise_neutral(case):
     with kconfig.use_config(base):
         expected = fwd_bwd(args)
     for knob, value in SWEEP:
-        if knob in kconfig.LAYER_SCHEDULING_KNOBS:
+        if knob == "loops":
+            cfg = base.replace_gemms(**value)
+        elif knob in kconfig.LAYER_SCHEDULING_KNOBS:
             cfg = dataclasses.replace(base, **{knob: value})
         else:
             cfg = base.replace_gemms(**{knob: value})

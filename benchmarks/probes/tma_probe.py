@@ -31,6 +31,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timings of each variant")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--loops", action="store_true",
+                        help="compare instead: the heuristics, and every GEMM on a persistent grid (a program per SM) "
+                             "with Triton's flatten loop option, with and without the heuristics' tma")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tma_probe.json"))
     args = parser.parse_args()
     dtype, dev = torch.bfloat16, "cuda"
@@ -45,9 +48,16 @@ def main():
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_up, w_down)]
         base = dataclasses.replace(kconfig.heuristic_config(tokens * top_k, experts, hidden, inter), tma=False,
                                    tma_weight_grad=False)
-        variants = {"pointer loads": base, "tensor descriptors": dataclasses.replace(base, tma=True),
-                    "tensor descriptors, weight gradients too": dataclasses.replace(base, tma=True,
-                                                                                    tma_weight_grad=True)}
+        if args.loops:
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            loops = base.replace_gemms(num_programs=sms, flatten=True)
+            heuristic = kconfig.heuristic_config(tokens * top_k, experts, hidden, inter)
+            variants = {"pointer loads": base, "heuristics": heuristic, "persistent + flatten": loops,
+                        "persistent + flatten, heuristics' tma": dataclasses.replace(loops, tma=heuristic.tma)}
+        else:
+            variants = {"pointer loads": base, "tensor descriptors": dataclasses.replace(base, tma=True),
+                        "tensor descriptors, weight gradients too": dataclasses.replace(base, tma=True,
+                                                                                        tma_weight_grad=True)}
 
         def step(cfg):
             for t in leaves:
