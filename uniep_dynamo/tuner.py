@@ -56,6 +56,10 @@ SPACE = {
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4, 5),
     "num_programs": (0, "sms"),  # 0: a program per tile; "sms": a persistent grid of one program per SM
+    # Triton's loop options on the persistent tile loop (only with "sms"): in isolation they sped up some GEMMs
+    # by up to 16% on an H200 and slowed others; across the layer they gained nothing (BENCHMARKS.md)
+    "flatten": (False, True),
+    "warp_specialize": (False, True),
 }
 LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False), "tma": (True, False),
                "tma_weight_grad": (False, True)}
@@ -74,6 +78,8 @@ def gemm_candidates(base: GemmConfig, *, n_dim: int, smem_limit: int, sm_count: 
     out, seen = [base], {base}
     for values in itertools.product(*SPACE.values()):
         knobs = dict(zip(SPACE, values))
+        if knobs["num_programs"] != "sms" and (knobs["flatten"] or knobs["warp_specialize"]):
+            continue  # a program per tile: the tile loop runs once, so its loop options schedule nothing
         knobs["num_programs"] = sm_count if knobs["num_programs"] == "sms" else 0
         cfg = dataclasses.replace(base, **knobs)
         if cfg not in seen and prune_reason(cfg, n_dim=n_dim, smem_limit=smem_limit, elem_bytes=elem_bytes,
