@@ -12,7 +12,8 @@ Numerics contract (what a tuner may change freely):
   rounding. ``act_grad_in_epilogue`` takes the activation backward from the fp32 accumulator instead
   of the rounded GEMM output. These two are the "numerics knobs".
 - Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
-  ``num_programs`` (persistent grid size), ``fuse_gather``, ``pack_gate_up``, ``tma``, ``tma_weight_grad`` -- only schedules the same arithmetic:
+  ``num_programs`` (persistent grid size), ``flatten``, ``warp_specialize``, ``fuse_gather``,
+  ``pack_gate_up``, ``tma``, ``tma_weight_grad`` -- only schedules the same arithmetic:
   each output element is the same chain of ``block_k``-wide MMAs in the same order, the combine and
   the routing-weight gradient run in fixed-configuration kernels, and no reduction is split across
   programs. Results are bitwise identical across their values (tests/test_gpu.py holds this).
