@@ -29,10 +29,7 @@ def lower_dispatch(gm: GraphModule, match: DispatchMatch) -> torch.fx.Node:
             outs[i].meta.update({k: old.meta[k] for k in ("example_value", "stack_trace") if k in old.meta})
         else:
             take_place(old, outs[i], call)
-    for node in reversed(match.nodes):
-        if not node.users:
-            graph.erase_node(node)
-    _require_erased(match.nodes, graph)
+    _erase_region(match.nodes, graph)
     return call
 
 
@@ -41,10 +38,7 @@ def lower_combine(gm: GraphModule, match: CombineMatch) -> torch.fx.Node:
     with graph.inserting_before(match.out):
         call = graph.call_function(torch.ops.uniep.ep_combine.default, (match.rows, match.order, match.weights))
     take_place(match.out, call, call)
-    for node in reversed(match.nodes):
-        if not node.users:
-            graph.erase_node(node)
-    _require_erased(match.nodes, graph)
+    _erase_region(match.nodes, graph)
     return call
 
 
@@ -60,14 +54,16 @@ def lower_exchange(gm: GraphModule, match: ExchangeMatch, knobs: dict | None = N
     with graph.inserting_after(call):
         back = graph.call_function(operator.getitem, (call, 0))
     take_place(match.back, back, call)
-    for node in reversed(match.nodes):
-        if not node.users:
-            graph.erase_node(node)
-    _require_erased(match.nodes, graph)
+    _erase_region(match.nodes, graph)
     return call
 
 
-def _require_erased(nodes, graph):
+def _erase_region(nodes, graph):
+    """Erase the replaced region's nodes (last first, each once nothing reads it); any left means a reader
+    outside the region still needs one of them, which the match should have refused."""
+    for node in reversed(nodes):
+        if not node.users:
+            graph.erase_node(node)
     alive = set(graph.nodes)
     left = [n.name for n in nodes if n in alive]
     if left:
