@@ -207,7 +207,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     a_desc = b_desc = None
     b_kmajor, b_expert_rows = False, 0
     packed = two_halves and epilogue == GLU_FWD and layer.config.pack_gate_up
-    if layer.config.tma and k % cfg.block_k == 0 and _tma_available(a):
+    if layer.config.tma and k % cfg.block_k == 0 and _tma_device(a.device):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if not gather and _tma_2d(a, a.shape[0], a.stride(0), a.stride(1)):
@@ -253,6 +253,7 @@ TMA_KMAJOR_INTERPRETED = False
 
 @functools.lru_cache(maxsize=16)
 def _tma_device(device) -> bool:
+    """Bulk tensor copies: Hopper or newer (or the interpreter), and a Triton with tensor descriptors."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
@@ -260,11 +261,6 @@ def _tma_device(device) -> bool:
     if device.type != "cuda":
         return True  # Triton's interpreter emulates the copies (CPU tests)
     return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tma_available(t) -> bool:
-    """Bulk tensor copies: Hopper or newer (or the interpreter), and a Triton with tensor descriptors."""
-    return _tma_device(t.device)
 
 
 def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
@@ -300,7 +296,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
     p_desc = q_desc = None
-    if (layer.config.tma_weight_grad and not (p_gather or q_gather or q_scale) and _tma_available(p)
+    if (layer.config.tma_weight_grad and not (p_gather or q_gather or q_scale) and _tma_device(p.device)
             and max(cfg.block_m, cfg.block_n, cfg.block_k) <= 256
             and _tma_2d(p, p.shape[0], p.stride(0), p.stride(1)) and _tma_2d(q, q.shape[0], q.stride(0), q.stride(1))):
         from triton.tools.tensor_descriptor import TensorDescriptor
