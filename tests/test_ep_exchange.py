@@ -243,6 +243,8 @@ def check_model(ranks, exchanges=1):
         assert on["totals"]["ep_exchange"] == 2 * exchanges and off["totals"]["ep_exchange"] == 0, \
             (on["totals"], off["totals"])
         assert on["totals"]["ep_dispatch"] == off["totals"]["ep_dispatch"] == 2
+        # the combine too after the recompile, where the returned rows' count and the order's are separate symbols
+        assert on["totals"]["ep_combine"] == off["totals"]["ep_combine"] == 2, (on["totals"], off["totals"])
         assert on["phases"] == 4 * exchanges and off["phases"] == 0
         for i, (a, b) in enumerate(zip(on["tensors"], off["tensors"])):
             assert torch.equal(a, b), i

@@ -206,7 +206,9 @@ def _match_combine(setitem: Node, order_of: dict) -> CombineMatch:
     _require(isinstance(index, Node) and not isinstance(index, (tuple, list)), "the unpermute index is not a tensor")
     r_shape, o_shape = _shape(rows), _shape(index)
     _require(r_shape is not None and len(r_shape) == 2, "the unpermuted rows are not [S, H]", "[S, H]", r_shape)
-    _require(o_shape is not None and len(o_shape) == 1 and gu.same_int(o_shape[0], r_shape[0]),
+    # after a dynamic recompile the returned rows' count is the sum of the split sizes and the order's its own
+    # symbol: equal on the traced call, so a guard on their equality proves it for every call the graph runs
+    _require(o_shape is not None and len(o_shape) == 1 and gu.same_int_or_guard(o_shape[0], r_shape[0]),
              "the unpermute order is not one index per row", f"[{r_shape[0]}]", o_shape)
     _require(_dtype(index) in (torch.int64, torch.int32), f"the unpermute order is {_dtype(index)}")
     _require(_dtype(rows) in _FLOAT_DTYPES, f"the unpermuted rows are {_dtype(rows)}")
