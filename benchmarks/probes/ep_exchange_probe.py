@@ -1,11 +1,20 @@
-"""Where the compiled uniep.ep_exchange layer spends its time: bench_ep's EP layer compiled with uniep (or with
-options={"overlap_ep": False}), a few steps under the torch profiler on rank 0, the top entries by host and by
-device time, and how many overlapped phases ran per step.
+"""Where an EP layer's step spends its time: bench_ep's EP layer under several providers, a few steps under the
+torch profiler on rank 0 (the top entries by host time, the GPU's busy time per stream, and the step's idle
+gaps), optionally a chrome trace per provider and a cProfile of the host.
 
-    python benchmarks/probes/ep_exchange_probe.py --world 2 --shape qwen3-30b-a3b [--sequential]
+    python benchmarks/probes/ep_exchange_probe.py --world 2 --shape qwen3-30b-a3b \
+        --modes inductor,sequential,exchange,direct [--trace-dir DIR] [--cprofile]
+
+Modes: inductor (torch.compile), sequential (backend="uniep", overlap_ep off), exchange (backend="uniep",
+overlap_ep on), direct (the router compiled with uniep, then ep_experts_overlapped with its default knobs).
 """
 import argparse
+import cProfile
+import gzip
+import io
 import os
+import pstats
+import shutil
 import sys
 
 import torch
@@ -16,10 +25,43 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
-def _worker(rank, world, port, args):
-    from bench_ep import SHAPES, _layer_class
+def _gpu_summary(prof, wall_ms: float, steps: int) -> str:
+    """GPU busy time per stream and the union over streams, per step, against the wall time; the longest idle
+    gaps of the union."""
+    spans, streams = [], {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            start, end = e.time_range.start, e.time_range.end
+            spans.append((start, end))
+            key = getattr(e, "device_resource_id", None)
+            streams[key] = streams.get(key, 0.0) + (end - start)
+    if not spans:
+        return "no device events"
+    spans.sort()
+    busy, gaps, (cur_s, cur_e) = 0.0, [], spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, cur_e))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    first = spans[0][0]
+    lines = [f"  wall {wall_ms:.3f} ms/step; GPU busy (any stream) {busy / 1000 / steps:.3f} ms/step; "
+             f"device span {(cur_e - first) / 1000 / steps:.3f} ms/step"]
+    for key, us in sorted(streams.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  stream {key}: {us / 1000 / steps:.3f} ms/step of kernels and copies")
+    gaps.sort(reverse=True)
+    total_gap = sum(g for g, _ in gaps)
+    lines.append(f"  idle gaps: {len(gaps)} totalling {total_gap / 1000 / steps:.3f} ms/step; longest (us, at us from "
+                 "the first event): " + ", ".join(f"{g:.0f}@{at - first:.0f}" for g, at in gaps[:12]))
+    return "\n".join(lines)
 
-    from uniep_dynamo import ep_overlap
+
+def _worker(rank, world, port, args):
+    from bench_ep import SHAPES, _layer_class, _overlapped_run
+
     from uniep_dynamo.ep import local_rank
 
     with local_rank(rank, world, port) as device:
@@ -28,49 +70,78 @@ def _worker(rank, world, port, args):
         layer = _layer_class()[0](hidden, inter, experts, top_k, torch.bfloat16).to(device)
         x = torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
-        run = torch.compile(layer, backend="uniep", options={"overlap_ep": not args.sequential})
-        phases = [0]
-        inner = ep_overlap._exchange
+        for mode in args.modes.split(","):
+            torch._dynamo.reset()
+            if mode == "inductor":
+                run = torch.compile(layer)
+            elif mode in ("sequential", "exchange"):
+                run = torch.compile(layer, backend="uniep", options={"overlap_ep": mode == "exchange"})
+            elif mode == "direct":
+                run = _overlapped_run(layer, 4, 32)
+            else:
+                raise SystemExit(f"unknown mode {mode}")
 
-        def counted(*a, **k):
-            phases[0] += 1
-            return inner(*a, **k)
-        ep_overlap._exchange = counted
-
-        def step():
-            layer.zero_grad(set_to_none=True)
-            run(x).backward(grad)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        phases[0] = 0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        if rank == 0:
-            print(f"{args.shape} world {world} {'sequential' if args.sequential else 'exchange'}: "
-                  f"{start.elapsed_time(end) / 5:.3f} ms/step, {phases[0] / 5:.1f} overlapped phases/step", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            def step():
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                run(x).backward(grad)
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        if rank == 0:
-            table = prof.key_averages()
-            print(table.table(sort_by="cpu_time_total", row_limit=args.rows, max_name_column_width=60))
-            print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.steps):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            wall = start.elapsed_time(end) / args.steps
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+            if rank == 0:
+                print(f"== {args.shape} world {world} {mode}: {wall:.3f} ms/step", flush=True)
+                try:
+                    print(_gpu_summary(prof, wall, 2), flush=True)
+                except Exception as exc:  # noqa: BLE001 -- the profiler's event API differs between versions
+                    print(f"  no GPU summary: {exc!r}", flush=True)
+                table = prof.key_averages()
+                print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+                if args.trace_dir:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    path = os.path.join(args.trace_dir, f"{args.shape}-w{world}-{mode}.json")
+                    prof.export_chrome_trace(path)
+                    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    os.remove(path)
+            if args.cprofile and mode != "inductor":
+                torch.cuda.synchronize()
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                profiler.disable()
+                if rank == 0:
+                    out = io.StringIO()
+                    stats = pstats.Stats(profiler, stream=out)
+                    stats.sort_stats("tottime").print_stats(30)
+                    stats.sort_stats("cumtime").print_stats(45)
+                    print(f"-- cProfile, {mode}, 3 steps", flush=True)
+                    print(out.getvalue(), flush=True)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--rows", type=int, default=22)
-    parser.add_argument("--sequential", action="store_true")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--modes", default="sequential,exchange")
+    parser.add_argument("--trace-dir", default="")
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     from uniep_dynamo.ep import free_port
     mp.spawn(_worker, args=(args.world, free_port(), args), nprocs=args.world)
