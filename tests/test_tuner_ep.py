@@ -77,6 +77,33 @@ def test_ep_cache_round_trip_and_a_broken_entry(tmp_path, monkeypatch, caplog):
     assert tuner.cached_ep_config("Fake GPU", key) is None
 
 
+def test_the_direct_layer_and_the_compiled_exchange_read_one_cache_entry(tmp_path, monkeypatch):
+    """ep_experts_overlapped (hidden [T, H], ids [T, K]) and uniep.ep_exchange (the T * K rows it sends) look up the
+    same entry: the tuned knobs of the shape, else the defaults; the CPU path always runs the defaults."""
+    import types
+
+    from uniep_dynamo import ep_overlap
+    from uniep_dynamo.kernels import config as kconfig
+
+    monkeypatch.setenv("UNIEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kconfig, "_gpu_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(ep_overlap.dist, "get_world_size", lambda group=None: 4)
+    hidden, ids, _, w_up, w_down, _, _, spec = make(12, 16, 12, 4, 2)  # 4 local experts of 16 in all
+    tuned = OverlapConfig(chunks=2, copy_engine=False, copy_kernel=True, copy_programs=64)
+    key = tuner.shape_key(hidden.dtype, 12 * 2 * 4, 16, 16, 12, ep_size=4)
+    tuner.store_entries("Fake GPU", {key: tuner.ep_config_to_dict(tuned)})
+
+    def on_gpu(t):  # the lookup reads only the device, dtype and width
+        return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=t.dtype, shape=t.shape)
+    assert ep_overlap._default_knobs(on_gpu(hidden), ids, w_up, w_down, spec, None) == tuned
+    rows = torch.empty(ids.numel(), 16, dtype=hidden.dtype)
+    assert ep_overlap._cached_knobs(on_gpu(rows), rows.shape[0], w_up, w_down, spec, None) == tuned
+    assert ep_overlap.knobs_from_json("") is None  # the rewrite without ep_knobs: exchange_forward looks it up
+    # another row bucket, or the CPU path: the defaults
+    assert ep_overlap._cached_knobs(on_gpu(rows), 4 * rows.shape[0], w_up, w_down, spec, None) == OverlapConfig()
+    assert ep_overlap._cached_knobs(rows, rows.shape[0], w_up, w_down, spec, None) == OverlapConfig()
+
+
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_uniep_tune_ep_command_smoke_run(tmp_path, capsys):
     import json

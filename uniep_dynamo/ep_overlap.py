@@ -583,13 +583,18 @@ def _default_knobs(hidden, topk_ids, w_up, w_down, spec, group) -> OverlapConfig
     """The tuned knobs of this shape and EP size from the tuning cache (uniep/tuner.py, tune_ep), else the
     defaults. Ranks may pick differently (uneven token counts fall in other row buckets): the knobs only
     schedule each rank's own transfers and GEMMs, between the same collectives and barriers."""
-    if hidden.device.type != "cuda":
+    return _cached_knobs(hidden, topk_ids.numel(), w_up, w_down, spec, group)
+
+
+def _cached_knobs(probe, rows: int, w_up, w_down, spec, group) -> OverlapConfig:
+    """_default_knobs for a rank that routes ``rows`` rows of ``probe``'s dtype, width and device."""
+    if probe.device.type != "cuda":
         return OverlapConfig()
     from . import tuner
     from .kernels import config as config_mod
 
-    key = tuner.ep_shape_key(hidden, topk_ids, w_up, w_down, spec, dist.get_world_size(group))
-    return tuner.cached_ep_config(config_mod._gpu_name(hidden.device), key) or OverlapConfig()
+    key = tuner.ep_rows_key(probe.dtype, rows, probe.shape[1], w_up, w_down, spec, dist.get_world_size(group))
+    return tuner.cached_ep_config(config_mod._gpu_name(probe.device), key) or OverlapConfig()
 
 
 # ---- the token all-to-all, the local experts and the all-to-all back, as one overlapped call ------------------
@@ -599,10 +604,11 @@ def _default_knobs(hidden, topk_ids, w_up, w_down, spec, group) -> OverlapConfig
 # the host read and the per-(source, local expert) counts of the count exchange. The same windows, chunks and
 # transfers as above; only the layout comes from those sizes instead of an all-gathered routing table.
 
-def knobs_from_json(text: str) -> OverlapConfig:
-    """OverlapConfig from the JSON object of its fields the compile rewrite passes ("" for the defaults)."""
+def knobs_from_json(text: str) -> OverlapConfig | None:
+    """OverlapConfig from the JSON object of its fields the compile rewrite passes; None for "" (the tuned
+    knobs of the call's shape from the tuning cache, else the defaults: exchange_forward/backward look)."""
     if not text:
-        return OverlapConfig()
+        return None
     import json
 
     fields = json.loads(text)
@@ -749,7 +755,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
         back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec)[2][0], send_sizes,
                            recv_sizes, group)
         return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
-    knobs = knobs or OverlapConfig()
+    knobs = knobs or _cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = _exchange_layout(rows, counts, rank, local_experts, knobs, size)
     offsets, transfers = layout.to_device(device)
     chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, send, config_shape=(layout.rows, local_experts))
@@ -782,7 +788,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
             spec)
         return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
                 d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
-    knobs = knobs or OverlapConfig()
+    knobs = knobs or _cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)
     layout = _exchange_layout(rows, counts, rank, local_experts, knobs, size)
     offsets, transfers = layout.to_device(device)
     chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, grad_back,

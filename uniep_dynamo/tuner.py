@@ -496,13 +496,17 @@ def tune_ep(hidden, topk_ids, topk_weights, w_up, w_down, spec: str, group=None,
 
 def ep_shape_key(hidden, topk_ids, w_up, w_down, spec, world: int) -> str:
     """The cache key of one rank's EP layer: its routed rows times the EP size, all experts, H, I, EP size."""
+    return ep_rows_key(hidden.dtype, topk_ids.numel(), hidden.shape[1], w_up, w_down, spec, world)
+
+
+def ep_rows_key(dtype, rows: int, hidden: int, w_up, w_down, spec, world: int) -> str:
+    """ep_shape_key from the rows one rank routes (T * K; what the compiled exchange sends)."""
     from .kernels import reference
     from .spec import decode_spec
 
     spec = decode_spec(spec) if isinstance(spec, str) else spec
     inter = reference.effective_weight(w_down, spec.down_layout).shape[1]
-    return shape_key(hidden.dtype, topk_ids.numel() * world, w_up.shape[0] * world, hidden.shape[1], inter,
-                     ep_size=world)
+    return shape_key(dtype, rows * world, w_up.shape[0] * world, hidden, inter, ep_size=world)
 
 
 def ep_config_to_dict(cfg) -> dict:
