@@ -36,7 +36,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--gemms", default="up,down,grad_act,grad_input,wgrad_up,wgrad_down")
+    parser.add_argument("--gemms", default="up,down,grad_act,grad_input,wgrad_up,wgrad_down",
+                        help="comma-separated; NAME_cublas times torch._grouped_mm on NAME's operands (up, down, "
+                             "grad_act, grad_input, wgrad_up, wgrad_down)")
     parser.add_argument("--tma", default="off", choices=("off", "on", "both"),
                         help="the row GEMMs' tiles by pointer loads (off), tensor descriptors (on), or each")
     parser.add_argument("--top", type=int, default=0,
@@ -106,12 +108,22 @@ def main():
                 m_dim=2, n_dim=1, **common)),
         }
         for gemm in args.gemms.split(","):
-            if gemm.endswith("_cublas"):  # torch._grouped_mm on the same operands, for comparison
-                flops = launches[gemm[:-7] + "_mat"][0]
-                a, b = (x_rows, d_up) if gemm.startswith("wgrad_up") else (act, dy_rows)
+            if gemm.endswith("_cublas"):  # torch._grouped_mm (CUTLASS) on the same operands, for comparison
+                base = gemm[:-7]
                 offs = offsets.to(torch.int32)
-                ms = time_cuda(lambda: torch._grouped_mm(b.t(), a, offs=offs), iters=10, warmup=2)
-                print(json.dumps({"shape": name, "gemm": gemm, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}))
+                if base.startswith("wgrad"):
+                    flops = launches[base + "_mat"][0]
+                    a, b = (x_rows, d_up) if base == "wgrad_up" else (act, dy_rows)
+                    run = (lambda a=a, b=b: torch._grouped_mm(b.t(), a, offs=offs))
+                else:  # the row GEMMs: rows [S, K] times each expert's [K, N] weight (plain output, no epilogue)
+                    flops = launches[base][0]
+                    a, b = {"up": (x_rows, w_up.transpose(1, 2)), "down": (act, w_down.transpose(1, 2)),
+                            "grad_act": (dy_rows, w_down), "grad_input": (d_up, w_up)}[base]
+                    run = (lambda a=a, b=b: torch._grouped_mm(a, b, offs=offs))
+                ms = time_cuda(run, iters=10, warmup=2)
+                row = {"shape": name, "gemm": gemm, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
                 continue
             flops, launch = launches[gemm]
             for tma in variants:
