@@ -263,6 +263,33 @@ def test_in_place_backward_reuses_saved_buffers_and_refuses_a_second_backward(mo
         out.sum().backward()
 
 
+@pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
+def test_routing_weights_without_grad_skip_their_gradient(reuse_saved, monkeypatch):
+    """Weights that need no gradient (an EP layer's received rows carry constant ones): the backward does not
+    compute theirs, and every other gradient keeps its bits."""
+    from uniep_dynamo.kernels import triton_routing
+
+    args = make(29, 32, 16, 6, 2, GPT_OSS, "io", True)
+    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    want = run(args, "triton", monkeypatch, spec=spec)
+    calls = []
+    inner = triton_routing.routing_weight_grad
+    monkeypatch.setattr(triton_routing, "routing_weight_grad", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    hidden, ids, weights, w_up, w_down, b_up, b_down, _ = args
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, w_up, w_down, b_up, b_down)]
+    out = torch.ops.uniep.moe_experts(leaves[0], ids, weights.detach(), *leaves[1:], [], spec.encode())[0]
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+    assert not calls
+    got = [out] + [leaves[0].grad] + [t.grad for t in leaves[1:]]
+    for name, x, y in zip(("out", "d_hidden", "d_w_up", "d_w_down", "d_b_up", "d_b_down"), got,
+                          [want[0], want[1]] + want[3:]):
+        assert torch.equal(x, y), name
+    # and with weights that need it, the gradient is computed (the spy sees the call)
+    run(args, "triton", monkeypatch, spec=spec)
+    assert calls
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 def test_every_top_k_from_1_to_8(top_k, monkeypatch):
     """K = 1..8 over 8 experts (K = 8: every token visits every expert), T = 13 (no tile multiple)."""

@@ -785,7 +785,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
             x, recv_counts, w_up, w_down, b_up, b_down, spec)
         d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
             d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
-            spec)
+            spec, False)
         return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
                 d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
     knobs = knobs or _cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)

@@ -26,7 +26,7 @@ _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_u
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
                "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor[] post_operands, Tensor row_order, "
-               "Tensor slot_row, Tensor expert_offsets, Tensor up, Tensor down, str spec) "
+               "Tensor slot_row, Tensor expert_offsets, Tensor up, Tensor down, str spec, bool weights_grad=True) "
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
@@ -78,12 +78,12 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 
 
 def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                   row_order, slot_row, expert_offsets, up, down, spec, reuse_saved):
+                   row_order, slot_row, expert_offsets, up, down, spec, reuse_saved, weights_grad=True):
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         *grads, d_operands = megakernel.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
-            expert_offsets, up, down, s, reuse_saved=reuse_saved)
+            expert_offsets, up, down, s, reuse_saved=reuse_saved, weights_grad=weights_grad)
     else:
         *grads, d_operands = reference.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
@@ -96,14 +96,17 @@ def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up,
 
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
 def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                         row_order, slot_row, expert_offsets, up, down, spec):
+                         row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
+    """``weights_grad=False`` (the routing weights need no gradient, as the constant ones of an EP layer's
+    received rows): the fused path skips that gradient and returns zeros in its place."""
     return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=False)
+                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=False,
+                          weights_grad=weights_grad)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                               row_order, slot_row, expert_offsets, up, down, spec):
+                               row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     def like(t):
         return t.new_empty(t.shape) if t is not None else hidden.new_empty(0)
 
@@ -122,16 +125,18 @@ _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor up, Tensor down", "Tensor(a!)
 
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=("up", "down"), schema=_BWD_INPLACE_SCHEMA)
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec):
+                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     if post_operands:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands")
     return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=True)[:6]
+                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=True,
+                          weights_grad=weights_grad)[:6]
 
 
 @moe_experts_backward_.register_fake
 def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec):
+                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec,
+                                       weights_grad=True):
     return _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec)[:6]
 
@@ -156,14 +161,15 @@ def _backward(ctx, grad_out, *_unused_grads):
     saved = list(ctx.saved_tensors)
     head, operands, plan = saved[:7], saved[7:7 + ctx.num_operands], saved[7 + ctx.num_operands:]
     grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
+    weights_grad = ctx.needs_input_grad[2]  # False for weights that need none (the ones of an EP layer's rows)
     if ctx.reuse_saved:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
-            grad_out, *head, operands, *plan, ctx.spec)
+            grad_out, *head, operands, *plan, ctx.spec, weights_grad)
         d_operands = []
     else:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
-            grad_out, *head, operands, *plan, ctx.spec)
-    return (d_hidden, None, d_weights, d_w_up, d_w_down, d_b_up if ctx.has_bias[0] else None,
+            grad_out, *head, operands, *plan, ctx.spec, weights_grad)
+    return (d_hidden, None, d_weights if weights_grad else None, d_w_up, d_w_down, d_b_up if ctx.has_bias[0] else None,
             d_b_down if ctx.has_bias[1] else None, list(d_operands), None) + (None,) * ctx.num_plan_inputs
 
 

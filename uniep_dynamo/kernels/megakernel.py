@@ -347,8 +347,10 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                     row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False):
-    """Same contract as reference.experts_backward (without post programs).
+                     row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False,
+                     weights_grad: bool = True):
+    """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
+    routing-weight gradient is not computed (zeros in its place).
 
     Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down`` ([rows, H]) is read by the routing-weight
     gradient and then holds, in turn, the weighted output-gradient rows, the input-gradient rows and
@@ -365,7 +367,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     grad_out = grad_out.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
-                                    topk_weights.dtype)
+                                    topk_weights.dtype) if weights_grad else \
+        torch.zeros(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
     d_b_up = torch.empty(b_up.shape, dtype=b_up.dtype, device=device) if b_up is not None else None
     d_b_down = torch.empty(b_down.shape, dtype=b_down.dtype, device=device) if b_down is not None else None
     # Weight gradients in the [E, in, out] math: grad[e][i, o], i.e. dims (1, 2) for "io", (2, 1) for "oi".
