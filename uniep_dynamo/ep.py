@@ -318,9 +318,7 @@ def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name,
     beside the grouped GEMMs, chunk by chunk, with the same bits. Returns (back, then what the backward reads:
     the received rows, the up projection, and on the host the [W, 3W + 2 + E_local] table of send sizes, paths,
     the size check's claims and received counts, so that the backward does not synchronize again)."""
-    from .ep_overlap import exchange_forward
-
-    from .ep_overlap import knobs_from_json
+    from .ep_overlap import exchange_forward, knobs_from_json
 
     return exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
                             send_sizes, recv_sizes, knobs_from_json(knobs))

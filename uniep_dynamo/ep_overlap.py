@@ -90,6 +90,7 @@ class _Layout:
         from .kernels.triton_transfer import segment_table
 
         self.rank, self.world = rank, world
+        self._on_device = {}  # to_device's tensors, per device
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
         self.send_start = [[0] * (len(row) + 1) for row in counts]
         for s, row in enumerate(counts):
@@ -129,7 +130,14 @@ class _Layout:
 
     def to_device(self, device):
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
-        first row: the grouped GEMMs' offsets, sliced per chunk; [n, 5] int64, the transfer table)."""
+        first row: the grouped GEMMs' offsets, sliced per chunk; [n, 5] int64, the transfer table). Made once per
+        device: a cached exchange layout serves the forward and the backward (the kernels only read them)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = self._copy_to(device)
+        return self._on_device[key]
+
+    def _copy_to(self, device):
         rel = []
         for e0, e1, lo, _ in self.chunks:
             rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
