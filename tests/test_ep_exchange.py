@@ -157,6 +157,30 @@ def _inconsistent_worker(rank, world, port, out_dir):
         torch.save({}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def test_dispatch_count_table_gives_the_gathered_claims():
+    """The exchange's host table built from the dispatch's all-gathered counts is the one the all-gathered
+    claims give (what the backward and the layout read), and sizes that disagree with it raise."""
+    from uniep_dynamo import ep_overlap
+
+    world, local_experts = 3, 2
+    table = torch.randint(0, 5, (world, world * local_experts), generator=torch.Generator().manual_seed(0))
+    table[1, 2:4] = 0  # rank 1 sends rank 1 nothing
+    blocks = table.view(world, world, local_experts)  # [source, owner, local expert]
+    claims = []
+    for r in range(world):
+        send_sizes, recv_sizes = blocks[r].sum(1).tolist(), blocks[:, r].sum(1).tolist()
+        claims.append(ep_overlap._exchange_claims(torch.empty(sum(send_sizes), 4), blocks[:, r], send_sizes,
+                                                  recv_sizes, True))
+    for r in range(world):
+        send_sizes, recv_sizes = blocks[r].sum(1).tolist(), blocks[:, r].sum(1).tolist()
+        gathered = ep_overlap._exchange_host(torch.stack(claims), blocks[:, r])
+        ours = ep_overlap._table_from_counts(table.tolist(), r, local_experts, True, send_sizes, recv_sizes,
+                                             sum(send_sizes))
+        assert torch.equal(ours, gathered), r
+    with pytest.raises(ValueError, match="disagree with the dispatch's count table"):
+        ep_overlap._table_from_counts(table.tolist(), 0, local_experts, True, [0, 0, 0], [0, 0, 0], 0)
+
+
 class _Wait(torch.autograd.Function):
     """What torch 2.11's all_to_all_single_autograd wraps its result in (_FromTorchTensor): a wait forward,
     the gradient passed through backward."""
@@ -189,6 +213,8 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
         import ep_moe
         import uniep_dynamo
         from ep_moe import ExpertParallelMoE
+        from uniep_dynamo import ep as uniep_ep
+        from uniep_dynamo import ep_overlap
 
         if spelling != "plain":
             wrap = {"torch_2_11": _Wait, "doubling_function": _Double}[spelling]
@@ -209,6 +235,7 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
         spy = _Spy()
         results = {}
         for overlap in (True, False):
+            paths, inverses = dict(ep_overlap.COUNT_TABLE_PATHS), dict(uniep_ep.INVERSE_PATHS)
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner, "overlap_ep": overlap})
             tensors = []
@@ -219,7 +246,9 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
                     out = compiled(xi)
                     out.square().mean().backward()
                     tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
-            results[overlap] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls}
+            results[overlap] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls,
+                                "tables": {k: v - paths[k] for k, v in ep_overlap.COUNT_TABLE_PATHS.items()},
+                                "inverses": {k: v - inverses[k] for k, v in uniep_ep.INVERSE_PATHS.items()}}
             spy.calls = 0
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -246,5 +275,10 @@ def check_model(ranks, exchanges=1):
         # the combine too after the recompile, where the returned rows' count and the order's are separate symbols
         assert on["totals"]["ep_combine"] == off["totals"]["ep_combine"] == 2, (on["totals"], off["totals"])
         assert on["phases"] == 4 * exchanges and off["phases"] == 0
+        # each exchange laid out its transfers with its dispatch's count table, without a collective of its own
+        assert on["tables"] == {"dispatch": 2 * exchanges, "gathered": 0}, on["tables"]
+        assert off["tables"] == {"dispatch": 0, "gathered": 0}, off["tables"]
+        # each combine (forward and backward, two steps) took its dispatch's inverse order
+        assert on["inverses"] == off["inverses"] == {"dispatch": 4, "computed": 0}, (on["inverses"], off["inverses"])
         for i, (a, b) in enumerate(zip(on["tensors"], off["tensors"])):
             assert torch.equal(a, b), i

@@ -102,8 +102,12 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
     ep_matches.sort(key=lambda m: list(lower_ep).index(m.op))
     for match in ep_matches:
         replaced = [n.name for n in match.nodes]
-        call = lower_ep[match.op](gm, match, opts.ep_knobs) if match.op == "ep_exchange" else \
-            lower_ep[match.op](gm, match)
+        if match.op == "ep_exchange":
+            call = lower_exchange(gm, match, opts.ep_knobs)
+        elif match.op == "ep_dispatch":
+            call = lower_dispatch(gm, match, gather_counts=opts.overlap_ep)
+        else:
+            call = lower_combine(gm, match)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
         counters["uniep"][match.op] += 1
         log.info("uniep: rewrote %s (%d nodes) into uniep.%s [%s]", match.module, len(match.nodes), match.op,

@@ -58,6 +58,29 @@ def _plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, gro
     return row_order, slot_row, offsets, counts, recv
 
 
+def _plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group):
+    """_plan_and_exchange with the counts all-gathered instead of exchanged: every rank's per-expert counts
+    ([world, E], one collective, as the all_to_all was) give this rank's received counts, and the whole table
+    goes to the host behind the model's own synchronization (ep_overlap.stash_count_table), for the exchange
+    of the next graph to lay out its transfers without a collective of its own."""
+    from .ep_overlap import stash_count_table
+
+    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
+    flat = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    table = flat.new_empty(world * num_experts)
+    _all_gather_flat(table, flat, group=group)
+    table = table.view(world, num_experts)
+    e_local = num_experts // world
+    rank = dist.get_rank(group)
+    recv = table[:, rank * e_local:(rank + 1) * e_local].contiguous()
+    stash_count_table(recv, table)
+    return row_order, slot_row, offsets, flat.view(world, e_local), recv
+
+
+# torch 2.13 renamed all_gather_into_tensor (a flat output of world * n elements on gloo and NCCL alike)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None) -> EPPlan:
     world = dist.get_world_size(group)
     if num_experts % world:
@@ -182,18 +205,20 @@ def _process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
-_DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_ids, int num_experts, int world, str group_name) "
-                    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_ids, int num_experts, int world, str group_name, "
+                    "bool gather_counts=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("uniep::ep_dispatch", mutates_args=(), schema=_DISPATCH_SCHEMA)
-def ep_dispatch(hidden, topk_ids, num_experts, world, group_name):
+def ep_dispatch(hidden, topk_ids, num_experts, world, group_name, gather_counts=False):
     """The send side of an all-to-all dispatch over the `world` ranks of `group_name`, each owning E / W
     consecutive experts. Returns (rows [S, H], row_order [S], send_counts [W, E/W], recv_counts [W, E/W],
     slot_row [S], expert_offsets [E]): the rows to send, hidden[row_order // K], ordered by (expert, token,
     k); the per-expert counts this rank sends and, exchanged, receives; and the plan backward reads.
     `world` is an argument, not read off the group, so that the graph (and any compiled-graph cache keyed
-    on it) holds the shapes it was proven for."""
+    on it) holds the shapes it was proven for. ``gather_counts`` (the compile rewrite sets it where the next
+    graph's exchange is rewritten too): all-gather every rank's counts instead of exchanging this rank's,
+    and hand the table to that exchange (_plan_and_gather)."""
     group = _process_group(group_name)
     if group.size() != world:
         raise ValueError(f"uniep.ep_dispatch: compiled for {world} ranks, but process group {group_name!r} has "
@@ -202,13 +227,15 @@ def ep_dispatch(hidden, topk_ids, num_experts, world, group_name):
     # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync)
     torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
                         f"uniep.ep_dispatch: an expert id lies outside [0, {num_experts})")
-    row_order, slot_row, offsets, counts, recv = _plan_and_exchange(topk_ids, num_experts, world, group)
+    plan = _plan_and_gather if gather_counts else _plan_and_exchange
+    row_order, slot_row, offsets, counts, recv = plan(topk_ids, num_experts, world, group)
     rows = hidden[row_order // topk_ids.shape[1]]
+    _remember_inverse(row_order, slot_row)
     return rows, row_order, counts, recv, slot_row, offsets
 
 
 @ep_dispatch.register_fake
-def _ep_dispatch_fake(hidden, topk_ids, num_experts, world, group_name):
+def _ep_dispatch_fake(hidden, topk_ids, num_experts, world, group_name, gather_counts=False):
     slots = topk_ids.numel()
     index = [topk_ids.new_empty(slots, dtype=torch.int64) for _ in range(2)]
     counts = [topk_ids.new_empty(world, num_experts // world, dtype=torch.int64) for _ in range(2)]
@@ -232,25 +259,72 @@ def _dispatch_setup_context(ctx, inputs, output):
     hidden, topk_ids = inputs[0], inputs[1]
     ctx.save_for_backward(output[4], output[5])
     ctx.num_tokens, ctx.top_k = hidden.shape[0], topk_ids.shape[1]
+    ctx.num_inputs = len(inputs)
 
 
 def _dispatch_backward(ctx, d_rows, *_int_grads):
     slot_row, offsets = ctx.saved_tensors
     d_hidden = None if d_rows is None else \
         torch.ops.uniep.ep_dispatch_backward(d_rows, slot_row, offsets, ctx.num_tokens, ctx.top_k)
-    return d_hidden, None, None, None, None
+    return (d_hidden,) + (None,) * (ctx.num_inputs - 1)
 
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
 
 
+# The inverse of each dispatch's row order, for the combine of the next graph, which reads that order back: the
+# dispatch sorted it, so it is a permutation, and its inverse is the plan's slot_row. An entry lives as long as the
+# order does (a weak reference; a live tensor's memory is its own, so an order at that address is this one) and
+# serves while the order is unchanged (its version counter).
+_INVERSES: dict = {}  # (device, address of the row order) -> (weak reference to it, its version, slot_row)
+MAX_INVERSES = 1024
+INVERSE_PATHS = {"dispatch": 0, "computed": 0}  # where the combines' inverses came from (tests read it)
+
+
+def _remember_inverse(row_order, slot_row):
+    if row_order.numel() == 0:  # empty tensors may share an address
+        return
+    import weakref
+
+    key = (str(row_order.device), row_order.data_ptr())
+
+    def forget(ref, key=key):
+        if _INVERSES.get(key, (None,))[0] is ref:
+            del _INVERSES[key]
+    _INVERSES.pop(key, None)
+    _INVERSES[key] = (weakref.ref(row_order, forget), row_order._version, slot_row)
+    while len(_INVERSES) > MAX_INVERSES:
+        _INVERSES.pop(next(iter(_INVERSES)))
+
+
+def _known_inverse(row_order):
+    """The dispatch's slot_row for this row order, or None."""
+    if row_order.numel() == 0:
+        return None
+    entry = _INVERSES.get((str(row_order.device), row_order.data_ptr()))
+    if entry is None:
+        return None
+    ref, version, slot_row = entry
+    order = ref()
+    if order is None or order.shape != row_order.shape or order.dtype != row_order.dtype \
+            or row_order._version != version or order._version != version:
+        return None
+    return slot_row
+
+
 def _unpermute_plan(row_order, weights):
     """(slot_row, expert_offsets) of a permutation `row_order` of the T*K slots: its inverse, and one
     "expert" holding every row. A row_order that is not a permutation (eager's index_put would leave
-    rows unwritten) fails a device-side check."""
+    rows unwritten) fails a device-side check. The order of a dispatch (uniep.ep_dispatch) comes with its
+    inverse: neither is computed again."""
     slots = row_order.numel()
     if slots != weights.numel():
         raise ValueError(f"uniep.ep_combine: {slots} rows for {weights.shape[0]} tokens x {weights.shape[1]} slots")
+    known = _known_inverse(row_order)
+    if known is not None:
+        INVERSE_PATHS["dispatch"] += 1
+        return known.long(), row_order.new_full((1,), slots, dtype=torch.int64)
+    INVERSE_PATHS["computed"] += 1
     order = row_order.long()
     torch._assert_async(((order >= 0) & (order < slots)).all(),
                         "uniep.ep_combine: the unpermute order indexes outside the rows")

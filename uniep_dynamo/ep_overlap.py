@@ -638,6 +638,73 @@ def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -
     return reason
 
 
+# ---- the count table from the dispatch ------------------------------------------------------------------------
+#
+# uniep.ep_dispatch(gather_counts=True) all-gathers every rank's per-expert counts and starts copying the [W, E]
+# table to the host; the model's own .tolist() of the split sizes (its one synchronization) then waits for that
+# copy too. The exchange of the next graph takes the table by its received counts: the dispatch returned that
+# tensor, and the entry holds it, so its memory cannot belong to another tensor while the entry lives. So the
+# exchange lays out its transfers without a collective and a synchronization of its own. Every rank runs the
+# same graphs, so every rank finds its table or none does; one that finds none all-gathers its claims.
+
+_COUNT_TABLES: dict = {}  # (device, address of the received counts) -> (received counts, host table, copy event)
+MAX_COUNT_TABLES = 8  # tables of dispatches no exchange read (an exchange left unfused, say) are dropped
+COUNT_TABLE_PATHS = {"dispatch": 0, "gathered": 0}  # where the exchanges' count tables came from (tests read it)
+
+
+def _count_key(t: torch.Tensor):
+    return str(t.device), t.data_ptr()
+
+
+def stash_count_table(recv: torch.Tensor, table: torch.Tensor) -> None:
+    """Keep the all-gathered [W, E] count ``table`` for the exchange that receives ``recv`` (the dispatch's
+    received counts, a slice of it): a copy to pinned host memory on the current stream, read after the
+    model's synchronization."""
+    if table.is_cuda:
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = table, None
+    key = _count_key(recv)
+    _COUNT_TABLES.pop(key, None)
+    _COUNT_TABLES[key] = (recv, host, event)
+    while len(_COUNT_TABLES) > MAX_COUNT_TABLES:
+        _COUNT_TABLES.pop(next(iter(_COUNT_TABLES)))
+
+
+def _take_count_table(recv_counts: torch.Tensor):
+    """The dispatch's [W, E] count table (host lists) for these received counts, or None; taken once."""
+    entry = _COUNT_TABLES.pop(_count_key(recv_counts), None)
+    if entry is None:
+        return None
+    recv, host, event = entry
+    if recv.shape != recv_counts.shape or recv.dtype != recv_counts.dtype:
+        return None
+    if event is not None:
+        event.synchronize()  # done already: the model's .tolist() after the copy waited for the stream
+    return host.tolist()
+
+
+def _table_from_counts(table, rank: int, local_experts: int, ok: bool, send_sizes, recv_sizes,
+                       sent: int) -> torch.Tensor:
+    """The exchange's host table (_exchange_host's layout) from the dispatch's count table: every rank's send
+    sizes (per owner, the sums of its counts), ``ok`` for every rank (the path decision reads only dtypes, the
+    spec and the expert count, which SPMD ranks share), the claims the sizes imply, and this rank's received
+    counts. This rank's own split sizes must be the table's: they came from the same dispatch (``sent``: the rows
+    it sends, which _check_exchange holds against them)."""
+    world = len(table)
+    sizes = [[sum(row[r * local_experts:(r + 1) * local_experts]) for r in range(world)] for row in table]
+    if sizes[rank] != list(send_sizes) or [sizes[s][rank] for s in range(world)] != list(recv_sizes):
+        raise ValueError(f"uniep.ep_exchange: split sizes {list(send_sizes)} / {list(recv_sizes)} on rank {rank} "
+                         f"disagree with the dispatch's count table (send sizes per rank {sizes})")
+    mine = slice(rank * local_experts, (rank + 1) * local_experts)
+    host = [sizes[s] + [int(ok)] + [sizes[q][s] for q in range(world)] + [sent if s == rank else sum(sizes[s])]
+            + [sizes[q][s] for q in range(world)] + table[s][mine] for s in range(world)]
+    return torch.tensor(host, dtype=torch.int64)
+
+
 def _exchange_claims(send, recv_counts, send_sizes, recv_sizes, ok: bool) -> torch.Tensor:
     """What a rank all-gathers, [3W + 2] on the device: its send sizes, whether it takes the overlapped path, and
     for the ranks' common size check its receive sizes, its rows, and the per-source sums of its received
@@ -748,10 +815,17 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     received = sum(recv_sizes)
     up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
     reason = _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, s)
-    mine = _exchange_claims(send, recv_counts, send_sizes, recv_sizes, reason is None)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    table = _exchange_host(torch.stack(parts), recv_counts)
+    gathered = _take_count_table(recv_counts)
+    if gathered is not None:  # the dispatch's table: no collective, no synchronization here
+        COUNT_TABLE_PATHS["dispatch"] += 1
+        table = _table_from_counts(gathered, rank, local_experts, reason is None, send_sizes, recv_sizes,
+                                   send.shape[0])
+    else:
+        COUNT_TABLE_PATHS["gathered"] += 1
+        mine = _exchange_claims(send, recv_counts, send_sizes, recv_sizes, reason is None)
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+        table = _exchange_host(torch.stack(parts), recv_counts)
     rows, counts, claims = _split_host(table)
     _check_exchange(rows, claims)
     if not all(row[world] for row in rows):

@@ -6,7 +6,13 @@ gaps), optionally a chrome trace per provider and a cProfile of the host.
         --modes inductor,sequential,exchange,direct [--trace-dir DIR] [--cprofile]
 
 Modes: inductor (torch.compile), sequential (backend="uniep", overlap_ep off), exchange (backend="uniep",
-overlap_ep on), direct (the router compiled with uniep, then ep_experts_overlapped with its default knobs).
+overlap_ep on), direct (the router compiled with uniep, then ep_experts_overlapped with its default knobs);
+sequential_nostash and exchange_nostash run the same graphs with the dispatch's hand-overs turned off (its count
+table for the exchange, its inverse order for the combine): the exchange all-gathers its claims and reads them
+back, the combine inverts the order again, as before they existed.
+
+With --rounds N > 1 every mode is compiled first, then timed in N alternating rounds (the minimum is reported
+beside each round), so that a slow or fast stretch of the machine does not favour one mode.
 """
 import argparse
 import cProfile
@@ -59,8 +65,58 @@ def _gpu_summary(prof, wall_ms: float, steps: int) -> str:
     return "\n".join(lines)
 
 
+_COMPILED: dict = {}
+
+
+def _step(mode, layer, x, grad):
+    """One training step of the layer under ``mode`` (compiled and run 3 times here). A mode and its _nostash
+    twin share one compiled layer: the hand-overs are switched at run time."""
+    from bench_ep import _overlapped_run
+
+    from uniep_dynamo import ep, ep_overlap
+
+    base = mode.removesuffix("_nostash")
+    if base not in _COMPILED:
+        if base == "inductor":
+            _COMPILED[base] = torch.compile(layer)
+        elif base in ("sequential", "exchange"):
+            _COMPILED[base] = torch.compile(layer, backend="uniep", options={"overlap_ep": base == "exchange"})
+        elif base == "direct":
+            _COMPILED[base] = _overlapped_run(layer, 4, 32)
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    run = _COMPILED[base]
+    stash = not mode.endswith("_nostash")
+
+    def step():
+        kept = ep_overlap.MAX_COUNT_TABLES, ep.MAX_INVERSES
+        if not stash:
+            ep_overlap.MAX_COUNT_TABLES = ep.MAX_INVERSES = 0
+        try:
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            run(x).backward(grad)
+        finally:
+            ep_overlap.MAX_COUNT_TABLES, ep.MAX_INVERSES = kept
+    for _ in range(3):
+        step()
+    return step
+
+
+def _time(step, steps: int) -> float:
+    """ms per step on this rank, over ``steps`` steps (CUDA events)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def _worker(rank, world, port, args):
-    from bench_ep import SHAPES, _layer_class, _overlapped_run
+    from bench_ep import SHAPES, _layer_class
 
     from uniep_dynamo.ep import local_rank
 
@@ -70,31 +126,20 @@ def _worker(rank, world, port, args):
         layer = _layer_class()[0](hidden, inter, experts, top_k, torch.bfloat16).to(device)
         x = torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
-        for mode in args.modes.split(","):
-            torch._dynamo.reset()
-            if mode == "inductor":
-                run = torch.compile(layer)
-            elif mode in ("sequential", "exchange"):
-                run = torch.compile(layer, backend="uniep", options={"overlap_ep": mode == "exchange"})
-            elif mode == "direct":
-                run = _overlapped_run(layer, 4, 32)
-            else:
-                raise SystemExit(f"unknown mode {mode}")
-
-            def step():
-                layer.zero_grad(set_to_none=True)
-                x.grad = None
-                run(x).backward(grad)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.steps):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            wall = start.elapsed_time(end) / args.steps
+        modes = args.modes.split(",")
+        torch._dynamo.reset()
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        steps = {mode: _step(mode, layer, x, grad) for mode in modes}  # compiled and warmed up
+        rounds = {mode: [] for mode in modes}
+        for _ in range(args.rounds):
+            for mode in modes:
+                rounds[mode].append(_time(steps[mode], args.steps))
+        if rank == 0 and args.rounds > 1:
+            for mode in modes:
+                print(f"== {args.shape} world {world} {mode}: rounds " + ", ".join(f"{t:.3f}" for t in rounds[mode])
+                      + f" ms/step; min {min(rounds[mode]):.3f}", flush=True)
+        for mode in modes:
+            step, wall = steps[mode], min(rounds[mode])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(2):
@@ -138,6 +183,7 @@ def main():
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--modes", default="sequential,exchange")
     parser.add_argument("--trace-dir", default="")

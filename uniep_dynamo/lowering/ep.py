@@ -11,13 +11,15 @@ from ..patterns.ep import CombineMatch, DispatchMatch, ExchangeMatch
 from .experts import take_place
 
 
-def lower_dispatch(gm: GraphModule, match: DispatchMatch) -> torch.fx.Node:
+def lower_dispatch(gm: GraphModule, match: DispatchMatch, gather_counts: bool = False) -> torch.fx.Node:
+    """``gather_counts``: where the exchanges are rewritten too (the overlap_ep option), the dispatch all-gathers
+    the count table they lay out their transfers with (ep.ep_dispatch)."""
     graph = gm.graph
     last = match.nodes[-1]
     with graph.inserting_after(last):
         call = graph.call_function(torch.ops.uniep.ep_dispatch.default,
                                    (match.hidden, match.ids, match.num_experts, match.world,
-                                    match.group_name))
+                                    match.group_name, gather_counts))
     outs = {}
     with graph.inserting_after(call):
         for i in reversed(range(4)):
