@@ -48,10 +48,19 @@ class EPPlan:
     recv_expert: torch.Tensor  # [sum(recv_counts)] local expert of each received row
 
 
+def _routing_plan(topk_ids: torch.Tensor, num_experts: int):
+    """(row_order, slot_row, expert_offsets) of the single-rank op: on CUDA its Triton counting sort (three
+    launches), elsewhere the reference's stable sort; the same integers either way."""
+    if _fused(topk_ids):
+        from .kernels.triton_routing import routing_plan
+        return routing_plan(topk_ids, num_experts, clamp=False)
+    return reference.routing_plan(topk_ids, num_experts)
+
+
 def _plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, group):
     """The single-rank routing plan (row_order, slot_row, expert_offsets) and the per-expert counts this
     rank sends and, exchanged over `group`, receives ([world, E / world] each)."""
-    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
+    row_order, slot_row, offsets = _routing_plan(topk_ids, num_experts)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)
@@ -65,7 +74,7 @@ def _plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group
     of the next graph to lay out its transfers without a collective of its own."""
     from .ep_overlap import stash_count_table
 
-    row_order, slot_row, offsets = reference.routing_plan(topk_ids, num_experts)
+    row_order, slot_row, offsets = _routing_plan(topk_ids, num_experts)
     flat = torch.diff(offsets, prepend=offsets.new_zeros(1))
     table = flat.new_empty(world * num_experts)
     _all_gather_flat(table, flat, group=group)
@@ -223,13 +232,18 @@ def ep_dispatch(hidden, topk_ids, num_experts, world, group_name, gather_counts=
     if group.size() != world:
         raise ValueError(f"uniep.ep_dispatch: compiled for {world} ranks, but process group {group_name!r} has "
                          f"{group.size()}")
-    flat = topk_ids.reshape(-1)
-    # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync)
-    torch._assert_async(((flat >= 0) & (flat < num_experts)).all(),
-                        f"uniep.ep_dispatch: an expert id lies outside [0, {num_experts})")
     plan = _plan_and_gather if gather_counts else _plan_and_exchange
     row_order, slot_row, offsets, counts, recv = plan(topk_ids, num_experts, world, group)
-    rows = hidden[row_order // topk_ids.shape[1]]
+    # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync): the plan
+    # sorts an id outside [0, E) past every expert's rows, so the experts then hold fewer than all T*K slots
+    if topk_ids.numel():
+        torch._assert_async(offsets[-1] == topk_ids.numel(),
+                            f"uniep.ep_dispatch: an expert id lies outside [0, {num_experts})")
+    if _fused(hidden):
+        from .kernels.triton_routing import gather_rows
+        rows = gather_rows(hidden, row_order, topk_ids.shape[1])
+    else:
+        rows = hidden[row_order // topk_ids.shape[1]]
     _remember_inverse(row_order, slot_row)
     return rows, row_order, counts, recv, slot_row, offsets
 

@@ -62,6 +62,10 @@ class OverlapConfig:
     copy_programs: int = 32  # programs of the transfer kernel beside the GEMMs (alone, it takes every SM)
     copy_block: int = 8192  # elements a transfer program moves at a time (a power of two)
     copy_warps: int = 8  # warps of a transfer program
+    # The backward's weight-gradient GEMMs: per chunk, after its input-gradient GEMM (False), or one grouped GEMM
+    # over every local expert after the last chunk's input gradients (True: two launches instead of two a chunk,
+    # beside the last pushes). Each expert's gradient is the same GEMM over the same rows either way.
+    weight_grads_last: bool = False
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -132,6 +136,13 @@ class _Layout:
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
         first row: the grouped GEMMs' offsets, sliced per chunk; [n, 5] int64, the transfer table). Made once per
         device: a cached exchange layout serves the forward and the backward (the kernels only read them)."""
+        return self._copied(device)[:2]
+
+    def ends(self, device):
+        """[E_local] int64 on the device: each local expert's end row (the offsets of a GEMM over every chunk)."""
+        return self._copied(device)[2]
+
+    def _copied(self, device):
         key = str(device)
         if key not in self._on_device:
             self._on_device[key] = self._copy_to(device)
@@ -141,14 +152,15 @@ class _Layout:
         rel = []
         for e0, e1, lo, _ in self.chunks:
             rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-        flat = rel + [v for row in self.table for v in row]
+        flat = rel + self.expert_end + [v for row in self.table for v in row]
         host = torch.tensor(flat, dtype=torch.int64)
         from .kernels.triton_transfer import TABLE_COLUMNS
 
         if device.type == "cuda":
             host = host.pin_memory()
-        both = host.to(device, non_blocking=True)
-        return both[:len(rel)], both[len(rel):].view(-1, TABLE_COLUMNS)
+        every = host.to(device, non_blocking=True)
+        n = len(rel)
+        return every[:n], every[2 * n:].view(-1, TABLE_COLUMNS), every[n:2 * n]
 
 
 class _Window:
@@ -266,11 +278,12 @@ class _Streams:
 
 
 def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute,
-              knobs: OverlapConfig, device):
+              knobs: OverlapConfig, device, after=None):
     """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
     run compute(chunk) -> the buffer holding the chunk's result rows at its receive rows (or None), push
-    those rows into the sources' ``back`` of win_in. Ends with a barrier: every rank's ``back`` is complete
-    and no one reads a ``send`` any more.
+    those rows into the sources' ``back`` of win_in; then after() (work that no transfer waits for, beside
+    the last pushes). Ends with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any
+    more.
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
     every copy has been issued. ``table``: the layout's transfer table on the device."""
@@ -338,6 +351,8 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
             results = []
         if c + ahead < num_chunks:
             pull(c + ahead)
+    if after is not None:
+        after()
     streams.join()
     win_out.barrier()
 
@@ -399,24 +414,21 @@ class _Chunks:
                               offsets=offs)
         return down
 
-    def backward(self, c, x, up, dy, act, d_up, d_x, grads):
-        """Chunk c's input-gradient rows (into d_x, returned; None for a chunk without rows) and its experts'
-        weight and bias gradients (into grads)."""
+    def backward(self, c, x, up, dy, act, d_up, d_x, grads, weight_grads: bool = True):
+        """Chunk c's input-gradient rows (into d_x, returned; None for a chunk without rows) and, with
+        ``weight_grads``, its experts' weight and bias gradients (into grads; else weight_grads does them)."""
         from .kernels import megakernel
         from .kernels.triton_gemm import STORE
 
         layer, offs, rows, experts = self.layer(c, x)
-        d_w_up, d_w_down, d_b_up, d_b_down = grads
         if rows.stop == rows.start:  # no rows: the chunk's experts' gradients are zero
-            for g in grads:
+            for g in grads if weight_grads else ():
                 if g is not None:
                     g[experts].zero_()
             return None
         if self.skip_gemms:
             return d_x
         cfg = layer.config
-        down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
-        up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
         megakernel._rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
                               b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
                               c=act[rows], offsets=offs)
@@ -426,6 +438,33 @@ class _Chunks:
         megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
                               b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
                               c=d_x[rows], offsets=offs)
+        if weight_grads:
+            self._weight_grads(layer, offs, rows, experts, x, dy, act, d_up, grads)
+        return d_x
+
+    def weight_grads(self, x, dy, act, d_up, grads):
+        """Every local expert's weight and bias gradients in one grouped GEMM each, after every chunk's
+        backward (which left the activation in ``act`` and its gradient in ``d_up``)."""
+        from .kernels import megakernel
+
+        if self.skip_gemms:
+            return
+        rows, experts = slice(0, self.layout.rows), slice(0, self.w_up.shape[0])
+        if self.layout.rows == 0:
+            for g in grads:
+                if g is not None:
+                    g.zero_()
+            return
+        layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
+        self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads)
+
+    def _weight_grads(self, layer, offs, rows, experts, x, dy, act, d_up, grads):
+        from .kernels import megakernel
+
+        d_w_up, d_w_down, d_b_up, d_b_down = grads
+        cfg = layer.config
+        down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
+        up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
         megakernel._weight_grad(layer, cfg.wgrad_down, p=act[rows], p_gather=False, q=dy[rows], q_gather=False,
                                 q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_down[experts],
                                 m_dim=down_dims[0], n_dim=down_dims[1],
@@ -434,7 +473,6 @@ class _Chunks:
                                 q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_up[experts],
                                 m_dim=up_dims[0], n_dim=up_dims[1],
                                 bias_grad=d_b_up[experts] if d_b_up is not None else None)
-        return d_x
 
 
 def _plan(ids, num_experts: int, spec):
@@ -485,8 +523,11 @@ def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: Overl
                "act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
                "d_up": torch.empty_like(up),
                "d_x": torch.empty(layout.rows, size, dtype=chunks.w_up.dtype, device=device)}
+    last = knobs.weight_grads_last
     _exchange(layout, table, win_dy, win_dx, scratch["dy"],
-              lambda c: chunks.backward(c, x, up, grads=grads, **scratch), knobs, device)
+              lambda c: chunks.backward(c, x, up, grads=grads, weight_grads=not last, **scratch), knobs, device,
+              after=(lambda: chunks.weight_grads(x, scratch["dy"], scratch["act"], scratch["d_up"], grads))
+              if last else None)
     scratch.clear()
     return win_dx
 

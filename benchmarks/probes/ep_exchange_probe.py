@@ -9,7 +9,8 @@ Modes: inductor (torch.compile), sequential (backend="uniep", overlap_ep off), e
 overlap_ep on), direct (the router compiled with uniep, then ep_experts_overlapped with its default knobs);
 sequential_nostash and exchange_nostash run the same graphs with the dispatch's hand-overs turned off (its count
 table for the exchange, its inverse order for the combine): the exchange all-gathers its claims and reads them
-back, the combine inverts the order again, as before they existed.
+back, the combine inverts the order again, as before they existed. exchange_wgl and direct_wgl run exchange and
+direct with OverlapConfig.weight_grads_last (the backward's weight gradients as one GEMM each after the chunks).
 
 With --rounds N > 1 every mode is compiled first, then timed in N alternating rounds (the minimum is reported
 beside each round), so that a slow or fast stretch of the machine does not favour one mode.
@@ -81,8 +82,11 @@ def _step(mode, layer, x, grad):
             _COMPILED[base] = torch.compile(layer)
         elif base in ("sequential", "exchange"):
             _COMPILED[base] = torch.compile(layer, backend="uniep", options={"overlap_ep": base == "exchange"})
-        elif base == "direct":
-            _COMPILED[base] = _overlapped_run(layer, 4, 32)
+        elif base == "exchange_wgl":
+            _COMPILED[base] = torch.compile(layer, backend="uniep", options={
+                "overlap_ep": True, "ep_knobs": {"weight_grads_last": True}})
+        elif base in ("direct", "direct_wgl"):
+            _COMPILED[base] = _overlapped_run(layer, 4, 32, weight_grads_last=base == "direct_wgl")
         else:
             raise SystemExit(f"unknown mode {mode}")
     run = _COMPILED[base]
