@@ -13,6 +13,8 @@ it. Providers, on the same module and inputs:
              uniep.ep_combine
   uniep_kernel  the same with options={"ep_knobs": {"copy_engine": False, "copy_kernel": True}}: the exchange's
              transfers on the SMs through uniep's Triton transfer kernel
+  uniep_wgrad_chunks  the same with options={"ep_knobs": {"weight_grads_last": False}}: the backward's weight
+             gradients chunk by chunk instead of one grouped GEMM each after the chunks
   uniep_sequential  the same compile with uniep's default options (overlap_ep=False): the token all-to-alls
              stay NCCL all_to_all_single around uniep.moe_experts
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
@@ -23,6 +25,7 @@ it. Providers, on the same module and inputs:
   uniep_overlap_kernel  the same with uniep's Triton transfer kernel over a segment table on the device
              (kernels/triton_transfer.py; --copy-programs programs beside the GEMMs)
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
+  uniep_overlap_kernel_wgrad_chunks  uniep_overlap_kernel with the weight gradients chunk by chunk
   overlap_compute_only, overlap_comm_only, overlap_sm_comm_only, overlap_kernel_comm_only  the overlapped
              layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
              skipped:
@@ -57,14 +60,15 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
-PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_sequential", "uniep_overlap", "uniep_overlap_sm", "uniep_overlap_kernel",
-             "uniep_overlap_off", "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only",
-             "overlap_kernel_comm_only")
+PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_overlap",
+             "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks", "uniep_overlap_off",
+             "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only", "overlap_kernel_comm_only")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
            "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": False},
            "uniep_overlap_kernel": {"copy_engine": False, "copy_kernel": True},
+           "uniep_overlap_kernel_wgrad_chunks": {"copy_engine": False, "copy_kernel": True, "weight_grads_last": False},
            "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True}}
 
 
@@ -185,6 +189,8 @@ def _worker(rank, world, port, args, out_path):
                     options = {"overlap_ep": provider != "uniep_sequential"}
                     if provider == "uniep_kernel":
                         options["ep_knobs"] = {"copy_engine": False, "copy_kernel": True}
+                    elif provider == "uniep_wgrad_chunks":
+                        options["ep_knobs"] = {"weight_grads_last": False}
                     run = torch.compile(module, backend="uniep", options=options)
                 else:
                     run = module if provider == "eager" else torch.compile(module, backend="inductor")

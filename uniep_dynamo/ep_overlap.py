@@ -64,8 +64,9 @@ class OverlapConfig:
     copy_warps: int = 8  # warps of a transfer program
     # The backward's weight-gradient GEMMs: per chunk, after its input-gradient GEMM (False), or one grouped GEMM
     # over every local expert after the last chunk's input gradients (True: two launches instead of two a chunk,
-    # beside the last pushes). Each expert's gradient is the same GEMM over the same rows either way.
-    weight_grads_last: bool = False
+    # beside the last pushes; faster on the Qwen3-30B-A3B shape at 2 ranks, BENCHMARKS.md). Each expert's gradient
+    # is the same GEMM over the same rows either way.
+    weight_grads_last: bool = True
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""

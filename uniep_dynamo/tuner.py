@@ -383,6 +383,7 @@ EP_SPACE = {
     "overlap": (True, False),
     "transfer": ("copy_engine", "foreach", "kernel"),  # OverlapConfig.copy_engine / copy_kernel
     "copy_programs": (16, 32, 64, 132),  # the transfer kernel's programs beside the GEMMs
+    "weight_grads_last": (True, False),
 }
 
 
@@ -413,7 +414,8 @@ def _ep_schedule(cfg, local_experts: int) -> tuple:
     """What a config does for this many local experts (configs with one schedule are one candidate)."""
     chunk = cfg.chunk_experts(local_experts)
     kernel = cfg.copy_kernel and cfg.copy_engine is False
-    return (chunk, cfg.overlap, cfg.copy_engine, kernel, cfg.copy_programs if kernel else None)
+    return (chunk, cfg.overlap, cfg.copy_engine, kernel, cfg.copy_programs if kernel else None,
+            cfg.weight_grads_last)
 
 
 @dataclass

@@ -9,8 +9,9 @@ Modes: inductor (torch.compile), sequential (backend="uniep", overlap_ep off), e
 overlap_ep on), direct (the router compiled with uniep, then ep_experts_overlapped with its default knobs);
 sequential_nostash and exchange_nostash run the same graphs with the dispatch's hand-overs turned off (its count
 table for the exchange, its inverse order for the combine): the exchange all-gathers its claims and reads them
-back, the combine inverts the order again, as before they existed. exchange_wgl and direct_wgl run exchange and
-direct with OverlapConfig.weight_grads_last (the backward's weight gradients as one GEMM each after the chunks).
+back, the combine inverts the order again, as before they existed. exchange_wgc and direct_wgc run exchange and
+direct with OverlapConfig.weight_grads_last=False (the backward's weight gradients chunk by chunk, instead of one
+GEMM each after the chunks).
 
 With --rounds N > 1 every mode is compiled first, then timed in N alternating rounds (the minimum is reported
 beside each round), so that a slow or fast stretch of the machine does not favour one mode.
@@ -82,11 +83,11 @@ def _step(mode, layer, x, grad):
             _COMPILED[base] = torch.compile(layer)
         elif base in ("sequential", "exchange"):
             _COMPILED[base] = torch.compile(layer, backend="uniep", options={"overlap_ep": base == "exchange"})
-        elif base == "exchange_wgl":
+        elif base == "exchange_wgc":
             _COMPILED[base] = torch.compile(layer, backend="uniep", options={
-                "overlap_ep": True, "ep_knobs": {"weight_grads_last": True}})
-        elif base in ("direct", "direct_wgl"):
-            _COMPILED[base] = _overlapped_run(layer, 4, 32, weight_grads_last=base == "direct_wgl")
+                "overlap_ep": True, "ep_knobs": {"weight_grads_last": False}})
+        elif base in ("direct", "direct_wgc"):
+            _COMPILED[base] = _overlapped_run(layer, 4, 32, weight_grads_last=base == "direct")
         else:
             raise SystemExit(f"unknown mode {mode}")
     run = _COMPILED[base]
