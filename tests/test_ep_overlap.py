@@ -20,8 +20,10 @@ pytestmark = [
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs): copy engines, torch._foreach_copy_,
 # and the transfer kernel with one program walking every segment of a chunk, and with three over one chunk
+# OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
+# weight_grads_last])
 KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False, False),
-         (2, True, False, True, 1), (1, True, False, True, 3), (2, True, False, True, 2, 8192, 8, False)]
+         (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3)]
 
 
 def _case(routing, tokens, experts, top_k, gate, bias, split):
