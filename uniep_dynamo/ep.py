@@ -51,9 +51,12 @@ class EPPlan:
 def _routing_plan(topk_ids: torch.Tensor, num_experts: int):
     """(row_order, slot_row, expert_offsets) of the single-rank op: on CUDA its Triton counting sort (three
     launches), elsewhere the reference's stable sort; the same integers either way."""
-    if _fused(topk_ids):
-        from .kernels.triton_routing import routing_plan
-        return routing_plan(topk_ids, num_experts, clamp=False)
+    from .kernels import megakernel
+
+    if _fused(topk_ids) and num_experts <= megakernel.MAX_EXPERTS:
+        from .kernels.triton_routing import MAX_SLOTS, routing_plan
+        if topk_ids.numel() < MAX_SLOTS:
+            return routing_plan(topk_ids, num_experts, clamp=False)
     return reference.routing_plan(topk_ids, num_experts)
 
 
@@ -302,13 +305,13 @@ def _remember_inverse(row_order, slot_row):
 
     key = (str(row_order.device), row_order.data_ptr())
 
-    def forget(ref, key=key):
+    def forget(ref, key=key):  # the order died (maybe on the autograd engine's thread): its entry goes too
         if _INVERSES.get(key, (None,))[0] is ref:
-            del _INVERSES[key]
+            _INVERSES.pop(key, None)
     _INVERSES.pop(key, None)
     _INVERSES[key] = (weakref.ref(row_order, forget), row_order._version, slot_row)
     while len(_INVERSES) > MAX_INVERSES:
-        _INVERSES.pop(next(iter(_INVERSES)))
+        _INVERSES.pop(next(iter(_INVERSES)), None)
 
 
 def _known_inverse(row_order):

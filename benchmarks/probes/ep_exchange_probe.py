@@ -3,7 +3,7 @@ torch profiler on rank 0 (the top entries by host time, the GPU's busy time per 
 gaps), optionally a chrome trace per provider and a cProfile of the host.
 
     python benchmarks/probes/ep_exchange_probe.py --world 2 --shape qwen3-30b-a3b \
-        --modes inductor,sequential,exchange,direct [--trace-dir DIR] [--cprofile]
+        --modes inductor,sequential,exchange,direct [--trace-dir DIR] [--cprofile] [--stack]
 
 Modes: inductor (torch.compile), sequential (backend="uniep", overlap_ep off), exchange (backend="uniep",
 overlap_ep on), direct (the router compiled with uniep, then ep_experts_overlapped with its default knobs);
@@ -146,7 +146,8 @@ def _worker(rank, world, port, args):
         for mode in modes:
             step, wall = steps[mode], min(rounds[mode])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                                    torch.profiler.ProfilerActivity.CUDA],
+                                        with_stack=args.stack) as prof:
                 for _ in range(2):
                     step()
                 torch.cuda.synchronize()
@@ -193,6 +194,8 @@ def main():
     parser.add_argument("--modes", default="sequential,exchange")
     parser.add_argument("--trace-dir", default="")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--stack", action="store_true",
+                        help="record Python calls in the profiled steps (in the chrome traces: python_function)")
     args = parser.parse_args()
     from uniep_dynamo.ep import free_port
     mp.spawn(_worker, args=(args.world, free_port(), args), nprocs=args.world)
