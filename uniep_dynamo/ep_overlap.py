@@ -238,44 +238,64 @@ def _receive_buffer(role: str, rows: int, hidden: int, dtype, device, knobs: "Ov
 
 
 class _Streams:
-    """The pull and push streams of a device (CUDA); on CPU every copy runs in place, in order."""
+    """The pull and push streams of a device (CUDA); on CPU every copy runs in place, in order. The stream current
+    when the phase starts is read once: the host issues a phase's launches one after another, and each stream
+    switch or event through torch.cuda's helpers reads the current stream again (tens of µs a chunk)."""
 
     _cache: dict = {}
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.pull = self.push = None
+        self.pull = self.push = self.current = None
         if self.cuda:
             key = str(device)
             if key not in self._cache:
                 self._cache[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.pull, self.push = self._cache[key]
+            self.current = torch.cuda.current_stream(device)
+            # set_stream switches the current stream of the stream's device: the device must be current
+            self._switch = device.index is None or device.index == torch.cuda.current_device()
 
     def on(self, stream):
-        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+        if not self.cuda:
+            return contextlib.nullcontext()
+        return _On(stream, self.current) if self._switch else torch.cuda.stream(stream)
 
     def record(self, stream=None):
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(stream if stream is not None else torch.cuda.current_stream())
+        event.record(stream if stream is not None else self.current)
         return event
 
     def wait(self, event, stream=None):
         if event is not None:
-            (stream if stream is not None else torch.cuda.current_stream()).wait_event(event)
+            (stream if stream is not None else self.current).wait_event(event)
 
     def join(self):
         if self.cuda:
-            current = torch.cuda.current_stream()
-            current.wait_stream(self.pull)
-            current.wait_stream(self.push)
+            self.current.wait_stream(self.pull)
+            self.current.wait_stream(self.push)
 
     def start_after_current(self):
         if self.cuda:
-            current = torch.cuda.current_stream()
-            self.pull.wait_stream(current)
-            self.push.wait_stream(current)
+            self.pull.wait_stream(self.current)
+            self.push.wait_stream(self.current)
+
+
+class _On:
+    """``with torch.cuda.stream(stream)`` for a stream of the current device, back to ``back`` after."""
+
+    __slots__ = ("stream", "back")
+
+    def __init__(self, stream, back):
+        self.stream, self.back = stream, back
+
+    def __enter__(self):
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc):
+        torch.cuda.set_stream(self.back)
 
 
 def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute,
@@ -359,7 +379,15 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
 
 
 def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    if device.type != "cuda":
+        return 1
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNTS:
+        _SM_COUNTS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNTS[key]
+
+
+_SM_COUNTS: dict = {}
 
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs

@@ -121,7 +121,18 @@ def cache_dir() -> str:
     return root
 
 
+_VERSIONS: tuple | None = None
+_PATHS: dict = {}  # (gpu name, cache dir, versions) -> cache file
+
+
 def _versions() -> tuple:
+    global _VERSIONS
+    if _VERSIONS is None:
+        _VERSIONS = _read_versions()
+    return _VERSIONS
+
+
+def _read_versions() -> tuple:
     from . import __version__
     try:
         import triton
@@ -132,10 +143,16 @@ def _versions() -> tuple:
 
 
 def cache_path(gpu_name: str) -> str:
-    uniep_v, torch_v, triton_v = _versions()
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_name)
-    return os.path.join(cache_dir(), f"tune-uniep{uniep_v}-torch{torch_v}-triton{triton_v}",
-                        f"{safe}.json")
+    """The cache file of this GPU, uniep, torch and triton (the compiled ops look it up on every call)."""
+    versions = _versions()
+    key = (gpu_name, cache_dir(), versions)
+    path = _PATHS.get(key)
+    if path is None:
+        uniep_v, torch_v, triton_v = versions
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_name)
+        path = _PATHS[key] = os.path.join(key[1], f"tune-uniep{uniep_v}-torch{torch_v}-triton{triton_v}",
+                                          f"{safe}.json")
+    return path
 
 
 def shape_key(dtype: torch.dtype, num_rows: int, num_experts: int, hidden: int, inter: int, ep_size: int = 1) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ class MegaKernelConfig:
         return tuple(getattr(self, g).block_k for g in GEMMS) + (self.act_grad_in_epilogue,)
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of its arguments; the configs are frozen
 def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
                      interpret: bool = False) -> MegaKernelConfig:
     """A config by shape. ``num_rows`` = T*K routed rows, ``inter`` = the expert's intermediate size.
