@@ -96,10 +96,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         log.info("uniep: rewrote %s (%d nodes) into uniep.moe_router [%s]", match.module, len(match.nodes),
                  match.spec.describe())
     ep_matches, ep_misses = find_ep_regions(gm.graph, exchange=opts.overlap_ep) if opts.rewrite_ep else ([], [])
-    lower_ep = {"ep_dispatch": lower_dispatch, "ep_combine": lower_combine, "ep_exchange": lower_exchange}
     # exchanges last: a combine's match holds the exchange's last node as its rows, which an exchange lowered
     # first would have replaced
-    ep_matches.sort(key=lambda m: list(lower_ep).index(m.op))
+    ep_matches.sort(key=lambda m: ("ep_dispatch", "ep_combine", "ep_exchange").index(m.op))
     for match in ep_matches:
         replaced = [n.name for n in match.nodes]
         if match.op == "ep_exchange":

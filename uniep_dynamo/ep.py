@@ -298,12 +298,18 @@ MAX_INVERSES = 1024
 INVERSE_PATHS = {"dispatch": 0, "computed": 0}  # where the combines' inverses came from (tests read it)
 
 
+def _address_key(t: torch.Tensor):
+    """(device, address) of a tensor's data, what the dispatch's hand-overs are found by; None for an empty tensor
+    (empty tensors may share an address)."""
+    return (str(t.device), t.data_ptr()) if t.numel() else None
+
+
 def _remember_inverse(row_order, slot_row):
-    if row_order.numel() == 0:  # empty tensors may share an address
+    key = _address_key(row_order)
+    if key is None:
         return
     import weakref
 
-    key = (str(row_order.device), row_order.data_ptr())
 
     def forget(ref, key=key):  # the order died (maybe on the autograd engine's thread): its entry goes too
         if _INVERSES.get(key, (None,))[0] is ref:
@@ -316,9 +322,7 @@ def _remember_inverse(row_order, slot_row):
 
 def _known_inverse(row_order):
     """The dispatch's slot_row for this row order, or None."""
-    if row_order.numel() == 0:
-        return None
-    entry = _INVERSES.get((str(row_order.device), row_order.data_ptr()))
+    entry = _INVERSES.get(_address_key(row_order))
     if entry is None:
         return None
     ref, version, slot_row = entry

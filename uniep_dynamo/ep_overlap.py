@@ -451,9 +451,8 @@ class _Chunks:
 
         layer, offs, rows, experts = self.layer(c, x)
         if rows.stop == rows.start:  # no rows: the chunk's experts' gradients are zero
-            for g in grads if weight_grads else ():
-                if g is not None:
-                    g[experts].zero_()
+            if weight_grads:
+                _zero(grads, experts)
             return None
         if self.skip_gemms:
             return d_x
@@ -480,9 +479,7 @@ class _Chunks:
             return
         rows, experts = slice(0, self.layout.rows), slice(0, self.w_up.shape[0])
         if self.layout.rows == 0:
-            for g in grads:
-                if g is not None:
-                    g.zero_()
+            _zero(grads, experts)
             return
         layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
         self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads)
@@ -502,6 +499,14 @@ class _Chunks:
                                 q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_up[experts],
                                 m_dim=up_dims[0], n_dim=up_dims[1],
                                 bias_grad=d_b_up[experts] if d_b_up is not None else None)
+
+
+def _zero(grads, experts=slice(None)):
+    """Zero the given experts' rows of each gradient (None stays None); returns the list."""
+    for g in grads:
+        if g is not None:
+            g[experts].zero_()
+    return grads
 
 
 def _plan(ids, num_experts: int, spec):
@@ -618,7 +623,7 @@ class _OverlapEP(torch.autograd.Function):
                  torch.empty_like(b_up) if b_up is not None else None,
                  torch.empty_like(b_down) if b_down is not None else None]
         if layout.capacity == 0:
-            grads = [g.zero_() if g is not None else None for g in grads]
+            grads = _zero(grads)
             return (torch.zeros_like(hidden), torch.zeros_like(weights), *grads, None, None, None, None)
         rank = layout.rank
         slots = num_tokens * top_k
@@ -722,14 +727,15 @@ MAX_COUNT_TABLES = 8  # tables of dispatches no exchange read (an exchange left 
 COUNT_TABLE_PATHS = {"dispatch": 0, "gathered": 0}  # where the exchanges' count tables came from (tests read it)
 
 
-def _count_key(t: torch.Tensor):
-    return str(t.device), t.data_ptr()
-
-
 def stash_count_table(recv: torch.Tensor, table: torch.Tensor) -> None:
     """Keep the all-gathered [W, E] count ``table`` for the exchange that receives ``recv`` (the dispatch's
     received counts, a slice of it): a copy to pinned host memory on the current stream, read after the
     model's synchronization."""
+    from .ep import _address_key
+
+    key = _address_key(recv)
+    if key is None:
+        return
     if table.is_cuda:
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)
@@ -737,7 +743,6 @@ def stash_count_table(recv: torch.Tensor, table: torch.Tensor) -> None:
         event.record()
     else:
         host, event = table, None
-    key = _count_key(recv)
     _COUNT_TABLES.pop(key, None)
     _COUNT_TABLES[key] = (recv, host, event)
     while len(_COUNT_TABLES) > MAX_COUNT_TABLES:
@@ -746,7 +751,9 @@ def stash_count_table(recv: torch.Tensor, table: torch.Tensor) -> None:
 
 def _take_count_table(recv_counts: torch.Tensor):
     """The dispatch's [W, E] count table (host lists) for these received counts, or None; taken once."""
-    entry = _COUNT_TABLES.pop(_count_key(recv_counts), None)
+    from .ep import _address_key
+
+    entry = _COUNT_TABLES.pop(_address_key(recv_counts), None)
     if entry is None:
         return None
     recv, host, event = entry
@@ -948,7 +955,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     grads = [torch.empty_like(p) for p in (w_up, w_down)] + [torch.empty_like(b) if b is not None else None
                                                             for b in (b_up, b_down)]
     if layout.capacity == 0:
-        return (grad_back.new_zeros(0, size), *[g.zero_() if g is not None else None for g in grads])
+        return (grad_back.new_zeros(0, size), *_zero(grads))
     win_dx = _backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype, grads,
                              lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
     return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)

@@ -35,6 +35,7 @@ uses the heuristics and never blocks (``UNIEP_TUNE=0`` ignores the cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -121,18 +122,11 @@ def cache_dir() -> str:
     return root
 
 
-_VERSIONS: tuple | None = None
 _PATHS: dict = {}  # (gpu name, cache dir, versions) -> cache file
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> tuple:
-    global _VERSIONS
-    if _VERSIONS is None:
-        _VERSIONS = _read_versions()
-    return _VERSIONS
-
-
-def _read_versions() -> tuple:
     from . import __version__
     try:
         import triton
