@@ -30,6 +30,11 @@ it. Providers, on the same module and inputs:
              layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
              skipped:
              timing only (their results are wrong), for the share of communication hidden
+  hf_eager, hf_inductor, hf_uniep  HF transformers' own EP (>= 5.23: `DistributedConfig(ep_size=world,
+             ep_implementation="all_to_all")`, its AllToAllEP) on a Qwen3-MoE sparse block of the same shape
+             (a one-layer model saved and loaded back, as users load one): eager, torch.compile with inductor, and
+             with backend="uniep". Left out, with a line saying why, where transformers has no EP. Their
+             weights are HF's, not the layer's above, so their rows compare with hf_eager
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
 Each rank holds T tokens (bf16) and E / world experts; time per step is the median over iterations of the
@@ -62,7 +67,8 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_overlap",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks", "uniep_overlap_off",
-             "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only", "overlap_kernel_comm_only")
+             "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only", "overlap_kernel_comm_only",
+             "hf_eager", "hf_inductor", "hf_uniep")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -137,6 +143,45 @@ def _layer_class():
     return GroupedGemmEPMoE, LigerExpertsEPMoE
 
 
+def _hf_block(shape, dims, rank, world, device):
+    """HF's Qwen3-MoE sparse block under transformers' own EP: a one-layer model of these MoE dimensions,
+    saved by rank 0 and loaded by every rank with ``DistributedConfig`` (each rank keeps its experts)."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers.distributed import DistributedConfig
+
+    hidden, inter, experts, top_k = dims
+    path = os.path.join(tempfile.gettempdir(), f"uniep-bench-ep-hf-{shape}-{os.getppid()}")
+    if rank == 0:
+        cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                             num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, distributed_config=DistributedConfig(
+        ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    # HF's EP shards every other parameter with FSDP2 (fsdp_size = ep_size): the decoder layer gathers the
+    # router's weight when it runs. Gather it once, so that the block runs as in the layer, without the attention.
+    layer = model.model.layers[0]
+    layer.unshard()
+    return layer.mlp
+
+
+def _hf_missing() -> str | None:
+    try:
+        import accelerate  # noqa: F401
+        from transformers.distributed.expert_parallel import AllToAllEP  # noqa: F401
+    except ImportError as exc:
+        return f"needs transformers >= 5.23 (DistributedConfig expert parallelism) and accelerate: {exc!r}"
+    return None
+
+
 def _time(step, iters, warmup, device):
     """Median ms of one step (CUDA events on a GPU, the host clock on CPU), every rank starting together."""
     for _ in range(warmup):
@@ -167,10 +212,18 @@ def _worker(rank, world, port, args, out_path):
             g = torch.Generator().manual_seed(100 + rank)
             x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
             grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
-            ref, liger = None, None
+            ref, liger, hf = {}, None, None
             providers = [p for p in PROVIDERS if p not in args.skip.split(",")]
             if args.device != "cuda":
                 providers = [p for p in providers if p not in OVERLAP]
+            if any(p.startswith("hf_") for p in providers):
+                missing = _hf_missing()
+                if missing is None:
+                    hf = _hf_block(shape, SHAPES[shape], rank, world, device)
+                else:
+                    providers = [p for p in providers if not p.startswith("hf_")]
+                    if rank == 0:
+                        print(f"# hf_* providers left out: {missing}", file=sys.stderr)
             try:
                 import liger_kernel.ops.fused_moe  # noqa: F401
                 liger = liger_cls(hidden, inter, experts, top_k, dtype).to(device).load_from(layer)
@@ -182,8 +235,14 @@ def _worker(rank, world, port, args, out_path):
             for provider in providers:
                 torch._dynamo.reset()
                 counters.clear()
-                module = liger if provider == "liger_experts" else layer
-                if provider in OVERLAP:
+                module = liger if provider == "liger_experts" else hf if provider.startswith("hf_") else layer
+                # HF's block takes [batch, sequence, hidden]; its weights are its own (compared with hf_eager)
+                batched = provider.startswith("hf_")
+                family = "hf" if provider.startswith("hf_") else "layer"
+                if provider.startswith("hf_"):
+                    backend = {"hf_eager": None, "hf_inductor": "inductor", "hf_uniep": "uniep"}[provider]
+                    run = module if backend is None else torch.compile(module, backend=backend)
+                elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif provider.startswith("uniep"):
                     options = {"overlap_ep": provider != "uniep_sequential"}
@@ -198,8 +257,8 @@ def _worker(rank, world, port, args, out_path):
                 def step():
                     module.zero_grad(set_to_none=True)
                     x.grad = None
-                    out = run(x)
-                    out.backward(grad)
+                    out = run(x.unsqueeze(0) if batched else x)
+                    out.backward(grad.view(out.shape))
                     return out
 
                 failed = None
@@ -218,12 +277,12 @@ def _worker(rank, world, port, args, out_path):
                 ms = _time(step, args.iters, args.warmup, device)
                 worst = torch.tensor([ms], device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                if ref is None:
-                    ref = out
+                ref.setdefault(family, out)
                 if provider.startswith("overlap_"):  # timing only: no result to compare
                     diff = float("nan")
                 else:
-                    diff = float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12))
+                    base = ref[family]
+                    diff = float((out.float() - base.float()).abs().max() / base.float().abs().max().clamp_min(1e-12))
                 rows.append({"shape": shape, "provider": provider, "world": world, "tokens_per_rank": args.tokens,
                              "chunks": args.chunks if provider in OVERLAP else None,
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
@@ -231,9 +290,9 @@ def _worker(rank, world, port, args, out_path):
                              "rewrites": {k: v for k, v in counters["uniep"].items()}})
                 if rank == 0:
                     print(f"{shape:14s} {provider:20s} {worst.item():9.3f} ms  rel diff vs eager {diff:.2e}  "
-                          f"{dict(counters['uniep']) if provider.startswith('uniep') else ''}", flush=True)
+                          f"{dict(counters['uniep']) if 'uniep' in provider else ''}", flush=True)
             del layer, module
-            liger = None
+            liger = hf = None
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -260,10 +319,11 @@ def main():
         data = json.load(f)
     print(f"\n{data['device']}, torch {data['torch']}, world {args.world}, T={args.tokens} tokens per rank, bf16, "
           "forward + backward (ms, slowest rank, median)")
-    print(f"{'shape':14s} {'provider':13s} {'ms':>9s} {'vs inductor':>12s}")
-    base = {r["shape"]: r["ms"] for r in data["rows"] if r["provider"] == "inductor"}
+    print(f"{'shape':14s} {'provider':13s} {'ms':>9s} {'vs inductor':>12s}  (hf_* rows: vs hf_inductor)")
+    base = {(r["shape"], r["provider"]): r["ms"] for r in data["rows"] if r["provider"] in ("inductor", "hf_inductor")}
     for r in data["rows"]:
-        ratio = f"{base[r['shape']] / r['ms']:11.2f}x" if r["shape"] in base else ""
+        key = (r["shape"], "hf_inductor" if r["provider"].startswith("hf_") else "inductor")
+        ratio = f"{base[key] / r['ms']:11.2f}x" if key in base else ""
         print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio}")
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
