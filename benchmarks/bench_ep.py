@@ -153,6 +153,8 @@ def _hf_block(shape, dims, rank, world, device):
     from transformers.distributed import DistributedConfig
 
     hidden, inter, experts, top_k = dims
+    # transformers places each rank's shard on GPU LOCAL_RANK (torchrun's variables; mp.spawn sets none)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     path = os.path.join(tempfile.gettempdir(), f"uniep-bench-ep-hf-{shape}-{os.getppid()}")
     if rank == 0:
         cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
