@@ -83,3 +83,28 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
         first = x.grad.clone()
         out.sum().backward()
         assert torch.equal(x.grad, 2 * first)
+
+
+def test_inductor_caches_key_on_uniep_sources(monkeypatch):
+    """Inductor's FX-graph and AOTAutograd caches do not look at a custom op's fake implementation. The backend
+    adds uniep's source hash to their keys (a no-op post-grad pass's uuid), so a graph compiled by another
+    uniep (its ops' output shapes may differ under the same schema) is compiled again, not served stale."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_inductor_cache
+    from test_patterns import HandWrittenExperts, routed
+
+    from uniep_dynamo import backend
+
+    assert backend.source_hash() == backend.source_hash() and len(backend.source_hash()) == 64
+    torch.manual_seed(0)
+    module, args = HandWrittenExperts(), routed()
+    with fresh_inductor_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True), torch.no_grad():
+        for salt, served in (("first", False), ("first", True), ("second", False)):
+            monkeypatch.setattr(backend, "source_hash", lambda salt=salt: salt)
+            torch._dynamo.reset()
+            counters.clear()
+            torch.compile(module, backend="uniep")(*args)
+            assert counters["uniep"]["moe_experts"] == 1
+            hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+            assert (hits > 0) == served, (salt, dict(counters["inductor"]), dict(counters["aot_autograd"]))

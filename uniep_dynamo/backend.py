@@ -8,6 +8,8 @@ Options (``options={...}``): see ``UniepOptions``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field, fields
@@ -144,6 +146,39 @@ def _recording_inner_compile(record, inner_compile):
     return compile_and_count
 
 
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """A hash of uniep's own Python sources (the package's .py files, by path and content)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _cache_salt():
+    """A post-grad pass that changes nothing and whose uuid is uniep's source hash. Inductor's FX-graph and
+    AOTAutograd caches key on custom passes' uuids, but not on a custom op's fake implementation: without it a
+    graph compiled against another uniep's fake shapes (an op's outputs changed, its schema not) would be
+    served from the cache and fail its size asserts."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class UniepSourceSalt(CustomGraphPass):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return ("uniep", source_hash())
+
+    return UniepSourceSalt()
+
+
 def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
     inner = opts.inner_backend
     record = gm.meta.get("uniep_record")
@@ -154,6 +189,8 @@ def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
 
         patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
         patches.update(opts.inductor)
+        if "post_grad_custom_post_pass" not in patches and torch._inductor.config.post_grad_custom_post_pass is None:
+            patches["post_grad_custom_post_pass"] = _cache_salt()  # (a user's own pass is left in place)
         if record is None:
             return compile_fx(gm, example_inputs, config_patches=patches or None)
         # Recording: a cache hit would skip inner_compile, and with it the count of uniep ops.
