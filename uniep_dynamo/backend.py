@@ -39,8 +39,8 @@ class UniepOptions:
     rewrite_ep: bool = True
     # Under expert parallelism, the token all-to-all, the local experts and the all-to-all back, where one
     # graph holds all three, become one uniep.ep_exchange, whose transfers run beside the grouped GEMMs
-    # (ep_overlap.py). Off by default: on 2 H200s it was 4% faster than the NCCL all-to-alls on the Mixtral
-    # shape but 21% slower on Qwen3-30B-A3B, whose many small segments make it host-bound (BENCHMARKS.md)
+    # (ep_overlap.py). Off by default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x
+    # on Qwen3-30B-A3B, where it is host-bound and its step time erratic (BENCHMARKS.md)
     overlap_ep: bool = False
     # OverlapConfig fields for those exchanges (ep_overlap.py), e.g. {"chunks": 8, "copy_kernel": True}
     ep_knobs: dict = field(default_factory=dict)
