@@ -162,6 +162,7 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
 def _cache_salt():
     """A post-grad pass that changes nothing and whose uuid is uniep's source hash. Inductor's FX-graph and
     AOTAutograd caches key on custom passes' uuids, but not on a custom op's fake implementation: without it a
