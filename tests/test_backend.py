@@ -87,9 +87,8 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
 
 def test_inductor_caches_key_on_uniep_sources(monkeypatch):
     """Inductor's FX-graph and AOTAutograd caches do not look at a custom op's fake implementation. The backend
-    adds uniep's source hash to their keys (torch.compiler.config.cache_key_tag, after the user's tag), so a graph
-    compiled by another uniep (its ops' output shapes may differ under the same schema) is compiled again, not
-    served stale."""
+    adds uniep's source hash to their keys (a no-op post-grad pass's uuid), so a graph compiled by another
+    uniep (its ops' output shapes may differ under the same schema) is compiled again, not served stale."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_inductor_cache
     from test_patterns import HandWrittenExperts, routed

@@ -162,15 +162,22 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
-def _cache_tag():
-    """Inductor's FX-graph and AOTAutograd caches do not key on a custom op's fake implementation: a graph compiled
-    against another uniep's fake shapes (an op's outputs changed, its schema not) would be served from the cache
-    and fail its size asserts. While uniep hands a graph to inductor, torch.compiler.config.cache_key_tag (which
-    both caches key on) carries uniep's source hash after the user's own tag."""
-    tag = getattr(torch.compiler.config, "cache_key_tag", None)
-    if tag is None:  # a torch without the setting: no tag
-        return {}
-    return {"cache_key_tag": f"{tag}+uniep-{source_hash()}" if tag else f"uniep-{source_hash()}"}
+@functools.lru_cache(maxsize=1)
+def _cache_salt():
+    """A post-grad pass that changes nothing and whose uuid is uniep's source hash. Inductor's FX-graph and
+    AOTAutograd caches key on custom passes' uuids, but not on a custom op's fake implementation: without it a
+    graph compiled against another uniep's fake shapes (an op's outputs changed, its schema not) would be
+    served from the cache and fail its size asserts."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class UniepSourceSalt(CustomGraphPass):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return ("uniep", source_hash())
+
+    return UniepSourceSalt()
 
 
 def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
@@ -183,9 +190,10 @@ def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
 
         patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
         patches.update(opts.inductor)
+        if "post_grad_custom_post_pass" not in patches and torch._inductor.config.post_grad_custom_post_pass is None:
+            patches["post_grad_custom_post_pass"] = _cache_salt()  # (a user's own pass is left in place)
         if record is None:
-            with torch.compiler.config.patch(_cache_tag()):
-                return compile_fx(gm, example_inputs, config_patches=patches or None)
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
         # Recording: a cache hit would skip inner_compile, and with it the count of uniep ops.
         patches.update(fx_graph_cache=False)
         with torch._functorch.config.patch(enable_autograd_cache=False):
