@@ -61,7 +61,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_layer import time_cuda  # noqa: E402
+from bench_moe_layer import time_cuda, time_cuda_back_to_back  # noqa: E402
 from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
@@ -208,13 +208,7 @@ def _time_back_to_back(step, iters, device):
         for _ in range(iters):
             step()
         return (time.perf_counter() - start) * 1e3 / iters
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return time_cuda_back_to_back(step, iters)
 
 
 def _worker(rank, world, port, args, out_path):

@@ -28,6 +28,19 @@ import torch
 
 from uniep_dynamo.tuner import time_cuda  # noqa: F401 (the tuner's timing loop; other benchmarks import it from here)
 
+
+def time_cuda_back_to_back(step, steps: int) -> float:
+    """Mean ms of ``steps`` calls of ``step()`` issued back to back, with no synchronization between them (CUDA
+    events around the whole run, as a training loop runs them)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
 SHAPES = {  # name: (hidden H, expert intermediate I, experts E, top-k K)
     "mixtral": (4096, 14336, 8, 2),
     "qwen3-30b-a3b": (2048, 768, 128, 8),

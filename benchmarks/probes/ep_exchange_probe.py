@@ -108,20 +108,9 @@ def _step(mode, layer, x, grad):
     return step
 
 
-def _time(step, steps: int) -> float:
-    """ms per step on this rank, over ``steps`` steps (CUDA events)."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
-
-
 def _worker(rank, world, port, args):
     from bench_ep import SHAPES, _layer_class
+    from bench_moe_layer import time_cuda_back_to_back
 
     from uniep_dynamo.ep import local_rank
 
@@ -138,7 +127,7 @@ def _worker(rank, world, port, args):
         rounds = {mode: [] for mode in modes}
         for _ in range(args.rounds):
             for mode in modes:
-                rounds[mode].append(_time(steps[mode], args.steps))
+                rounds[mode].append(time_cuda_back_to_back(steps[mode], args.steps))
         if rank == 0 and args.rounds > 1:
             for mode in modes:
                 print(f"== {args.shape} world {world} {mode}: rounds " + ", ".join(f"{t:.3f}" for t in rounds[mode])
