@@ -81,25 +81,39 @@ SWEEP = [("block_m", v) for v in (64, 128)] + [("block_n", v) for v in (64, 128)
         [("group_m", v) for v in (1, 4, 16)] + [("num_programs", v) for v in (0, 132, 264)] + \
         [("fuse_gather", v) for v in (True, False)] + [("pack_gate_up", v) for v in (True, False)] + \
         [("tma", v) for v in (True, False)] + [("tma_weight_grad", v) for v in (True, False)] + \
-        [("loops", dict(num_programs=132, flatten=f, warp_specialize=w)) for f in (True, False) for w in (True, False)]
+        [("loops", dict(num_programs=132, flatten=f, warp_specialize=w)) for f in (True, False) for w in (True, False)] + \
+        [("grouped_mm", True), ("grouped_mm_in_place", True)]
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["qwen_like", "gpt_oss_bias"])
-def test_scheduling_knobs_are_bitwise_neutral(case):
-    """Every value of every knob but block_k gives the same bits (config.py's numerics contract)."""
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=["qwen_like", "e256_io", "gpt_oss_bias"])
+def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
+    """Every value of every knob but block_k gives the same bits (config.py's numerics contract), torch._grouped_mm
+    for the GEMMs included (it must really run: a spy counts its calls)."""
     args = cuda_args(*case)
-    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2])
+    # Triton for every GEMM, so that the tile knobs below are exercised
+    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False)
     with kconfig.use_config(base):
         expected = fwd_bwd(args)
+    calls = []
+    inner = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or inner(*a, **k))
     for knob, value in SWEEP:
+        run_args = args
         if knob == "loops":
             cfg = base.replace_gemms(**value)
         elif knob in kconfig.LAYER_SCHEDULING_KNOBS:
             cfg = dataclasses.replace(base, **{knob: value})
+        elif knob.startswith("grouped_mm"):
+            cfg = base.replace_gemms(grouped_mm=value)
+            if knob == "grouped_mm_in_place":
+                run_args = args[:7] + (dataclasses.replace(args[7], reuse_saved=True),)
         else:
             cfg = base.replace_gemms(**{knob: value})
+        calls.clear()
         with kconfig.use_config(cfg):
-            got = fwd_bwd(args)
+            got = fwd_bwd(run_args)
+        if knob.startswith("grouped_mm"):  # every GEMM, but those with a bias and grad_input in place
+            assert len(calls) == (2 if case[7] else 6) - (knob == "grouped_mm_in_place"), knob
         for i, (a, b) in enumerate(zip(got, expected)):
             assert torch.equal(a, b), f"{knob}={value} changed tensor {i}"
 

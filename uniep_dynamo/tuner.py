@@ -62,6 +62,8 @@ SPACE = {
     "flatten": (False, True),
     "warp_specialize": (False, True),
 }
+# Besides the tiles, each GEMM may run as torch._grouped_mm (GemmConfig.grouped_mm: CUTLASS, the same bits on
+# Hopper); gemm_candidates offers the heuristic's tiles with the other implementation first.
 LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False), "tma": (True, False),
                "tma_weight_grad": (False, True)}
 SMEM_LIMIT = {9: 227 * 1024}  # bytes of shared memory a block may use, by compute capability major (Hopper)
@@ -74,15 +76,17 @@ CACHE_FORMAT = 1
 
 def gemm_candidates(base: GemmConfig, *, n_dim: int, smem_limit: int, sm_count: int, elem_bytes: int = 2,
                     n_factor: int = 1) -> list[GemmConfig]:
-    """Every valid point of SPACE for one GEMM, with ``base``'s block_k; ``base`` first. ``n_factor`` = 2
-    for the packed gated up projection, whose accumulator spans two ``block_n`` blocks."""
-    out, seen = [base], {base}
+    """Every valid point of SPACE for one GEMM, with ``base``'s block_k; ``base`` first, then ``base`` with the
+    other GEMM implementation (``grouped_mm`` flipped), then Triton's tiles. ``n_factor`` = 2 for the packed gated
+    up projection, whose accumulator spans two ``block_n`` blocks."""
+    flipped = dataclasses.replace(base, grouped_mm=not base.grouped_mm)
+    out, seen = [base, flipped], {base, flipped}
     for values in itertools.product(*SPACE.values()):
         knobs = dict(zip(SPACE, values))
         if knobs["num_programs"] != "sms" and (knobs["flatten"] or knobs["warp_specialize"]):
             continue  # a program per tile: the tile loop runs once, so its loop options schedule nothing
         knobs["num_programs"] = sm_count if knobs["num_programs"] == "sms" else 0
-        cfg = dataclasses.replace(base, **knobs)
+        cfg = dataclasses.replace(base, grouped_mm=False, **knobs)
         if cfg not in seen and prune_reason(cfg, n_dim=n_dim, smem_limit=smem_limit, elem_bytes=elem_bytes,
                                             n_factor=n_factor) is None:
             seen.add(cfg)

@@ -3,6 +3,10 @@ and by tensor descriptors (config.tma: the row GEMMs; tma_weight_grad: the weigh
 on the same inputs; checks that the variants give the same bits.
 
     python benchmarks/probes/tma_probe.py --shapes mixtral,qwen3-30b-a3b,olmoe [--tokens 8192] [--rounds 3]
+
+``--grouped-mm`` compares instead the GEMM implementations (GemmConfig.grouped_mm): Triton for every GEMM, the
+heuristics, torch._grouped_mm for every GEMM, and the heuristics with the up projection by Triton.
+``--reuse-saved`` runs the backward in place, as the backend's compiled layers do.
 """
 import argparse
 import dataclasses
@@ -34,10 +38,14 @@ def main():
     parser.add_argument("--loops", action="store_true",
                         help="compare instead: the heuristics, and every GEMM on a persistent grid (a program per SM) "
                              "with Triton's flatten loop option, with and without the heuristics' tma")
+    parser.add_argument("--grouped-mm", action="store_true",
+                        help="compare instead the GEMM implementations (Triton, torch._grouped_mm, the heuristics' mix)")
+    parser.add_argument("--reuse-saved", action="store_true",
+                        help="the in-place backward (spec.reuse_saved), as the backend's compiled layers run it")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tma_probe.json"))
     args = parser.parse_args()
     dtype, dev = torch.bfloat16, "cuda"
-    spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
+    spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype, reuse_saved=args.reuse_saved).encode()
     results = []
     for name in args.shapes.split(","):
         hidden, inter, experts, top_k = SHAPES[name.split("@")[0]]
@@ -48,7 +56,13 @@ def main():
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, w_up, w_down)]
         base = dataclasses.replace(kconfig.heuristic_config(tokens * top_k, experts, hidden, inter), tma=False,
                                    tma_weight_grad=False)
-        if args.loops:
+        if args.grouped_mm:
+            heuristic = kconfig.heuristic_config(tokens * top_k, experts, hidden, inter)
+            base = heuristic.replace_gemms(grouped_mm=False)
+            variants = {"triton": base, "heuristics": heuristic, "grouped_mm": heuristic.replace_gemms(grouped_mm=True),
+                        "heuristics, up by triton": dataclasses.replace(
+                            heuristic, up=dataclasses.replace(heuristic.up, grouped_mm=False))}
+        elif args.loops:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             loops = base.replace_gemms(num_programs=sms, flatten=True)
             heuristic = kconfig.heuristic_config(tokens * top_k, experts, hidden, inter)
@@ -75,7 +89,7 @@ def main():
             for k, cfg in variants.items():
                 times[k].append(time_cuda(lambda: step(cfg), args.iters, 2))
         flops = 6 * tokens * top_k * hidden * 3 * inter  # forward 2*3 GEMM terms, backward twice that
-        row = {"shape": name, "tokens": tokens, "bitwise_same": same,
+        row = {"shape": name, "tokens": tokens, "bitwise_same": same, "reuse_saved": args.reuse_saved,
                "ms": {k: round(min(v), 3) for k, v in times.items()},
                "tflops": {k: round(flops / min(v) / 1e9, 1) for k, v in times.items()}}
         print(json.dumps(row), flush=True)

@@ -20,6 +20,14 @@ Numerics contract (what a tuner may change freely):
 - ``block_m`` stays >= 64 and ``num_warps`` >= 4 so that Triton always lowers ``tl.dot`` to the same
   Hopper tensor-core instruction family (wgmma); mixing it with the older mma path could change the
   in-instruction rounding.
+- ``grouped_mm`` runs a GEMM as ``torch._grouped_mm`` (CUTLASS's grouped GEMM) instead of the Triton kernel.
+  It is a scheduling knob only where it is used: bf16 on a Hopper GPU (compute capability 9.x), where
+  both are the same chain of wgmma instructions over K in order with an fp32 accumulator rounded once.
+  benchmarks/probes/gemm_bits_probe.py found the six GEMMs of four layer shapes bitwise equal between the
+  two on an H200, and tests/test_gpu_megakernel.py sweeps it with the other scheduling knobs. Elsewhere
+  (fp16, whose ``torch._grouped_mm`` loops on the host; other GPUs; a bias; a fused gather; an epilogue
+  beyond a plain store) the GEMM runs Triton. In Triton's interpreter (CPU tests) ``torch._grouped_mm``
+  rounds differently from numpy, so it is used there only when a test asks (``megakernel.GROUPED_MM_INTERPRETED``).
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ from dataclasses import dataclass
 
 NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
-                    "warp_specialize")
+                    "warp_specialize", "grouped_mm")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
@@ -52,6 +60,9 @@ class GemmConfig:
     # (producer and consumer warps). They schedule the same MMAs.
     flatten: bool = False
     warp_specialize: bool = False
+    # Run this GEMM as torch._grouped_mm (CUTLASS) where it gives the Triton kernel's bits (see the module
+    # docstring); the tile knobs above then apply only where it falls back to Triton.
+    grouped_mm: bool = False
 
     def validate(self, interpret: bool = False) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -129,8 +140,17 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # 17.21 -> 16.81), slower with few (Qwen3-30B-A3B at T=8192, 512 rows: 4.98 -> 5.11 ms; OLMoE's 1024 and
     # DeepSeek-V3's 256 rows also lost). BENCHMARKS.md.
     tma = num_rows >= 2048 * num_experts
-    return MegaKernelConfig(up=up, down=wide, grad_act=deep, grad_input=deep,
-                            wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad, tma=tma)
+    # torch._grouped_mm (CUTLASS; the same bits, see above) where it beat these tiles on an H200
+    # (benchmarks/probes/gemm_bits_probe.py, bf16, T=8192): every GEMM of experts with at most 1024 rows each
+    # (Qwen3-30B-A3B's 512, OLMoE's 1024, DeepSeek-V3's 256: short K loops, few tiles per expert), by 6-30%,
+    # but the backward row GEMMs at hidden >= 4096 (DeepSeek-V3's grad_act and grad_input, where Triton led by
+    # 14% and 5%). With 2048 rows (Mixtral-8x7B) Triton led on three GEMMs and trailed by 5-6% on three: the
+    # tiles stay Triton's, and the tuner searches the knob per GEMM.
+    few = num_rows <= 1024 * num_experts
+    cutlass = {g for g in GEMMS if few and (hidden < 4096 or g not in ("grad_act", "grad_input"))}
+    gemms = dict(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=dataclasses.replace(wgrad, num_stages=4),
+                 wgrad_down=wgrad)
+    return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass) for g, c in gemms.items()}, tma=tma)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []

@@ -186,19 +186,77 @@ class _Layer:
             self.num_slots, self.num_experts, self.hidden_size, self.inter, self.interpret, dtype=hidden.dtype,
             device=hidden.device)
         self.block_e = max(16, 1 << (self.num_experts - 1).bit_length())
+        self._offsets_i32 = None
+
+    def offsets_i32(self, offsets):
+        """``offsets`` (each expert's end row) as torch._grouped_mm takes them: int32, converted once a call."""
+        if self._offsets_i32 is None or self._offsets_i32[0] is not offsets:
+            self._offsets_i32 = (offsets, offsets.to(torch.int32))
+        return self._offsets_i32[1]
 
 
 def _grid(upper: int, cfg) -> int:
     return max(1, min(upper, cfg.num_programs) if cfg.num_programs else upper)
 
 
-def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c, d=None, h=None, w=None,
+# torch._grouped_mm on CPU (Triton's interpreter) rounds differently from the interpreter's numpy dots, so
+# there the grouped_mm knob runs Triton unless a test asks for it (to check its plumbing, within tolerance).
+GROUPED_MM_INTERPRETED = False
+GROUPED_MM_MAX_GROUPS = 1023  # CUTLASS's grouped GEMM in torch takes fewer than 1024 groups
+
+
+@functools.lru_cache(maxsize=16)
+def _grouped_mm_gpu(device) -> bool:
+    """A Hopper GPU: torch._grouped_mm's CUTLASS path there gives the Triton GEMMs' bits (config.py)."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _grouped_mm_operand(t) -> bool:
+    """torch._grouped_mm takes ``t``: a 16-byte aligned base, one unit stride among the last two dimensions and
+    the other (and a 3-D tensor's group stride) a multiple of 16 bytes."""
+    align = 16 // t.element_size()
+    rows, cols = t.stride(-2), t.stride(-1)
+    if t.data_ptr() % 16 or (t.dim() == 3 and t.stride(0) % align):
+        return False
+    return ((cols == 1 and rows % align == 0 and rows >= max(1, t.shape[-1]))
+            or (rows == 1 and cols % align == 0 and cols >= max(1, t.shape[-2])))
+
+
+def _use_grouped_mm(layer: _Layer, cfg, out_cols: int, *operands) -> bool:
+    """Run this GEMM as torch._grouped_mm (``cfg.grouped_mm``; see config.py for where that keeps the bits)?
+    ``out_cols``: the output's last dimension, which must keep the output contiguous."""
+    if not cfg.grouped_mm or layer.num_slots == 0 or layer.num_experts > GROUPED_MM_MAX_GROUPS:
+        return False
+    a = operands[0]
+    if a.device.type == "cuda":
+        if a.dtype != torch.bfloat16 or not _grouped_mm_gpu(a.device):
+            return False
+    elif not (layer.interpret and GROUPED_MM_INTERPRETED and hasattr(torch, "_grouped_mm")):
+        return False
+    return (out_cols % (16 // a.element_size()) == 0 and all(t.dtype == a.dtype for t in operands)
+            and all(_grouped_mm_operand(t) for t in operands))
+
+
+def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, h=None, w=None,
                a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0):
+    """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
+    a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
+    ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``)."""
     import triton
 
-    from .triton_gemm import GLU_FWD
+    from .triton_gemm import GLU_BWD, GLU_FWD
     from .triton_gemm import _rows_gemm as kernel
 
+    width = b.shape[2] if epilogue == GLU_FWD else n
+    if (c is None and epilogue != GLU_BWD and not gather and not a_scale and bias is None
+            and _use_grouped_mm(layer, cfg, width, a, b)):
+        c = torch._grouped_mm(a, b, offs=layer.offsets_i32(offsets))
+        if epilogue == GLU_FWD:
+            _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
+                         up_shift=up_shift)
+        return c
+    if c is None:
+        c = torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
     cfg.validate(layer.interpret)
     upper = (triton.cdiv(layer.num_slots, cfg.block_m) + layer.num_experts) * triton.cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
@@ -241,6 +299,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         TMA_A=a_desc is not None, TMA_B=b_desc is not None, B_KMAJOR=b_kmajor,
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return c
 
 
 # Weight tiles stored K-major ([E, out, in] up projection, for one) are loaded [block_n, block_k] and
@@ -271,6 +330,19 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
             and row_stride > 0)
 
 
+def _act_forward(layer: _Layer, *, up, act, offsets, two_halves, col_mult, up_shift):
+    import triton
+
+    from .triton_gemm import _act_forward as kernel
+
+    block_r, block_c = (16, 32) if layer.interpret else (16, 256)
+    grid = (triton.cdiv(max(layer.num_slots, 1), block_r), triton.cdiv(layer.inter, block_c))
+    kernel[grid](up, up.stride(0), act, act.stride(0), offsets, layer.num_experts, layer.inter, up_shift,
+                 COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
+                 act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
+                 num_warps=4)
+
+
 def _act_backward(layer: _Layer, *, d_act, up, d_up, offsets, two_halves, col_mult, up_shift):
     import triton
 
@@ -286,11 +358,22 @@ def _act_backward(layer: _Layer, *, d_act, up, d_up, offsets, two_halves, col_mu
 
 def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
                  n_dim, bias_grad=None):
-    """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e."""
+    """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e; returns grad. ``grad``
+    may be a shape: the gradient is then a new contiguous tensor of P's dtype, computed by torch._grouped_mm
+    where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient)."""
     import triton
 
     from .triton_gemm import _weight_grad_gemm as kernel
 
+    if not isinstance(grad, torch.Tensor):
+        shape = tuple(grad)
+        # [E, M, N] = per expert P^T Q over its rows, or [E, N, M] = Q^T P: the same products summed over the
+        # same rows in the same order
+        a, b = (p, q) if m_dim == 1 else (q, p)
+        if not (p_gather or q_gather or q_scale) and bias_grad is None and \
+                _use_grouped_mm(layer, cfg, shape[2], a.t(), b):
+            return torch._grouped_mm(a.t(), b, offs=layer.offsets_i32(offsets))
+        grad = torch.empty(shape, dtype=p.dtype, device=p.device)
     cfg.validate(layer.interpret)
     m, n = grad.shape[m_dim], grad.shape[n_dim]
     upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -314,6 +397,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         num_programs=grid, p_desc=p_desc, q_desc=q_desc, TMA=p_desc is not None,
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grad
 
 
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
@@ -328,19 +412,20 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     row_order, slot_row, offsets = plan if plan is not None else \
         routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
     device = hidden.device
-    up = torch.empty(layer.num_slots, layer.up_width, dtype=w_up.dtype, device=device)
-    down = torch.empty(layer.num_slots, layer.hidden_size, dtype=w_down.dtype, device=device)
     if layer.num_slots:
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
         gather = cfg.fuse_gather
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
-        _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
-                   k=layer.hidden_size, epilogue=GLU_FWD, c=up, d=act, bias=b_up, offsets=offsets,
-                   two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+        up = _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
+                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
+                        two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
         del x
-        _rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff, n=layer.hidden_size,
-                   k=layer.inter, epilogue=STORE, c=down, bias=b_down, offsets=offsets)
+        down = _rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff,
+                          n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offsets)
         del act
+    else:
+        up = torch.empty(0, layer.up_width, dtype=w_up.dtype, device=device)
+        down = torch.empty(0, layer.hidden_size, dtype=w_down.dtype, device=device)
     out = combine(down, slot_row, topk_weights.reshape(layer.num_tokens, layer.top_k), offsets, layer.num_tokens,
                   layer.top_k, spec.out_dtype)
     return out, row_order, slot_row, offsets, up, down
@@ -377,34 +462,33 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     gather = cfg.fuse_gather
     scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() else None
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
-    act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
     dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     if cfg.act_grad_in_epilogue:
+        act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
         _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
                    b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=GLU_BWD,
                    c=d_up, d=act, h=up, w=weights, offsets=offsets, **halves)
     else:
         # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise
         # pass turns it into d_up and act in place.
-        _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
-                   c=act, w=weights, offsets=offsets)
+        act = _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                         b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
+                         w=weights, offsets=offsets)
         _act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
-    d_w_down = torch.empty(w_down.shape, dtype=w_down.dtype, device=device)
-    _weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
-                 row_order=row_order, w=weights, offsets=offsets, grad=d_w_down, m_dim=down_dims[0],
-                 n_dim=down_dims[1], bias_grad=d_b_down)
+    d_w_down = _weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
+                            row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
+                            n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
-    d_x_rows = scratch if scratch is not None and scratch.dtype == w_up.dtype else torch.empty(
-        layer.num_slots, layer.hidden_size, dtype=w_up.dtype, device=device)
-    _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order, b=layer.up_eff.transpose(1, 2),
-               n=layer.hidden_size, k=layer.up_width, epilogue=STORE, c=d_x_rows, offsets=offsets)
+    # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
+    # would need a [rows, H] buffer of its own).
+    d_x_rows = _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order,
+                          b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
+                          c=scratch if scratch is not None and scratch.dtype == w_up.dtype else None, offsets=offsets)
     d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
     del d_x_rows
     x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
-    d_w_up = torch.empty(w_up.shape, dtype=w_up.dtype, device=device)
-    _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
-                 row_order=row_order, w=None, offsets=offsets, grad=d_w_up, m_dim=up_dims[0], n_dim=up_dims[1],
-                 bias_grad=d_b_up)
+    d_w_up = _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
+                          row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
+                          n_dim=up_dims[1], bias_grad=d_b_up)
     return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, []

@@ -22,6 +22,8 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
     Q[q_row(r), n], optionally Q scaled by the routing weight; bias gradient = column sums of Q as a
     GEMM against ones (the same MMA chain, so it follows the same numerics contract). Experts with no
     rows get exact zeros.
+``_act_forward`` -- the GLU_FWD epilogue's activation as an element-wise pass over the routed rows of h (after
+    an up projection that ran as torch._grouped_mm): act(h) from the rounded h, as the epilogue computes it.
 ``_act_backward`` -- the element-wise activation backward over the routed rows (the default path,
     after a STORE GEMM of the activation gradient): d_h from the rounded d_act and h; act(h) in place.
 
@@ -360,3 +362,23 @@ def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, of
     d = tl.load(d_act_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     _act_backward_tile(d, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, d_act_ptr, stride_dm,
                        UP_SHIFT, COL_MULT, TWO_HALVES, ACT, act_alpha, act_limit, act_up_add)
+
+
+@triton.jit
+def _act_forward(h_ptr, stride_hm, act_ptr, stride_am, offsets_ptr, num_experts, N,
+                 UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
+                 act_alpha, act_limit, act_up_add, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """act(h) over the routed rows, element-wise, from the stored (rounded) h: the GLU_FWD epilogue's values."""
+    routed_rows = tl.load(offsets_ptr + num_experts - 1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    gate_cols = cols * COL_MULT
+    g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TWO_HALVES:
+        u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
+    tl.store(act_ptr + rows64 * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
