@@ -140,14 +140,14 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # 17.21 -> 16.81), slower with few (Qwen3-30B-A3B at T=8192, 512 rows: 4.98 -> 5.11 ms; OLMoE's 1024 and
     # DeepSeek-V3's 256 rows also lost). BENCHMARKS.md.
     tma = num_rows >= 2048 * num_experts
-    # torch._grouped_mm (CUTLASS; the same bits, see above) where it beat these tiles on an H200
-    # (benchmarks/probes/gemm_bits_probe.py, bf16, T=8192): every GEMM of experts with at most 1024 rows each
-    # (Qwen3-30B-A3B's 512, OLMoE's 1024, DeepSeek-V3's 256: short K loops, few tiles per expert), by 6-30%,
-    # but the backward row GEMMs at hidden >= 4096 (DeepSeek-V3's grad_act and grad_input, where Triton led by
-    # 14% and 5%). With 2048 rows (Mixtral-8x7B) Triton led on three GEMMs and trailed by 5-6% on three: the
-    # tiles stay Triton's, and the tuner searches the knob per GEMM.
-    few = num_rows <= 1024 * num_experts
-    cutlass = {g for g in GEMMS if few and (hidden < 4096 or g not in ("grad_act", "grad_input"))}
+    # torch._grouped_mm (CUTLASS; the same bits, see above) for every GEMM but the backward row GEMMs (grad_act,
+    # grad_input) of experts with at most 1024 rows and hidden >= 4096. On an H200 (bf16, T=8192, forward +
+    # backward with the in-place backward; BENCHMARKS.md, session 12) against Triton for every GEMM:
+    # Qwen3-30B-A3B 5.21 -> 4.94 ms, OLMoE 5.93 -> 5.64, Mixtral-8x7B 30.66 -> 29.59. DeepSeek-V3's experts
+    # (256 rows, hidden 7168) 48.09 -> 45.40 with every GEMM, 44.69 with its grad_act and grad_input by Triton,
+    # which led on those two alone by 14% and 5% (benchmarks/probes/gemm_bits_probe.py).
+    triton_row_bwd = num_rows <= 1024 * num_experts and hidden >= 4096
+    cutlass = {g for g in GEMMS if not (triton_row_bwd and g in ("grad_act", "grad_input"))}
     gemms = dict(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=dataclasses.replace(wgrad, num_stages=4),
                  wgrad_down=wgrad)
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass) for g, c in gemms.items()}, tma=tma)
