@@ -322,9 +322,10 @@ def test_grouped_mm_knob_runs_cutlass_gemms(case, reuse_saved, calls, monkeypatc
     inner = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: seen.append(1) or inner(*a, **k))
     cfg = kconfig.heuristic_config(T * K, E, H, I, interpret=True).replace_gemms(grouped_mm=True)
+    counters.clear()
     with kconfig.use_config(cfg):
         fused = run(args, "triton", monkeypatch, spec=spec)
-    assert len(seen) == calls
+    assert len(seen) == calls == counters["uniep_kernels"]["grouped_mm_gemms"]
     assert_close(fused, run(args, "reference", monkeypatch), torch.float32)
     # without the flag the interpreter keeps Triton for every GEMM
     monkeypatch.setattr(megakernel, "GROUPED_MM_INTERPRETED", False)

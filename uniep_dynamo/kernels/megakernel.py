@@ -250,6 +250,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     width = b.shape[2] if epilogue == GLU_FWD else n
     if (c is None and epilogue != GLU_BWD and not gather and not a_scale and bias is None
             and _use_grouped_mm(layer, cfg, width, a, b)):
+        counters["uniep_kernels"]["grouped_mm_gemms"] += 1
         c = torch._grouped_mm(a, b, offs=layer.offsets_i32(offsets))
         if epilogue == GLU_FWD:
             _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
@@ -372,6 +373,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         a, b = (p, q) if m_dim == 1 else (q, p)
         if not (p_gather or q_gather or q_scale) and bias_grad is None and \
                 _use_grouped_mm(layer, cfg, shape[2], a.t(), b):
+            counters["uniep_kernels"]["grouped_mm_gemms"] += 1
             return torch._grouped_mm(a.t(), b, offs=layer.offsets_i32(offsets))
         grad = torch.empty(shape, dtype=p.dtype, device=p.device)
     cfg.validate(layer.interpret)
