@@ -299,13 +299,12 @@ def test_every_top_k_from_1_to_8(top_k, monkeypatch):
 
 @pytest.mark.parametrize("case, reuse_saved, calls", [
     # (T, H, I, E, K, gate, layout, bias); expected torch._grouped_mm calls of forward + backward
-    ((37, 40, 24, 8, 2, SILU_GLU, "oi", False), False, 6),  # every GEMM; H and I no multiple of the tiles
     ((37, 40, 24, 8, 2, SILU_GLU, "oi", False), True, 5),   # in place: the input-gradient rows go to a saved buffer
     ((23, 32, 16, 8, 3, SILU_INTERLEAVED, "io", False), False, 6),  # interleaved gate, [E, in, out] weights
     ((21, 32, 24, 4, 2, RELU2, "oi", False), False, 6),     # no gate
     ((17, 32, 16, 4, 2, GPT_OSS, "io", True), False, 2),    # biases: only grad_act and grad_input qualify
     ((12, 32, 16, 64, 8, SILU_GLU, "oi", False), False, 6),  # most experts get no token (zero-row groups)
-], ids=["silu_oi", "silu_oi_in_place", "interleaved_io", "relu2", "gpt_oss_bias", "idle_experts"])
+], ids=["silu_oi_in_place", "interleaved_io", "relu2", "gpt_oss_bias", "idle_experts"])
 def test_grouped_mm_knob_runs_cutlass_gemms(case, reuse_saved, calls, monkeypatch):
     """GemmConfig.grouped_mm: the GEMMs that qualify run as torch._grouped_mm, with the activation of the up
     projection as an element-wise pass; the layer matches the reference. (On CPU torch._grouped_mm rounds

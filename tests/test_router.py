@@ -447,7 +447,10 @@ def test_routing_kernel_compiles_for_hopper():
 
 # -- the routing plan, computed by the router op for its experts op --------------------------------
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+# DeepSeek-V3's group-limited router (its most involved plan source); softmax top-k routers share theirs the same
+# way, and test_experts_op_with_the_routers_plan_is_bitwise_equal covers that at the op level. Each family costs
+# about a minute of CPU here (three whole-model compiles).
+@pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_router_shares_its_routing_plan_with_the_experts_op(family):
     from hf_models import build_model
 
