@@ -12,8 +12,8 @@ and the transfer kernel's programs, its SMs for communication); ``ep_candidates`
 chunks than local experts, programs of a path without the kernel, the kernel past its rank limit). None of
 them changes numerics.
 
-Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA,
-CUDA events, the same seeded inputs for every candidate; a SwiGLU layer with [E, out, in] weights stands
+Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA with the
+in-place backward the backend uses, CUDA events, the same seeded inputs for every candidate; a SwiGLU layer with [E, out, in] weights stands
 for every gate and weight layout of that shape, which the cache key does not tell apart): coordinate descent, one GEMM at a time, then
 the layer knobs, at most ``budget`` candidates per knob group; the winner and the heuristic are then
 timed again, in alternation, for the reported times. A candidate that fails to compile or
@@ -320,7 +320,9 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
     w_down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(device, dtype)
     grad = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
     silu_glu = gate_program.encode("chunk", gate_program.SILU_GLU_EXPR)
-    spec = ExpertsSpec("oi", "oi", silu_glu, dtype).encode()
+    # the in-place backward, as the backend's compiled layers run it (its input-gradient GEMM writes into a
+    # saved buffer, and so runs Triton whatever the grouped_mm knob says)
+    spec = ExpertsSpec("oi", "oi", silu_glu, dtype, reuse_saved=True).encode()
     leaves = [t.requires_grad_() for t in (hidden_states, weights, w_up, w_down)]
 
     def run(cfg):
