@@ -102,18 +102,27 @@ def _activation_grad(g, u, d, ACT: tl.constexpr, alpha, limit, up_add):
 
 
 @triton.jit
-def _act_backward_tile(d_act, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
-                       UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
-                       act_alpha, act_limit, act_up_add):
-    """One tile of the activation backward: d_act (fp32, [rows, cols]) and the saved h of those rows
-    -> d_h (both halves) and act(h). ``rows64`` is a [R, 1] column of int64 row indices. Each element
-    of h is read before the same element of d_h is written, so d_h may be h itself."""
+def _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr):
+    """The gate and up values (fp32) of activation columns ``cols`` of the stored h rows ``rows64`` ([R, 1] int64);
+    without a gate both are the whole projection."""
     gate_cols = cols * COL_MULT
     g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if TWO_HALVES:
         u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
         u = g
+    return g, u
+
+
+@triton.jit
+def _act_backward_tile(d_act, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
+                       UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
+                       act_alpha, act_limit, act_up_add):
+    """One tile of the activation backward: d_act (fp32, [rows, cols]) and the saved h of those rows
+    -> d_h (both halves) and act(h). ``rows64`` is a [R, 1] column of int64 row indices. Each element
+    of h is read before the same element of d_h is written, so d_h may be h itself."""
+    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
+    gate_cols = cols * COL_MULT
     d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
     tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
     if TWO_HALVES:
@@ -374,11 +383,6 @@ def _act_forward(h_ptr, stride_hm, act_ptr, stride_am, offsets_ptr, num_experts,
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    gate_cols = cols * COL_MULT
-    g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if TWO_HALVES:
-        u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
-    else:
-        u = g
+    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
     act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
     tl.store(act_ptr + rows64 * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
