@@ -88,9 +88,27 @@ CASES = [
 ]
 
 
+def _with_env(rank, env, worker, *args):
+    """A worker with the test process's environment of now (a forkserver's children inherit the server's)."""
+    os.environ.clear()
+    os.environ.update(env)
+    worker(rank, *args)
+
+
 def run_workers(worker, world: int, args: tuple, tmp_path, timeout: float = 300) -> list:
-    """Run worker(rank, world, port, *args, out_dir) in `world` processes; each saves rank{r}.pt there."""
-    workers = mp.spawn(worker, args=(world, free_port(), *args, str(tmp_path)), nprocs=world, join=False)
+    """Run worker(rank, world, port, *args, out_dir) in `world` processes; each saves rank{r}.pt there.
+
+    Without CUDA the workers come from a forkserver that has imported torch and uniep once: a spawned worker
+    spends 2-5 s of a 2-core CI machine importing them, and the multi-process tests are much of the CPU suite.
+    The server forks a small single-threaded process, not this one (whose threads and heap a fork would copy).
+    GPU runs spawn."""
+    worker_args = (world, free_port(), *args, str(tmp_path))
+    if torch.cuda.is_available():
+        workers = mp.start_processes(worker, args=worker_args, nprocs=world, join=False, start_method="spawn")
+    else:
+        mp.set_forkserver_preload(["torch", "torch.distributed", "uniep_dynamo", "test_ep"])
+        workers = mp.start_processes(_with_env, args=(dict(os.environ), worker, *worker_args), nprocs=world,
+                                     join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     while not workers.join(timeout=5):  # raises if a worker fails
         if time.monotonic() > deadline:
