@@ -104,7 +104,7 @@ FUNCTION_CASES = [
     (2, ("random", 12, 4, 2, SILU_GLU, False)),  # two experts per rank
     (4, ("hot", 12, 8, 3, SILU_GLU, False)),  # one hot expert takes a slot of every token, K odd
     (2, ("rank0_only", 8, 4, 2, SILU_GLU, False)),  # rank 1 receives nothing
-    # 8 ranks (a full node) run in test_ep.py: 8 processes of this test took 32 s of a 2-core CI machine
+    (8, ("hot", 16, 8, 3, SILU_GLU, False)),  # a full node's EP size, one expert per rank, one of them hot
 ]
 
 
