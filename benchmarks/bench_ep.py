@@ -254,11 +254,11 @@ def _worker(rank, world, port, args, out_path):
             for provider in providers:
                 torch._dynamo.reset()
                 counters.clear()
-                module = liger if provider == "liger_experts" else hf if provider.startswith("hf_") else layer
                 # HF's block takes [batch, sequence, hidden]; its weights are its own (compared with hf_eager)
                 batched = provider.startswith("hf_")
-                family = "hf" if provider.startswith("hf_") else "layer"
-                if provider.startswith("hf_"):
+                module = liger if provider == "liger_experts" else hf if batched else layer
+                family = "hf" if batched else "layer"
+                if batched:
                     backend = {"hf_eager": None, "hf_inductor": "inductor", "hf_uniep": "uniep"}[provider]
                     run = module if backend is None else torch.compile(module, backend=backend)
                 elif provider in OVERLAP:

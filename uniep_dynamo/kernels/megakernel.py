@@ -331,30 +331,29 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
             and row_stride > 0)
 
 
-def _act_forward(layer: _Layer, *, up, act, offsets, two_halves, col_mult, up_shift):
+def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift):
+    """Launch an element-wise activation kernel of triton_gemm.py over the routed rows and the activation's
+    columns; ``tensors`` are its leading (tensor, row stride) arguments."""
     import triton
-
-    from .triton_gemm import _act_forward as kernel
 
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (triton.cdiv(max(layer.num_slots, 1), block_r), triton.cdiv(layer.inter, block_c))
-    kernel[grid](up, up.stride(0), act, act.stride(0), offsets, layer.num_experts, layer.inter, up_shift,
+    kernel[grid](*(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter, up_shift,
                  COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
                  act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
                  num_warps=4)
 
 
-def _act_backward(layer: _Layer, *, d_act, up, d_up, offsets, two_halves, col_mult, up_shift):
-    import triton
+def _act_forward(layer: _Layer, *, up, act, **halves):
+    from .triton_gemm import _act_forward as kernel
 
+    _act_pass(layer, kernel, (up, act), **halves)
+
+
+def _act_backward(layer: _Layer, *, d_act, up, d_up, **halves):
     from .triton_gemm import _act_backward as kernel
 
-    block_r, block_c = (16, 32) if layer.interpret else (16, 256)
-    grid = (triton.cdiv(max(layer.num_slots, 1), block_r), triton.cdiv(layer.inter, block_c))
-    kernel[grid](d_act, d_act.stride(0), up, up.stride(0), d_up, d_up.stride(0), offsets, layer.num_experts,
-                 layer.inter, up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act,
-                 act_alpha=layer.act_params[0], act_limit=layer.act_params[1], act_up_add=layer.act_params[2],
-                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    _act_pass(layer, kernel, (d_act, up, d_up), **halves)
 
 
 def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
