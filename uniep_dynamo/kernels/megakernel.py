@@ -213,13 +213,12 @@ def _grouped_mm_gpu(device) -> bool:
 
 def _grouped_mm_operand(t) -> bool:
     """torch._grouped_mm takes ``t``: a 16-byte aligned base, one unit stride among the last two dimensions and
-    the other (and a 3-D tensor's group stride) a multiple of 16 bytes."""
-    align = 16 // t.element_size()
+    the other (and a 3-D tensor's group stride) a multiple of 16 bytes: a TMA-ready 2-D view either way round."""
     rows, cols = t.stride(-2), t.stride(-1)
-    if t.data_ptr() % 16 or (t.dim() == 3 and t.stride(0) % align):
+    if t.dim() == 3 and (t.stride(0) * t.element_size()) % 16:
         return False
-    return ((cols == 1 and rows % align == 0 and rows >= max(1, t.shape[-1]))
-            or (rows == 1 and cols % align == 0 and cols >= max(1, t.shape[-2])))
+    return ((_tma_2d(t, 1, rows, cols) and rows >= t.shape[-1])
+            or (_tma_2d(t, 1, cols, rows) and cols >= t.shape[-2]))
 
 
 def _use_grouped_mm(layer: _Layer, cfg, out_cols: int, *operands) -> bool:
