@@ -1,5 +1,6 @@
 """The backend as users meet it: entry point, options, counters."""
 import importlib.metadata
+import operator
 
 import pytest
 import torch
@@ -53,19 +54,22 @@ def test_tensorrt_without_torch_tensorrt_says_what_to_install():
 @pytest.mark.parametrize("reuse", [True, False])
 def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
     """reuse_saved_buffers (default True) lowers to the in-place backward (auto-functionalized in the
-    AOT graph; inductor then runs it on the saved buffers); False keeps the out-of-place op, and a
-    second backward through the graph (retain_graph) adds up the same gradients again."""
+    AOT graph; inductor then runs it on the saved buffers), then the combine of the input-gradient rows
+    it left in the saved ``down``, a second op that no longer reads ``up`` (so a compiled backward frees
+    it first); False keeps the out-of-place op, and a second backward through the graph (retain_graph)
+    adds up the same gradients again."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from test_patterns import HandWrittenExperts, routed
     from uniep_dynamo.report import uniep_op_of
 
-    backward_targets = []
+    backward_targets, backward_nodes = [], []
 
     def fw(gm, _):
         return make_boxed_func(gm.forward)
 
     def bw(gm, _):
+        backward_nodes.extend(gm.graph.nodes)
         backward_targets.extend((uniep_op_of(n), str(n.args[0]) if "auto_functionalized" in str(n.target) else str(n.target))
                                 for n in gm.graph.nodes if uniep_op_of(n))
         return make_boxed_func(gm.forward)
@@ -77,8 +81,18 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
     options = {"inner_backend": aot_autograd(fw_compiler=fw, bw_compiler=bw), "reuse_saved_buffers": reuse}
     out = torch.compile(module, backend="uniep", options=options)(x, ids, w)
     out.sum().backward(retain_graph=True)
-    assert len(backward_targets) == 1 and backward_targets[0][0] == "moe_experts_backward"
+    assert [name for name, _ in backward_targets] == ["moe_experts_backward"] + ["moe_experts_backward_combine"] * reuse
     assert backward_targets[0][1].endswith("moe_experts_backward_.default") == reuse
+    if reuse:  # the combine reads the mutated `down` (an output of the auto-functionalized op), never `up`
+        (inplace_node,) = [n for n in backward_nodes if "auto_functionalized" in str(n.target)]
+        (combine_node,) = [n for n in backward_nodes if uniep_op_of(n) == "moe_experts_backward_combine"]
+        source = combine_node.args[0]
+        while source.target is torch.ops.aten.detach.default:
+            source = source.args[0]
+        assert source.target is operator.getitem and source.args[0] is inplace_node
+        kwargs = inplace_node.kwargs  # auto_functionalized_v2 passes the mutated tensors as bases
+        up = kwargs["_all_bases"][kwargs["_up_base_index"]] if "_all_bases" in kwargs else kwargs["up"]
+        assert up not in combine_node.all_input_nodes
     if not reuse:
         first = x.grad.clone()
         out.sum().backward()

@@ -225,8 +225,8 @@ def test_backward_graph_holds_the_backward_op():
     out.sum().backward()
     assert graphs["forward"].count(torch.ops.uniep.moe_experts.default) == 1
     # the in-place backward (the backend's default, reuse_saved_buffers=True), auto-functionalized by
-    # AOTAutograd (inductor runs it in place on the saved buffers)
-    assert graphs["backward_uniep"] == {"moe_experts_backward": 1}
+    # AOTAutograd (inductor runs it in place on the saved buffers), and its input gradient's combine
+    assert graphs["backward_uniep"] == {"moe_experts_backward": 1, "moe_experts_backward_combine": 1}
     assert torch.ops.aten.sort.default not in graphs["forward"]
 
 

@@ -35,7 +35,8 @@ def test_explain_full_match_json():
         ("moe_experts", "model.layers.0.mlp.experts"), ("moe_experts", "model.layers.1.mlp.experts"),
         ("moe_router", "model.layers.0.mlp.gate"), ("moe_router", "model.layers.1.mlp.gate")]
     assert graph["aot_graphs"]["forward"] == {"moe_experts": 2, "moe_router": 2}
-    assert graph["aot_graphs"]["backward"] == {"moe_experts_backward": 2, "moe_router_backward": 2}
+    assert graph["aot_graphs"]["backward"] == {"moe_experts_backward": 2, "moe_experts_backward_combine": 2,
+                                               "moe_router_backward": 2}
     assert graph["coverage_gaps"] == []
     before_ids = {n["id"] for n in graph["before"]}
     after_ids = {n["id"] for n in graph["after"]}

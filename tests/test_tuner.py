@@ -52,6 +52,9 @@ def test_every_candidate_is_valid_and_keeps_the_numerics_knobs():
     (kconfig.GemmConfig(block_m=64, block_n=256, num_warps=8, num_stages=2), 96, 1, "wider than the problem"),
     # block_m 32 would leave the wgmma path (config.py's numerics contract)
     (kconfig.GemmConfig(block_m=32), 4096, 1, "tensor-core path"),
+    # Triton's warp specialization pass fails on 4 warps (every compile failure of the tuner on an H200)
+    (kconfig.GemmConfig(block_m=128, block_n=64, num_warps=4, num_programs=132, warp_specialize=True), 4096, 1,
+     "warp specialization"),
 ])
 def test_pruning_says_why(cfg, n_dim, n_factor, reason):
     assert reason in tuner.prune_reason(cfg, n_dim=n_dim, n_factor=n_factor, smem_limit=227 * 1024)

@@ -182,7 +182,8 @@ def tune_main(argv=None) -> int:
             json.dump({"gpu": gpu, "dtype": ns.dtype, "rows": [
                 {"shape": label, "tokens": tokens, "key": r.key, "heuristic_ms": r.heuristic_ms,
                  "tuned_ms": r.tuned_ms, "speedup": r.speedup, "measured": r.measured, "rejected": r.rejected,
-                 "tune_seconds": r.seconds, "config": tuner.config_to_dict(r.config)} for label, tokens, r in rows]},
+                 "failures": r.failures, "tune_seconds": r.seconds, "config": tuner.config_to_dict(r.config)}
+                for label, tokens, r in rows]},
                 f, indent=1)
     return 0
 

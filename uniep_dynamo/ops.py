@@ -5,7 +5,8 @@ formula calls ``uniep::moe_experts_backward``, so AOTAutograd's backward graph h
 as well. Besides the output the forward returns the routing plan (row_order, slot_row,
 expert_offsets) and the two projections, which setup_context saves: backward reuses the forward's
 token order instead of recomputing it. ``uniep::moe_experts_backward_`` is the same backward allowed
-to consume those saved buffers as scratch (spec.reuse_saved, the backend's default). When the router
+to consume those saved buffers as scratch (spec.reuse_saved, the backend's default), less the input
+gradient's combine, which ``uniep::moe_experts_backward_combine`` runs after it. When the router
 op has built the plan already (``plan_row_order=``, ``plan_slot_row=``, ``plan_offsets=``), the
 forward uses it and returns empty tensors in its place; the given plan is what backward gets.
 
@@ -78,12 +79,12 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 
 
 def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                   row_order, slot_row, expert_offsets, up, down, spec, reuse_saved, weights_grad=True):
+                   row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         *grads, d_operands = megakernel.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
-            expert_offsets, up, down, s, reuse_saved=reuse_saved, weights_grad=weights_grad)
+            expert_offsets, up, down, s, weights_grad=weights_grad)
     else:
         *grads, d_operands = reference.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
@@ -100,8 +101,7 @@ def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down,
     """``weights_grad=False`` (the routing weights need no gradient, as the constant ones of an EP layer's
     received rows): the fused path skips that gradient and returns zeros in its place."""
     return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=False,
-                          weights_grad=weights_grad)
+                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad)
 
 
 @moe_experts_backward.register_fake
@@ -116,21 +116,34 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 
 # The in-place variant (spec.reuse_saved, the backend's default): the fused backward uses the saved
 # ``up`` as d_up and ``down`` as scratch for its [rows, H] buffers, so it needs no [rows, 2I] buffer of
-# its own. The schema says so; autograd then refuses a second backward through the same graph.
+# its own. It computes every gradient but d_hidden and leaves the input-gradient rows in ``down``;
+# ``moe_experts_backward_combine`` sums them into d_hidden. Two ops, so that a compiled backward frees
+# ``up`` (read for the last time by the first) before d_hidden is allocated: the peak is then that of
+# autograd's op-by-op backward (the saved tensors and the two weight gradients). The schema says the
+# saved buffers are mutated; autograd then refuses a second backward through the same graph.
 # Auto-functionalization (torch.compile) takes no list return, so this variant serves layers without
-# post operands (the only ones the fused path runs) and returns the six gradients alone.
+# post operands (the only ones the fused path runs) whose ``down`` has w_up's dtype (it holds the
+# input-gradient rows), and returns the five other gradients.
 _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor up, Tensor down", "Tensor(a!) up, Tensor(b!) down")
-                       .replace(", Tensor[])", ")"))
+                       .replace("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
+assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=("up", "down"), schema=_BWD_INPLACE_SCHEMA)
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
-    if post_operands:
-        raise ValueError("uniep: moe_experts_backward_ takes no post operands")
-    return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, reuse_saved=True,
-                          weights_grad=weights_grad)[:6]
+    if post_operands or down.dtype != w_up.dtype:
+        raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
+    s = decode_spec(spec)
+    args = (grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down)
+    if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
+        grads = megakernel.experts_backward(*args, row_order, slot_row, expert_offsets, up, down, s, reuse_saved=True,
+                                            weights_grad=weights_grad, input_rows=down)
+    else:
+        grads = reference.experts_backward(*args, post_operands, row_order, slot_row, expert_offsets, up, down, s,
+                                           input_rows=down)
+    return tuple(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads[1:6])
 
 
 @moe_experts_backward_.register_fake
@@ -138,7 +151,29 @@ def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights,
                                        post_operands, row_order, slot_row, expert_offsets, up, down, spec,
                                        weights_grad=True):
     return _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                                      post_operands, row_order, slot_row, expert_offsets, up, down, spec)[:6]
+                                      post_operands, row_order, slot_row, expert_offsets, up, down, spec)[1:6]
+
+
+_BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
+                       "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor slot_row, Tensor expert_offsets, "
+                       "str spec) -> Tensor")
+
+
+@torch.library.custom_op("uniep::moe_experts_backward_combine", mutates_args=(), schema=_BWD_COMBINE_SCHEMA)
+def moe_experts_backward_combine(input_rows, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, slot_row,
+                                 expert_offsets, spec):
+    """d_hidden from the input-gradient rows moe_experts_backward_ left in ``down``: each token's K rows summed
+    in k order, by the same implementation (fused or reference) as the backward that wrote them."""
+    num_tokens, top_k = topk_ids.shape
+    if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, [], decode_spec(spec)):
+        return megakernel.combine_input_rows(input_rows, slot_row, expert_offsets, num_tokens, top_k, hidden.dtype)
+    return reference.combine_input_rows(input_rows, slot_row, expert_offsets, num_tokens, top_k, hidden.dtype)
+
+
+@moe_experts_backward_combine.register_fake
+def _moe_experts_backward_combine_fake(input_rows, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                       slot_row, expert_offsets, spec):
+    return hidden.new_empty(hidden.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -152,7 +187,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
                           row_order, slot_row, expert_offsets, up, down)
     ctx.spec = spec
-    ctx.reuse_saved = decode_spec(spec).reuse_saved and not post_operands
+    ctx.reuse_saved = decode_spec(spec).reuse_saved and not post_operands and down.dtype == w_up.dtype
     ctx.num_operands = len(post_operands)
     ctx.has_bias = (b_up is not None, b_down is not None)
 
@@ -163,8 +198,10 @@ def _backward(ctx, grad_out, *_unused_grads):
     grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
     weights_grad = ctx.needs_input_grad[2]  # False for weights that need none (the ones of an EP layer's rows)
     if ctx.reuse_saved:
-        d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
+        d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
             grad_out, *head, operands, *plan, ctx.spec, weights_grad)
+        row_order, slot_row, expert_offsets, up, down = plan  # down now holds the input-gradient rows
+        d_hidden = torch.ops.uniep.moe_experts_backward_combine(down, *head[:7], slot_row, expert_offsets, ctx.spec)
         d_operands = []
     else:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(

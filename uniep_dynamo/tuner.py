@@ -108,6 +108,10 @@ def prune_reason(cfg: GemmConfig, *, n_dim: int, smem_limit: int, elem_bytes: in
         return f"{regs} accumulator registers per thread > {MAX_ACC_REGS}"
     if cfg.block_n > max(64, 1 << max(n_dim - 1, 0).bit_length()):
         return f"block_n {cfg.block_n} wider than the problem's {n_dim} columns"
+    if cfg.warp_specialize and cfg.num_warps < 8:
+        # Triton 3.6's NVGPUWarpSpecialization pass refused every such candidate on an H200 (all the tuner's
+        # compile failures there, BENCHMARKS.md); with 8 warps it compiles
+        return "warp specialization with fewer than 8 warps does not compile (Triton's pass fails)"
     return None
 
 
@@ -246,10 +250,19 @@ class TuneResult:
     measured: int = 0
     rejected: dict = field(default_factory=dict)  # reason -> count
     seconds: float = 0.0
+    failures: list = field(default_factory=list)  # the first few refused candidates: what and why
 
     @property
     def speedup(self) -> float:
         return self.heuristic_ms / self.tuned_ms
+
+
+MAX_FAILURES_KEPT = 16
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:limit]
 
 
 def time_cuda(run, iters: int, warmup: int) -> float:
@@ -344,13 +357,17 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
     heuristic_ms = best_ms
     result = TuneResult(shape_key(dtype, num_rows, num_experts, hidden, inter), heuristic_ms, best_ms, heuristic)
 
-    def consider(cfg):
+    def consider(name, cfg):
         nonlocal best, best_ms
         try:
             got = run(cfg)
         except Exception as exc:  # noqa: BLE001 -- a config the compiler or the device refuses
             reason = f"failed: {type(exc).__name__}"
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
+            if len(result.failures) < MAX_FAILURES_KEPT:
+                part = getattr(cfg, name, None) if name != "layer" else None
+                result.failures.append({"part": name, "config": dataclasses.asdict(part) if part is not None else
+                                        config_to_dict(cfg), "error": f"{type(exc).__name__}: {_first_line(exc)}"})
             return
         if not all(torch.equal(a, b) for a, b in zip(got, reference)):
             result.rejected["changed the numerics"] = result.rejected.get("changed the numerics", 0) + 1
@@ -380,7 +397,7 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
                     continue
             else:
                 cfg = dataclasses.replace(best, **{name: cand})
-            consider(cfg)
+            consider(name, cfg)
             done += 1
             if progress is not None:
                 progress(done, total, best_ms)

@@ -433,17 +433,21 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                      row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False,
-                     weights_grad: bool = True):
+                     weights_grad: bool = True, input_rows=None):
     """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
-    routing-weight gradient is not computed (zeros in its place).
+    routing-weight gradient is not computed (zeros in its place). With ``input_rows`` (a [rows, H] buffer of
+    w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes back None, and
+    ``combine_input_rows`` sums them later.
 
-    Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down`` ([rows, H]) is read by the routing-weight
-    gradient and then holds, in turn, the weighted output-gradient rows, the input-gradient rows and
-    the hidden rows; ``up`` ([rows, up_width]) becomes d_up in place (the activation backward reads
-    h and writes d_h at the same element). The peak is then the saved tensors, the [rows, I]
-    activation and the weight gradients, which are allocated as late as possible."""
+    Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down``
+    ([rows, H]) is read by the routing-weight gradient and then holds, in turn, the weighted output-gradient
+    rows and the hidden rows (and, given as ``input_rows``, the input-gradient rows); ``up`` ([rows, up_width])
+    becomes d_up in place (the activation backward reads h and writes d_h at the same element). The weight
+    gradients come before the input gradient. The peak is then the saved tensors and the two weight gradients,
+    as for autograd's op-by-op backward, provided d_hidden is allocated after ``up`` is freed: the in-place
+    op leaves the combine to a second op (ops.py) for that reason."""
     from .triton_gemm import GLU_BWD, STORE
-    from .triton_routing import combine, gather_rows, routing_weight_grad
+    from .triton_routing import gather_rows, routing_weight_grad
 
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
@@ -480,15 +484,27 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                             row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
                             n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
-    # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
-    # would need a [rows, H] buffer of its own).
-    d_x_rows = _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order,
-                          b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
-                          c=scratch if scratch is not None and scratch.dtype == w_up.dtype else None, offsets=offsets)
-    d_hidden = combine(d_x_rows, slot_row, None, offsets, layer.num_tokens, layer.top_k, hidden.dtype)
-    del d_x_rows
     x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
     d_w_up = _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
                           row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
                           n_dim=up_dims[1], bias_grad=d_b_up)
+    del x
+    # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
+    # would need a [rows, H] buffer of its own).
+    combine_here = input_rows is None
+    if combine_here and scratch is not None and scratch.dtype == w_up.dtype:
+        input_rows = scratch
+    d_x_rows = _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order,
+                          b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
+                          c=input_rows, offsets=offsets)
+    del d_up
+    d_hidden = combine_input_rows(d_x_rows, slot_row, offsets, layer.num_tokens, layer.top_k, hidden.dtype) \
+        if combine_here else None
     return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, []
+
+
+def combine_input_rows(rows, slot_row, offsets, num_tokens: int, top_k: int, dtype):
+    """d_hidden from the input-gradient rows: each token's K rows summed in k order in fp32."""
+    from .triton_routing import combine
+
+    return combine(rows, slot_row, None, offsets, num_tokens, top_k, dtype)

@@ -259,9 +259,10 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                     row_order, slot_row, expert_offsets, up, down, spec):
+                     row_order, slot_row, expert_offsets, up, down, spec, input_rows=None):
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down, [d_post_operands]);
-    bias grads None if no bias."""
+    bias grads None if no bias. With ``input_rows`` (a [rows, H] buffer) the input-gradient rows are copied
+    there and not combined (d_hidden None; combine_input_rows sums them)."""
     num_tokens, top_k = topk_ids.shape
     routed = _routed_rows_mask(expert_offsets, row_order.numel())
     d_operands = []
@@ -287,7 +288,11 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     w_up_eff = effective_weight(w_up, spec.up_layout)
     d_x_rows = grouped_mm(d_up, w_up_eff.transpose(-2, -1), expert_offsets)
     d_w_up = weight_grad(x_rows, d_up, spec.up_layout, expert_offsets)
-    d_hidden = glue("combine", d_x_rows.device)(d_x_rows, slot_row, routed, None, num_tokens, top_k, hidden.dtype)
+    if input_rows is None:
+        d_hidden = glue("combine", d_x_rows.device)(d_x_rows, slot_row, routed, None, num_tokens, top_k, hidden.dtype)
+    else:
+        input_rows.copy_(d_x_rows)
+        d_hidden = None
 
     d_b_up = d_b_down = None
     if b_up is not None or b_down is not None:
@@ -299,3 +304,9 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         if b_down is not None:
             d_b_down = grouped_weight_grad(d_down, ones.to(d_down.dtype), expert_offsets)[..., 0].to(b_down.dtype)
     return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, list(d_operands)
+
+
+def combine_input_rows(rows, slot_row, expert_offsets, num_tokens: int, top_k: int, dtype):
+    """d_hidden from the input-gradient rows experts_backward left in ``input_rows``."""
+    routed = _routed_rows_mask(expert_offsets, rows.shape[0])
+    return glue("combine", rows.device)(rows, slot_row, routed, None, num_tokens, top_k, dtype)
