@@ -123,8 +123,10 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # saved buffers are mutated; autograd then refuses a second backward through the same graph.
 # Auto-functionalization (torch.compile) takes no list return, so this variant serves layers without
 # post operands (the only ones the fused path runs) whose ``down`` has w_up's dtype (it holds the
-# input-gradient rows), and returns the five other gradients.
+# input-gradient rows), and returns the five other gradients. Its row_order is None when the forward did
+# not save it: it is slot_row's inverse, which the backward computes and frees before its largest buffer.
 _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor up, Tensor down", "Tensor(a!) up, Tensor(b!) down")
+                       .replace("Tensor row_order", "Tensor? row_order")
                        .replace("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -184,10 +186,11 @@ def _setup_context(ctx, inputs, output):
     ctx.num_plan_inputs = 3 if given_plan and given_plan[0] is not None else 0
     if given_plan and given_plan[0] is not None:
         row_order, slot_row, expert_offsets = given_plan
-    ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
-                          row_order, slot_row, expert_offsets, up, down)
-    ctx.spec = spec
     ctx.reuse_saved = decode_spec(spec).reuse_saved and not post_operands and down.dtype == w_up.dtype
+    # The in-place backward recomputes row_order from slot_row: one [rows] index less kept alive
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
+                          None if ctx.reuse_saved else row_order, slot_row, expert_offsets, up, down)
+    ctx.spec = spec
     ctx.num_operands = len(post_operands)
     ctx.has_bias = (b_up is not None, b_down is not None)
 

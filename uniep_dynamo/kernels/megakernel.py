@@ -281,6 +281,9 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
                     (not layer.interpret or TMA_KMAJOR_INTERPRETED):
                 b_desc = TensorDescriptor(b, [e * nb, kb], [b.stride(2), 1], [cfg.block_n, cfg.block_k])
                 b_kmajor, b_expert_rows = True, nb
+    if row_order is None:  # read only to gather rows
+        assert not gather
+        row_order = offsets
     kernel[(grid,)](
         a, a.stride(0), a.stride(1), row_order, layer.top_k,
         b, b.stride(0), b.stride(1), b.stride(2),
@@ -386,6 +389,9 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
 
         p_desc = TensorDescriptor(p, [p.shape[0], m], [p.stride(0), 1], [cfg.block_k, cfg.block_m])
         q_desc = TensorDescriptor(q, [q.shape[0], n], [q.stride(0), 1], [cfg.block_k, cfg.block_n])
+    if row_order is None:  # read only to gather rows
+        assert not (p_gather or q_gather or q_scale)
+        row_order = offsets
     kernel[(grid,)](
         p, p.stride(0), p.stride(1), q, q.stride(0), q.stride(1), row_order, w if w is not None else q, layer.top_k,
         offsets, layer.num_experts, m, n,
@@ -437,7 +443,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
     routing-weight gradient is not computed (zeros in its place). With ``input_rows`` (a [rows, H] buffer of
     w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes back None, and
-    ``combine_input_rows`` sums them later.
+    ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from slot_row (its
+    inverse) and freed once the gathers are done.
 
     Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down``
     ([rows, H]) is read by the routing-weight gradient and then holds, in turn, the weighted output-gradient
@@ -449,11 +456,15 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     from .triton_gemm import GLU_BWD, STORE
     from .triton_routing import gather_rows, routing_weight_grad
 
+    from .reference import inverse_permutation
+
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
     cfg = layer.config
     device = hidden.device
     grad_out = grad_out.contiguous()
+    if row_order is None:
+        row_order = inverse_permutation(slot_row)
     weights = topk_weights.reshape(-1).contiguous()
     d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
                                     topk_weights.dtype) if weights_grad else \
@@ -485,16 +496,18 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                             n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
     x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
+    if not gather:
+        row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
     d_w_up = _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
                           row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
                           n_dim=up_dims[1], bias_grad=d_b_up)
-    del x
+    del x, row_order
     # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
     # would need a [rows, H] buffer of its own).
     combine_here = input_rows is None
     if combine_here and scratch is not None and scratch.dtype == w_up.dtype:
         input_rows = scratch
-    d_x_rows = _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=row_order,
+    d_x_rows = _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=None,
                           b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
                           c=input_rows, offsets=offsets)
     del d_up

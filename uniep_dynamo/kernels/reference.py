@@ -40,13 +40,19 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int):
     key = torch.where(valid, flat, num_experts)
     # A stable sort of the expert id keeps (token, k) order inside each expert: slot s = t*K + k.
     sorted_key, row_order = torch.sort(key, stable=True)
-    slot_row = torch.empty_like(row_order)
-    slot_row[row_order] = torch.arange(row_order.numel(), device=row_order.device)
+    slot_row = inverse_permutation(row_order)
     # offsets[e] = number of rows with key <= e, read off the sorted keys: no atomics, and unlike
     # bincount no device-to-host copy of the largest id.
     experts = torch.arange(num_experts, device=key.device, dtype=key.dtype)
     expert_offsets = torch.searchsorted(sorted_key, experts, right=True)
     return row_order, slot_row, expert_offsets
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """q with q[perm[i]] = i (row_order from slot_row and back); every index written once, so deterministic."""
+    out = torch.empty_like(perm)
+    out[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+    return out
 
 
 def _routed_rows_mask(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -262,7 +268,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                      row_order, slot_row, expert_offsets, up, down, spec, input_rows=None):
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down, [d_post_operands]);
     bias grads None if no bias. With ``input_rows`` (a [rows, H] buffer) the input-gradient rows are copied
-    there and not combined (d_hidden None; combine_input_rows sums them)."""
+    there and not combined (d_hidden None; combine_input_rows sums them). ``row_order`` None: computed from
+    slot_row."""
+    if row_order is None:
+        row_order = inverse_permutation(slot_row)
     num_tokens, top_k = topk_ids.shape
     routed = _routed_rows_mask(expert_offsets, row_order.numel())
     d_operands = []
