@@ -53,11 +53,12 @@ def test_tensorrt_without_torch_tensorrt_says_what_to_install():
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
-    """reuse_saved_buffers (default True) lowers to the in-place backward (auto-functionalized in the
-    AOT graph; inductor then runs it on the saved buffers), then the combine of the input-gradient rows
-    it left in the saved ``down``, a second op that no longer reads ``up`` (so a compiled backward frees
-    it first); False keeps the out-of-place op, and a second backward through the graph (retain_graph)
-    adds up the same gradients again."""
+    """reuse_saved_buffers (default True) lowers to the in-place backward, then the combine of the
+    input-gradient rows it left in the saved ``down``: a second op, ordered after the first by one of its
+    outputs, that no longer reads ``up`` (so a compiled backward frees it first). The writes are not in the
+    schema (no auto-functionalization, whose copies of the saved buffers inductor could not remove); the
+    version counters say them, so a second backward through the graph (retain_graph) raises. False keeps
+    the out-of-place op, and a second backward adds up the same gradients again."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from test_patterns import HandWrittenExperts, routed
@@ -83,16 +84,17 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
     out.sum().backward(retain_graph=True)
     assert [name for name, _ in backward_targets] == ["moe_experts_backward"] + ["moe_experts_backward_combine"] * reuse
     assert backward_targets[0][1].endswith("moe_experts_backward_.default") == reuse
-    if reuse:  # the combine reads the mutated `down` (an output of the auto-functionalized op), never `up`
-        (inplace_node,) = [n for n in backward_nodes if "auto_functionalized" in str(n.target)]
+    assert not any("auto_functionalized" in str(n.target) or n.target is torch.ops.aten.copy_.default
+                   for n in backward_nodes)
+    if reuse:  # the combine reads the saved `down` after the backward op: one of that op's outputs is an input
+        (backward_node,) = [n for n in backward_nodes if uniep_op_of(n) == "moe_experts_backward"]
         (combine_node,) = [n for n in backward_nodes if uniep_op_of(n) == "moe_experts_backward_combine"]
-        source = combine_node.args[0]
-        while source.target is torch.ops.aten.detach.default:
-            source = source.args[0]
-        assert source.target is operator.getitem and source.args[0] is inplace_node
-        kwargs = inplace_node.kwargs  # auto_functionalized_v2 passes the mutated tensors as bases
-        up = kwargs["_all_bases"][kwargs["_up_base_index"]] if "_all_bases" in kwargs else kwargs["up"]
-        assert up not in combine_node.all_input_nodes
+        after = combine_node.args[1]
+        assert after.target is operator.getitem and after.args[0] is backward_node
+        up, down = backward_node.args[12:14]
+        assert combine_node.args[0] is down and up not in combine_node.all_input_nodes
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
     if not reuse:
         first = x.grad.clone()
         out.sum().backward()

@@ -119,26 +119,34 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # its own. It computes every gradient but d_hidden and leaves the input-gradient rows in ``down``;
 # ``moe_experts_backward_combine`` sums them into d_hidden. Two ops, so that a compiled backward frees
 # ``up`` (read for the last time by the first) before d_hidden is allocated: the peak is then that of
-# autograd's op-by-op backward (the saved tensors and the two weight gradients). The schema says the
-# saved buffers are mutated; autograd then refuses a second backward through the same graph.
-# Auto-functionalization (torch.compile) takes no list return, so this variant serves layers without
-# post operands (the only ones the fused path runs) whose ``down`` has w_up's dtype (it holds the
-# input-gradient rows), and returns the five other gradients. Its row_order is None when the forward did
-# not save it: it is slot_row's inverse, which the backward computes and frees before its largest buffer.
-_BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor up, Tensor down", "Tensor(a!) up, Tensor(b!) down")
-                       .replace("Tensor row_order", "Tensor? row_order")
+# autograd's op-by-op backward (the saved tensors and the two weight gradients). This variant serves layers
+# without post operands (the only ones the fused path runs) whose ``down`` has w_up's dtype (it holds the
+# input-gradient rows), and returns the five other gradients. Its row_order is None when the forward did not
+# save it: it is slot_row's inverse, which the backward computes and frees before its largest buffer.
+#
+# The schema does not declare the writes to up and down. Declared, they make a compiled backward copy both
+# buffers first: inductor re-inplaces a mutation of a graph input only where the graph copies the result
+# back, and a backward graph's saved tensors get no copy back. That copy (into the same memory, which inductor
+# reuses) is a full read and write of both, 0.22 ms a step on Qwen3-30B-A3B's layer (BENCHMARKS.md). What the
+# declaration gave is kept by hand: (1) up and down are this op's own saved tensors (the forward's outputs,
+# read by nothing else); (2) the op bumps their autograd version counters, so a second backward through the
+# same graph (retain_graph) raises, as it would for a declared in-place op; (3) the combine takes this op's
+# first output as an input, so no scheduler can run it before the rows it reads are written.
+_BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor row_order", "Tensor? row_order")
                        .replace("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=("up", "down"), schema=_BWD_INPLACE_SCHEMA)
+@torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=(), schema=_BWD_INPLACE_SCHEMA)
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
     s = decode_spec(spec)
     args = (grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down)
+    for t in (up, down):  # they are about to be overwritten
+        torch.autograd.graph.increment_version(t)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         grads = megakernel.experts_backward(*args, row_order, slot_row, expert_offsets, up, down, s, reuse_saved=True,
                                             weights_grad=weights_grad, input_rows=down)
@@ -156,16 +164,17 @@ def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights,
                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec)[1:6]
 
 
-_BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
+_BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
                        "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor slot_row, Tensor expert_offsets, "
                        "str spec) -> Tensor")
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_combine", mutates_args=(), schema=_BWD_COMBINE_SCHEMA)
-def moe_experts_backward_combine(input_rows, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, slot_row,
-                                 expert_offsets, spec):
+def moe_experts_backward_combine(input_rows, after, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                 slot_row, expert_offsets, spec):
     """d_hidden from the input-gradient rows moe_experts_backward_ left in ``down``: each token's K rows summed
-    in k order, by the same implementation (fused or reference) as the backward that wrote them."""
+    in k order, by the same implementation (fused or reference) as the backward that wrote them. ``after``: an
+    output of that backward, unread, which orders this op after it."""
     num_tokens, top_k = topk_ids.shape
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, [], decode_spec(spec)):
         return megakernel.combine_input_rows(input_rows, slot_row, expert_offsets, num_tokens, top_k, hidden.dtype)
@@ -173,8 +182,8 @@ def moe_experts_backward_combine(input_rows, hidden, topk_ids, topk_weights, w_u
 
 
 @moe_experts_backward_combine.register_fake
-def _moe_experts_backward_combine_fake(input_rows, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                                       slot_row, expert_offsets, spec):
+def _moe_experts_backward_combine_fake(input_rows, after, hidden, topk_ids, topk_weights, w_up, w_down, b_up,
+                                       b_down, slot_row, expert_offsets, spec):
     return hidden.new_empty(hidden.shape)
 
 
@@ -204,7 +213,8 @@ def _backward(ctx, grad_out, *_unused_grads):
         d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
             grad_out, *head, operands, *plan, ctx.spec, weights_grad)
         row_order, slot_row, expert_offsets, up, down = plan  # down now holds the input-gradient rows
-        d_hidden = torch.ops.uniep.moe_experts_backward_combine(down, *head[:7], slot_row, expert_offsets, ctx.spec)
+        d_hidden = torch.ops.uniep.moe_experts_backward_combine(down, d_weights, *head[:7], slot_row, expert_offsets,
+                                                                ctx.spec)
         d_operands = []
     else:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
