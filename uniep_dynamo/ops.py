@@ -164,9 +164,9 @@ def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights,
                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec)[1:6]
 
 
-_BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
-                       "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor slot_row, Tensor expert_offsets, "
-                       "str spec) -> Tensor")
+_BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor topk_ids, Tensor topk_weights, "
+                       "Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor slot_row, "
+                       "Tensor expert_offsets, str spec) -> Tensor")
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_combine", mutates_args=(), schema=_BWD_COMBINE_SCHEMA)
@@ -212,7 +212,7 @@ def _backward(ctx, grad_out, *_unused_grads):
     if ctx.reuse_saved:
         d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
             grad_out, *head, operands, *plan, ctx.spec, weights_grad)
-        row_order, slot_row, expert_offsets, up, down = plan  # down now holds the input-gradient rows
+        _, slot_row, expert_offsets, _, down = plan  # down now holds the input-gradient rows
         d_hidden = torch.ops.uniep.moe_experts_backward_combine(down, d_weights, *head[:7], slot_row, expert_offsets,
                                                                 ctx.spec)
         d_operands = []
