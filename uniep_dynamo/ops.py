@@ -79,16 +79,17 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 
 
 def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                   row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
+                   row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, reuse_saved=False,
+                   input_rows=None):
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         *grads, d_operands = megakernel.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
-            expert_offsets, up, down, s, weights_grad=weights_grad)
+            expert_offsets, up, down, s, reuse_saved=reuse_saved, weights_grad=weights_grad, input_rows=input_rows)
     else:
         *grads, d_operands = reference.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-            row_order, slot_row, expert_offsets, up, down, s)
+            row_order, slot_row, expert_offsets, up, down, s, input_rows=input_rows)
     # A schema cannot return None: absent bias gradients travel as empty tensors. Every output is
     # contiguous, as the fake implementation promises.
     return (*(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads),
@@ -143,17 +144,11 @@ def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
-    s = decode_spec(spec)
-    args = (grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down)
     for t in (up, down):  # they are about to be overwritten
         torch.autograd.graph.increment_version(t)
-    if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
-        grads = megakernel.experts_backward(*args, row_order, slot_row, expert_offsets, up, down, s, reuse_saved=True,
-                                            weights_grad=weights_grad, input_rows=down)
-    else:
-        grads = reference.experts_backward(*args, post_operands, row_order, slot_row, expert_offsets, up, down, s,
-                                           input_rows=down)
-    return tuple(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads[1:6])
+    return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad,
+                          reuse_saved=True, input_rows=down)[1:6]
 
 
 @moe_experts_backward_.register_fake

@@ -365,7 +365,7 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
             reason = f"failed: {type(exc).__name__}"
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
             if len(result.failures) < MAX_FAILURES_KEPT:
-                part = getattr(cfg, name, None) if name != "layer" else None
+                part = getattr(cfg, name, None)  # the GEMM's config; None for the layer knobs
                 result.failures.append({"part": name, "config": dataclasses.asdict(part) if part is not None else
                                         config_to_dict(cfg), "error": f"{type(exc).__name__}: {_first_line(exc)}"})
             return
