@@ -116,16 +116,18 @@ class _Layout:
         self.capacity = max(t * top_k for t in tokens)
         self.total_rows = sum(t * top_k for t in tokens)
         self.chunks = []  # (first local expert, end, first row, end row)
-        # per chunk: (source, row in the source's buffer, row here, rows) for each (expert, source) with rows,
-        # this rank's own rows first; every transfer of the call (both directions, forward and backward)
+        # per chunk: (source, row in the source's buffer, row in the chunk, rows) for each (expert, source) with
+        # rows, this rank's own rows first; every transfer of the call (both directions, forward and backward). A
+        # chunk's rows are a slice of the receive buffer (pulls) or a [chunk rows, H] tensor of its own (pushes).
         self.segments = []
         # with a block: the transfer kernel's table, and per chunk (first table row, rows, blocks)
         self.table, self.table_chunks = [], []
         order = [(rank + j) % world for j in range(world)]
         for e0 in range(0, local_experts, chunk):
             e1 = min(e0 + chunk, local_experts)
-            self.chunks.append((e0, e1, self.recv_start[e0][0], self.expert_end[e1 - 1]))
-            segments = [(s, self.send_start[s][first + e], self.recv_start[e][s], counts[s][first + e])
+            lo = self.recv_start[e0][0]
+            self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
+            segments = [(s, self.send_start[s][first + e], self.recv_start[e][s] - lo, counts[s][first + e])
                         for s in order for e in range(e0, e1) if counts[s][first + e]]
             self.segments.append(segments)
             if block is not None:
@@ -301,10 +303,9 @@ class _On:
 def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute,
               knobs: OverlapConfig, device, after=None):
     """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
-    run compute(chunk) -> the buffer holding the chunk's result rows at its receive rows (or None), push
-    those rows into the sources' ``back`` of win_in; then after() (work that no transfer waits for, beside
-    the last pushes). Ends with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any
-    more.
+    run compute(chunk) -> the chunk's result rows ([chunk rows, H], or None), push those rows into the
+    sources' ``back`` of win_in; then after() (work that no transfer waits for, beside the last pushes). Ends
+    with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more.
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
     every copy has been issued. ``table``: the layout's transfer table on the device."""
@@ -322,6 +323,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     sends = [win_out.send(s) for s in range(layout.world)]
     backs = [win_in.back(s) for s in range(layout.world)]
     pulled = []
+    pushed = []  # the result rows, alive until the push stream is joined (their memory is not reused before)
 
     # a transfer no GEMM runs beside (the first pull, the last push, all of them without overlap) takes every SM
     solo_programs = max(knobs.copy_programs, _sm_count(device))
@@ -347,13 +349,14 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
 
     def pull(c):
         with streams.on(streams.pull):
-            move(c, recv, sends, push=False)
+            move(c, recv[layout.chunks[c][2]:layout.chunks[c][3]], sends, push=False)
             pulled.append(streams.record(streams.pull))
 
     def push(c, rows, done):
         streams.wait(done, streams.push)
         with streams.on(streams.push):
             move(c, rows, backs, push=True)
+        pushed.append(rows)
 
     ahead = num_chunks if not knobs.overlap else min(num_chunks, LOOKAHEAD)
     for c in range(ahead):
@@ -375,6 +378,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     if after is not None:
         after()
     streams.join()
+    pushed.clear()
     win_out.barrier()
 
 
@@ -396,7 +400,10 @@ COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to t
 
 class _Chunks:
     """The grouped GEMMs of one rank's local experts, chunk by chunk (the single-GPU MegaKernel's launches
-    over a chunk's rows and experts)."""
+    over a chunk's rows and experts). A GEMM whose output is the chunk's own (the down projection, the
+    activation and input gradients, the weight gradients after every chunk) runs as torch._grouped_mm where
+    the tile config asks, as in the single-GPU op (same bits: config.py); the up projection writes the saved
+    [rows, up_width] buffer and the activation in its epilogue, by Triton."""
 
     def __init__(self, layout: _Layout, offsets: torch.Tensor, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
                  skip_gemms: bool = False, config_shape: tuple | None = None):
@@ -421,8 +428,9 @@ class _Chunks:
         layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec, self.config)
         return layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
 
-    def forward(self, c, x, up, act, down):
-        """up/act/down rows of chunk c from its received x rows; returns ``down``, None for a chunk without rows."""
+    def forward(self, c, x, up, act):
+        """up/act rows of chunk c from its received x rows (into the buffers' chunk rows); returns the chunk's
+        down projection ([chunk rows, H]), None for a chunk without rows."""
         from .kernels import megakernel
         from .kernels.triton_gemm import GLU_FWD, STORE
 
@@ -430,7 +438,7 @@ class _Chunks:
         if rows.stop == rows.start:
             return None
         if self.skip_gemms:
-            return down
+            return x[rows]
         cfg = layer.config
         b_up = self.b_up[experts] if self.b_up is not None else None
         b_down = self.b_down[experts] if self.b_down is not None else None
@@ -438,14 +446,13 @@ class _Chunks:
                               k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
                               two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
                               up_shift=layer.up_shift)
-        megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
-                              n=layer.hidden_size, k=layer.inter, epilogue=STORE, c=down[rows], bias=b_down,
-                              offsets=offs)
-        return down
+        return megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
+                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs)
 
-    def backward(self, c, x, up, dy, act, d_up, d_x, grads, weight_grads: bool = True):
-        """Chunk c's input-gradient rows (into d_x, returned; None for a chunk without rows) and, with
-        ``weight_grads``, its experts' weight and bias gradients (into grads; else weight_grads does them)."""
+    def backward(self, c, x, up, dy, act, d_up, grads, weight_grads: bool = True):
+        """Chunk c's input-gradient rows ([chunk rows, H], returned; None for a chunk without rows), the
+        activation and d_up into the chunk's rows of ``act`` and ``d_up``, and, with ``weight_grads``, its experts'
+        weight and bias gradients (into grads; else weight_grads does them)."""
         from .kernels import megakernel
         from .kernels.triton_gemm import STORE
 
@@ -455,50 +462,70 @@ class _Chunks:
                 _zero(grads, experts)
             return None
         if self.skip_gemms:
-            return d_x
+            return dy[rows]
         cfg = layer.config
-        megakernel._rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
-                              b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
-                              c=act[rows], offsets=offs)
-        megakernel._act_backward(layer, d_act=act[rows], up=up[rows], d_up=d_up[rows], offsets=offs,
+        d_act = megakernel._rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
+                                      b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size,
+                                      epilogue=STORE, offsets=offs)
+        megakernel._act_backward(layer, d_act=d_act, up=up[rows], d_up=d_up[rows], act=act[rows], offsets=offs,
                                  two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
                                  up_shift=layer.up_shift)
-        megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
-                              b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
-                              c=d_x[rows], offsets=offs)
+        del d_act
+        d_x = megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
+                                    b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width,
+                                    epilogue=STORE, offsets=offs)
         if weight_grads:
             self._weight_grads(layer, offs, rows, experts, x, dy, act, d_up, grads)
         return d_x
 
     def weight_grads(self, x, dy, act, d_up, grads):
         """Every local expert's weight and bias gradients in one grouped GEMM each, after every chunk's
-        backward (which left the activation in ``act`` and its gradient in ``d_up``)."""
+        backward (which left the activation in ``act`` and its gradient in ``d_up``). The weight gradients
+        are new tensors, put in grads[0] and grads[1] (_new_grads left None there); the bias gradients go
+        into their buffers."""
         from .kernels import megakernel
 
         if self.skip_gemms:
+            grads[0], grads[1] = torch.empty_like(self.w_up), torch.empty_like(self.w_down)
             return
         rows, experts = slice(0, self.layout.rows), slice(0, self.w_up.shape[0])
         if self.layout.rows == 0:
+            grads[0], grads[1] = torch.zeros_like(self.w_up), torch.zeros_like(self.w_down)
             _zero(grads, experts)
             return
         layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
         self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads)
 
     def _weight_grads(self, layer, offs, rows, experts, x, dy, act, d_up, grads):
+        """The weight and bias gradients of the given experts over the given rows: into grads[0] and grads[1]'s
+        experts, or, where those are None, as new tensors put there (by torch._grouped_mm where the config asks)."""
         from .kernels import megakernel
 
         d_w_up, d_w_down, d_b_up, d_b_down = grads
         cfg = layer.config
         down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
         up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
-        megakernel._weight_grad(layer, cfg.wgrad_down, p=act[rows], p_gather=False, q=dy[rows], q_gather=False,
-                                q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_down[experts],
-                                m_dim=down_dims[0], n_dim=down_dims[1],
-                                bias_grad=d_b_down[experts] if d_b_down is not None else None)
-        megakernel._weight_grad(layer, cfg.wgrad_up, p=x[rows], p_gather=False, q=d_up[rows], q_gather=False,
-                                q_scale=False, row_order=offs, w=None, offsets=offs, grad=d_w_up[experts],
-                                m_dim=up_dims[0], n_dim=up_dims[1],
-                                bias_grad=d_b_up[experts] if d_b_up is not None else None)
+        d_w_down = megakernel._weight_grad(
+            layer, cfg.wgrad_down, p=act[rows], p_gather=False, q=dy[rows], q_gather=False, q_scale=False,
+            row_order=offs, w=None, offsets=offs,
+            grad=d_w_down[experts] if d_w_down is not None else self.w_down.shape, m_dim=down_dims[0],
+            n_dim=down_dims[1], bias_grad=d_b_down[experts] if d_b_down is not None else None)
+        if grads[1] is None:
+            grads[1] = d_w_down
+        d_w_up = megakernel._weight_grad(
+            layer, cfg.wgrad_up, p=x[rows], p_gather=False, q=d_up[rows], q_gather=False, q_scale=False,
+            row_order=offs, w=None, offsets=offs, grad=d_w_up[experts] if d_w_up is not None else self.w_up.shape,
+            m_dim=up_dims[0], n_dim=up_dims[1], bias_grad=d_b_up[experts] if d_b_up is not None else None)
+        if grads[0] is None:
+            grads[0] = d_w_up
+
+
+def _new_grads(w_up, w_down, b_up, b_down, weights: bool = True):
+    """[d_w_up, d_w_down, d_b_up, d_b_down]: buffers the chunks write their experts' part of (None for a missing
+    bias). With weights=False the weight gradients' entries are None: _Chunks.weight_grads makes them."""
+    return [torch.empty_like(w_up) if weights else None, torch.empty_like(w_down) if weights else None,
+            torch.empty_like(b_up) if b_up is not None else None,
+            torch.empty_like(b_down) if b_down is not None else None]
 
 
 def _zero(grads, experts=slice(None)):
@@ -534,20 +561,17 @@ def _forward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: Overla
     win_y = _window(group, layout.capacity, size, chunks.w_down.dtype, device)
     fill(win_x)
     win_x.barrier()
-    scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
-               "down": torch.empty(layout.rows, size, dtype=chunks.w_down.dtype, device=device)}
-    _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"], scratch["down"]),
-              knobs, device)
+    scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)}
+    _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"]), knobs, device)
     scratch.clear()  # after _exchange joined the streams that read them
     return win_y
 
 
-def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, dy_dtype, grads,
-                    fill) -> _Window:
+def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, dy_dtype, fill):
     """The backward's transfers and GEMMs: fill(window) writes this rank's output-gradient rows into the
-    window's ``send``; every chunk's rows are pulled, run the input- and weight-gradient GEMMs (the weight and
-    bias gradients into ``grads``) and the input-gradient rows are pushed back. Returns the window whose
-    ``back`` holds this rank's input-gradient rows, in its send order."""
+    window's ``send``; every chunk's rows are pulled, run the input- and weight-gradient GEMMs and the
+    input-gradient rows are pushed back. Returns the window whose ``back`` holds this rank's input-gradient
+    rows, in its send order, and [d_w_up, d_w_down, d_b_up, d_b_down] (None for a missing bias)."""
     size, device = x.shape[1], x.device
     win_dy = _window(group, layout.capacity, size, dy_dtype, device)
     win_dx = _window(group, layout.capacity, size, chunks.w_up.dtype, device)
@@ -555,15 +579,15 @@ def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: Overl
     win_dy.barrier()
     scratch = {"dy": _receive_buffer("dy", layout.rows, size, dy_dtype, device, knobs),
                "act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
-               "d_up": torch.empty_like(up),
-               "d_x": torch.empty(layout.rows, size, dtype=chunks.w_up.dtype, device=device)}
+               "d_up": torch.empty_like(up)}
     last = knobs.weight_grads_last
+    grads = _new_grads(chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down, weights=not last)
     _exchange(layout, table, win_dy, win_dx, scratch["dy"],
               lambda c: chunks.backward(c, x, up, grads=grads, weight_grads=not last, **scratch), knobs, device,
               after=(lambda: chunks.weight_grads(x, scratch["dy"], scratch["act"], scratch["d_up"], grads))
               if last else None)
     scratch.clear()
-    return win_dx
+    return win_dx, grads
 
 
 class _OverlapEP(torch.autograd.Function):
@@ -618,19 +642,15 @@ class _OverlapEP(torch.autograd.Function):
         layout, chunks, group, knobs = ctx.layout, ctx.chunks, ctx.group, ctx.knobs
         w_up, w_down, b_up, b_down = chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down
         num_tokens, top_k = ctx.shape
-        # every chunk writes its experts' gradients (zeros for a chunk without rows)
-        grads = [torch.empty_like(w_up), torch.empty_like(w_down),
-                 torch.empty_like(b_up) if b_up is not None else None,
-                 torch.empty_like(b_down) if b_down is not None else None]
         if layout.capacity == 0:
-            grads = _zero(grads)
+            grads = _zero(_new_grads(w_up, w_down, b_up, b_down))
             return (torch.zeros_like(hidden), torch.zeros_like(weights), *grads, None, None, None, None)
         rank = layout.rank
         slots = num_tokens * top_k
         grad_out = grad_out.contiguous()
         d_weights = routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype)
-        win_dx = _backward_phase(
-            layout, ctx.table, chunks, group, knobs, x, up, grad_out.dtype, grads,
+        win_dx, grads = _backward_phase(
+            layout, ctx.table, chunks, group, knobs, x, up, grad_out.dtype,
             lambda win: gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(),
                                     out=win.send(rank)[:slots]))
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
@@ -952,10 +972,8 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     offsets, transfers = layout.to_device(device)
     chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, grad_back,
                      config_shape=(layout.rows, local_experts))
-    grads = [torch.empty_like(p) for p in (w_up, w_down)] + [torch.empty_like(b) if b is not None else None
-                                                            for b in (b_up, b_down)]
     if layout.capacity == 0:
-        return (grad_back.new_zeros(0, size), *_zero(grads))
-    win_dx = _backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype, grads,
+        return (grad_back.new_zeros(0, size), *_zero(_new_grads(w_up, w_down, b_up, b_down)))
+    win_dx, grads = _backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype,
                              lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
     return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)

@@ -11,12 +11,14 @@ sequential_nostash and exchange_nostash run the same graphs with the dispatch's 
 table for the exchange, its inverse order for the combine): the exchange all-gathers its claims and reads them
 back, the combine inverts the order again, as before they existed. exchange_wgc and direct_wgc run exchange and
 direct with OverlapConfig.weight_grads_last=False (the backward's weight gradients chunk by chunk, instead of one
-GEMM each after the chunks).
+GEMM each after the chunks). A mode with the suffix _triton runs every GEMM of uniep's by Triton (the tile config's
+grouped_mm knob off), as the overlapped chunks did before they took torch._grouped_mm.
 
 With --rounds N > 1 every mode is compiled first, then timed in N alternating rounds (the minimum is reported
 beside each round), so that a slow or fast stretch of the machine does not favour one mode.
 """
 import argparse
+import contextlib
 import cProfile
 import gzip
 import io
@@ -70,6 +72,19 @@ def _gpu_summary(prof, wall_ms: float, steps: int) -> str:
 _COMPILED: dict = {}
 
 
+@contextlib.contextmanager
+def _triton_gemms():
+    """Every uniep GEMM by Triton: the config the ops read, with the grouped_mm knob off."""
+    from uniep_dynamo.kernels import config as config_mod
+
+    original = config_mod.current_config
+    config_mod.current_config = lambda *a, **k: original(*a, **k).replace_gemms(grouped_mm=False)
+    try:
+        yield
+    finally:
+        config_mod.current_config = original
+
+
 def _step(mode, layer, x, grad):
     """One training step of the layer under ``mode`` (compiled and run 3 times here). A mode and its _nostash
     twin share one compiled layer: the hand-overs are switched at run time."""
@@ -77,7 +92,8 @@ def _step(mode, layer, x, grad):
 
     from uniep_dynamo import ep, ep_overlap
 
-    base = mode.removesuffix("_nostash")
+    triton_only = mode.endswith("_triton")
+    base = mode.removesuffix("_triton").removesuffix("_nostash")
     if base not in _COMPILED:
         if base == "inductor":
             _COMPILED[base] = torch.compile(layer)
@@ -91,16 +107,17 @@ def _step(mode, layer, x, grad):
         else:
             raise SystemExit(f"unknown mode {mode}")
     run = _COMPILED[base]
-    stash = not mode.endswith("_nostash")
+    stash = not mode.removesuffix("_triton").endswith("_nostash")
 
     def step():
         kept = ep_overlap.MAX_COUNT_TABLES, ep.MAX_INVERSES
         if not stash:
             ep_overlap.MAX_COUNT_TABLES = ep.MAX_INVERSES = 0
         try:
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            run(x).backward(grad)
+            with _triton_gemms() if triton_only else contextlib.nullcontext():
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                run(x).backward(grad)
         finally:
             ep_overlap.MAX_COUNT_TABLES, ep.MAX_INVERSES = kept
     for _ in range(3):

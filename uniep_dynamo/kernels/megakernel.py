@@ -352,10 +352,11 @@ def _act_forward(layer: _Layer, *, up, act, **halves):
     _act_pass(layer, kernel, (up, act), **halves)
 
 
-def _act_backward(layer: _Layer, *, d_act, up, d_up, **halves):
+def _act_backward(layer: _Layer, *, d_act, up, d_up, act=None, **halves):
+    """d_up from d_act and the saved up projection; act(h) into ``act`` (None: over d_act, in place)."""
     from .triton_gemm import _act_backward as kernel
 
-    _act_pass(layer, kernel, (d_act, up, d_up), **halves)
+    _act_pass(layer, kernel, (d_act, up, d_up, act if act is not None else d_act), **halves)
 
 
 def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,

@@ -25,7 +25,7 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
 ``_act_forward`` -- the GLU_FWD epilogue's activation as an element-wise pass over the routed rows of h (after
     an up projection that ran as torch._grouped_mm): act(h) from the rounded h, as the epilogue computes it.
 ``_act_backward`` -- the element-wise activation backward over the routed rows (the default path,
-    after a STORE GEMM of the activation gradient): d_h from the rounded d_act and h; act(h) in place.
+    after a STORE GEMM of the activation gradient): d_h from the rounded d_act and h; act(h) in place or into a buffer of its own.
 
 Numerics: fp32 accumulation in tensor-core MMAs; the reduction dimension is walked in BLOCK_K chunks
 in order, with no split across programs and no atomics. Element-wise epilogue math in fp32.
@@ -358,18 +358,19 @@ def _weight_grad_gemm(
 
 
 @triton.jit
-def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, offsets_ptr, num_experts, N,
-                  UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
+def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am, offsets_ptr,
+                  num_experts, N, UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
                   act_alpha, act_limit, act_up_add, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Activation backward over the routed rows, element-wise: reads d_act (the activation-gradient
-    GEMM's rounded output) and h, writes d_h (both halves) and overwrites d_act with act(h)."""
+    GEMM's rounded output) and h, writes d_h (both halves) and act(h) (into d_act itself when act_ptr is
+    d_act_ptr: each element is read before it is written)."""
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     d = tl.load(d_act_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    _act_backward_tile(d, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, d_act_ptr, stride_dm,
+    _act_backward_tile(d, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
                        UP_SHIFT, COL_MULT, TWO_HALVES, ACT, act_alpha, act_limit, act_up_add)
 
 
