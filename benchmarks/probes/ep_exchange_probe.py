@@ -20,6 +20,7 @@ beside each round), so that a slow or fast stretch of the machine does not favou
 import argparse
 import contextlib
 import cProfile
+import gc
 import gzip
 import io
 import os
@@ -142,14 +143,23 @@ def _worker(rank, world, port, args):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         steps = {mode: _step(mode, layer, x, grad) for mode in modes}  # compiled and warmed up
         rounds = {mode: [] for mode in modes}
+        collections = {mode: [0, 0, 0] for mode in modes}  # the collector's passes per generation in each mode's rounds
+        if args.no_gc:  # Python's cyclic collector off while timing (a pause on one rank stalls every rank)
+            gc.collect()
+            gc.disable()
         for _ in range(args.rounds):
             for mode in modes:
+                before = [g["collections"] for g in gc.get_stats()]
                 rounds[mode].append(time_cuda_back_to_back(steps[mode], args.steps))
+                for g, (b, a) in enumerate(zip(before, [g["collections"] for g in gc.get_stats()])):
+                    collections[mode][g] += a - b
+        gc.enable()
         if rank == 0 and args.rounds > 1:
             for mode in modes:
                 print(f"== {args.shape} world {world} {mode}: rounds " + ", ".join(f"{t:.3f}" for t in rounds[mode])
-                      + f" ms/step; min {min(rounds[mode]):.3f}", flush=True)
-        for mode in modes:
+                      + f" ms/step; min {min(rounds[mode]):.3f}; garbage collections (gen 0/1/2) "
+                      + "/".join(map(str, collections[mode])), flush=True)
+        for mode in modes if not args.no_profile else ():
             step, wall = steps[mode], min(rounds[mode])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA],
@@ -200,6 +210,8 @@ def main():
     parser.add_argument("--modes", default="sequential,exchange")
     parser.add_argument("--trace-dir", default="")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--no-gc", action="store_true", help="the cyclic garbage collector off in the timed rounds")
+    parser.add_argument("--no-profile", action="store_true", help="the timed rounds only")
     parser.add_argument("--stack", action="store_true",
                         help="record Python calls in the profiled steps (in the chrome traces: python_function)")
     args = parser.parse_args()
