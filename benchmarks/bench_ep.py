@@ -79,7 +79,7 @@ OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_en
            "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True}}
 
 
-def _overlapped_run(layer, chunks: int, copy_programs: int, **knobs):
+def _overlapped_run(layer, chunks: int, copy_programs: int | None, **knobs):
     from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
     from uniep_dynamo.kernels import gate_program
     from uniep_dynamo.spec import ExpertsSpec
@@ -331,7 +331,8 @@ def main():
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default="ep.json")
     parser.add_argument("--chunks", type=int, default=4, help="pipeline chunks of the overlapped layer")
-    parser.add_argument("--copy-programs", type=int, default=32, help="programs of the transfer kernel")
+    parser.add_argument("--copy-programs", type=int, default=None,
+                        help="programs of the transfer kernel (default: the library's, 32 per peer rank)")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
     args = parser.parse_args()
     from uniep_dynamo.ep import free_port

@@ -16,8 +16,8 @@ from uniep_dynamo.ep_overlap import OverlapConfig
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for symmetric memory")
 
 
-def _schedules(cands, local_experts):
-    return [tuner._ep_schedule(c, local_experts) for c in cands]
+def _schedules(cands, local_experts, world=2):
+    return [tuner._ep_schedule(c, local_experts, world) for c in cands]
 
 
 def test_ep_candidates_default_first_distinct_and_pruned():

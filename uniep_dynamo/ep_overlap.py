@@ -59,7 +59,9 @@ class OverlapConfig:
     # chunk (False; the segments sliced on the host, about 1100 slices a step on Qwen3-30B-A3B). Side by side
     # on H200s the kernel won at 2 and 4 ranks (BENCHMARKS.md); past MAX_PEERS ranks the foreach path runs.
     copy_kernel: bool = True
-    copy_programs: int = 32  # programs of the transfer kernel beside the GEMMs (alone, it takes every SM)
+    # programs of the transfer kernel beside the GEMMs (alone, it takes every SM); None: COPY_PROGRAMS_PER_PEER per
+    # peer rank (32 at 2 ranks, 96 at 4: at 4 ranks 32 programs bound the transfers, BENCHMARKS.md session 14)
+    copy_programs: int | None = None
     copy_block: int = 8192  # elements a transfer program moves at a time (a power of two)
     copy_warps: int = 8  # warps of a transfer program
     # The backward's weight-gradient GEMMs: per chunk, after its input-gradient GEMM (False), or one grouped GEMM
@@ -74,13 +76,18 @@ class OverlapConfig:
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
             raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
-        if self.chunks < 1 or self.copy_programs < 1 or self.copy_warps < 1 or self.copy_block < 16 \
+        if self.chunks < 1 or (self.copy_programs is not None and self.copy_programs < 1) or self.copy_warps < 1 \
+                or self.copy_block < 16 \
                 or self.copy_block & (self.copy_block - 1):
             raise ValueError(f"uniep: OverlapConfig needs chunks, copy_programs and copy_warps >= 1 and copy_block a "
                              f"power of two >= 16, got {self}")
 
     def chunk_experts(self, local_experts: int) -> int:
         return max(1, math.ceil(local_experts / max(1, self.chunks)))
+
+    def programs(self, world: int) -> int:
+        """The transfer kernel's programs beside the GEMMs at this EP size."""
+        return self.copy_programs if self.copy_programs is not None else COPY_PROGRAMS_PER_PEER * max(1, world - 1)
 
 
 class _Layout:
@@ -326,7 +333,8 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     pushed = []  # the result rows, alive until the push stream is joined (their memory is not reused before)
 
     # a transfer no GEMM runs beside (the first pull, the last push, all of them without overlap) takes every SM
-    solo_programs = max(knobs.copy_programs, _sm_count(device))
+    programs = knobs.programs(layout.world)
+    solo_programs = max(programs, _sm_count(device))
 
     def move(c, local, peers, push):
         if not transfer:
@@ -345,7 +353,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
             first, rows, blocks = layout.table_chunks[c]
             solo = not knobs.overlap or c == (num_chunks - 1 if push else 0)
             copy_segments(table[first:first + rows], blocks, local, peers, push,
-                          solo_programs if solo else knobs.copy_programs, knobs.copy_block, knobs.copy_warps)
+                          solo_programs if solo else programs, knobs.copy_block, knobs.copy_warps)
 
     def pull(c):
         with streams.on(streams.pull):
@@ -395,6 +403,7 @@ _SM_COUNTS: dict = {}
 
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
+COPY_PROGRAMS_PER_PEER = 32  # OverlapConfig.copy_programs=None: the transfer kernel's programs per peer rank
 COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to this many segments a chunk
 
 

@@ -429,28 +429,30 @@ def ep_candidates(local_experts: int, world: int):
     from .kernels.triton_transfer import MAX_PEERS
 
     default = OverlapConfig()
-    out, seen = [default], {_ep_schedule(default, local_experts)}
+    out, seen = [default], {_ep_schedule(default, local_experts, world)}
     for values in itertools.product(*EP_SPACE.values()):
         knobs = dict(zip(EP_SPACE, values))
         transfer = knobs.pop("transfer")
         if transfer != "kernel":
-            if knobs["copy_programs"] != default.copy_programs:
+            if knobs["copy_programs"] != EP_SPACE["copy_programs"][0]:
                 continue  # only the kernel has programs
+            knobs["copy_programs"] = default.copy_programs
         elif world > MAX_PEERS:
             continue
         cfg = OverlapConfig(copy_engine=transfer == "copy_engine", copy_kernel=transfer == "kernel", **knobs)
-        schedule = _ep_schedule(cfg, local_experts)
+        schedule = _ep_schedule(cfg, local_experts, world)
         if schedule not in seen:  # e.g. more chunks than experts: the same schedule as fewer
             seen.add(schedule)
             out.append(cfg)
     return out
 
 
-def _ep_schedule(cfg, local_experts: int) -> tuple:
-    """What a config does for this many local experts (configs with one schedule are one candidate)."""
+def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
+    """What a config does for this many local experts at this EP size (configs with one schedule are one
+    candidate)."""
     chunk = cfg.chunk_experts(local_experts)
     kernel = cfg.copy_kernel and cfg.copy_engine is False
-    return (chunk, cfg.overlap, cfg.copy_engine, kernel, cfg.copy_programs if kernel else None,
+    return (chunk, cfg.overlap, cfg.copy_engine, kernel, cfg.programs(world) if kernel else None,
             cfg.weight_grads_last)
 
 

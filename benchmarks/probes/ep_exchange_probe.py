@@ -104,7 +104,7 @@ def _step(mode, layer, x, grad):
             _COMPILED[base] = torch.compile(layer, backend="uniep", options={
                 "overlap_ep": True, "ep_knobs": {"weight_grads_last": False}})
         elif base in ("direct", "direct_wgc"):
-            _COMPILED[base] = _overlapped_run(layer, 4, 32, weight_grads_last=base == "direct")
+            _COMPILED[base] = _overlapped_run(layer, 4, None, weight_grads_last=base == "direct")
         else:
             raise SystemExit(f"unknown mode {mode}")
     run = _COMPILED[base]
