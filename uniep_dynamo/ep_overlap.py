@@ -500,7 +500,7 @@ class _Chunks:
         rows, experts = slice(0, self.layout.rows), slice(0, self.w_up.shape[0])
         if self.layout.rows == 0:
             grads[0], grads[1] = torch.zeros_like(self.w_up), torch.zeros_like(self.w_down)
-            _zero(grads, experts)
+            _zero(grads[2:])  # the bias gradients' buffers
             return
         layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
         self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads)
