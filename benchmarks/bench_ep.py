@@ -19,14 +19,17 @@ it. Providers, on the same module and inputs:
              stay NCCL all_to_all_single around uniep.moe_experts
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
              (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory, copy-engine copies on
-             their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks)
-  uniep_overlap_sm  the same with each chunk's transfers as one SM copy kernel (torch._foreach_copy_)
-             instead of one copy-engine copy per (expert, source) segment
+             their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks): one
+             copy per (chunk, source) into a stage, and a row gather into expert order
+  uniep_overlap_streams  the same with those copies spread over 4 streams a direction
+  uniep_overlap_sm  the same with each chunk's transfers as one SM copy kernel (torch._foreach_copy_) over its
+             (expert, source) segments
   uniep_overlap_kernel  the same with uniep's Triton transfer kernel over a segment table on the device
              (kernels/triton_transfer.py; --copy-programs programs beside the GEMMs)
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
   uniep_overlap_kernel_wgrad_chunks  uniep_overlap_kernel with the weight gradients chunk by chunk
-  overlap_compute_only, overlap_comm_only, overlap_sm_comm_only, overlap_kernel_comm_only  the overlapped
+  overlap_compute_only, overlap_comm_only, overlap_streams_comm_only, overlap_sm_comm_only,
+  overlap_kernel_comm_only  the overlapped
              layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
              skipped:
              timing only (their results are wrong), for the share of communication hidden
@@ -68,11 +71,14 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_overlap",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks", "uniep_overlap_off",
-             "overlap_compute_only", "overlap_comm_only", "overlap_sm_comm_only", "overlap_kernel_comm_only",
+             "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
+             "overlap_sm_comm_only", "overlap_kernel_comm_only",
              "hf_eager", "hf_inductor", "hf_uniep")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
+           "uniep_overlap_streams": {"copy_engine": True, "copy_streams": 4},
+           "overlap_streams_comm_only": {"timing": "comm", "copy_engine": True, "copy_streams": 4},
            "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": False},
            "uniep_overlap_kernel": {"copy_engine": False, "copy_kernel": True},
            "uniep_overlap_kernel_wgrad_chunks": {"copy_engine": False, "copy_kernel": True, "weight_grads_last": False},
@@ -354,6 +360,7 @@ def main():
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
         for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
+                            ("uniep_overlap_streams", "overlap_streams_comm_only"),
                             ("uniep_overlap_kernel", "overlap_kernel_comm_only")):
             if all(p in ms for p in (layer, "overlap_compute_only", comm)):
                 hidden = 1 - (ms[layer] - ms["overlap_compute_only"]) / ms[comm]

@@ -80,9 +80,10 @@ def _worker(rank, world, port, case, out_dir):
 
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
-# weight_grads_last]) for the overlapped layer; the first twice (run to run)
+# weight_grads_last, copy_streams]) for the overlapped layer; the first twice (run to run)
 OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (4, True, False, False),
-                 (8, True, False, True, 7), (4, False, False, True, 132), (4, True, None, True, 32, 8192, 8, False)]
+                 (8, True, False, True, 7), (4, False, False, True, 132), (4, True, None, True, 32, 8192, 8, False),
+                 (2, True, True, True, None, 8192, 8, True, 3)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -50,9 +50,9 @@ class OverlapConfig:
     """The EP scheduling knobs. None of them changes numerics."""
     chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
-    # Transfers as one copy-engine copy per (expert, source) segment (no SMs taken from the GEMMs, one host
-    # call each), or on the SMs. None: the copy engines while a chunk has at most COPY_ENGINE_SEGMENTS
-    # segments, else the SMs (BENCHMARKS.md has the measurements).
+    # Transfers by the copy engines (True: no SMs taken from the GEMMs; one copy per (chunk, source), into a
+    # stage ordered by source and put into expert order by one local row gather a chunk, the reverse before the
+    # pushes), or on the SMs (False). None: COPY_ENGINE_DEFAULT (BENCHMARKS.md has the measurements).
     copy_engine: bool | None = None
     # On the SMs: uniep's Triton transfer kernel over a segment table on the device (True;
     # kernels/triton_transfer.py: one host call, copy_programs programs), or one torch._foreach_copy_ per
@@ -69,6 +69,7 @@ class OverlapConfig:
     # beside the last pushes; faster on the Qwen3-30B-A3B shape at 2 ranks, BENCHMARKS.md). Each expert's gradient
     # is the same GEMM over the same rows either way.
     weight_grads_last: bool = True
+    copy_streams: int = 1  # the copy engines: streams that a direction's copies of a chunk are spread over
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -77,13 +78,18 @@ class OverlapConfig:
         if self.timing not in ("", "compute", "comm"):
             raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
         if self.chunks < 1 or (self.copy_programs is not None and self.copy_programs < 1) or self.copy_warps < 1 \
+                or self.copy_streams < 1 \
                 or self.copy_block < 16 \
                 or self.copy_block & (self.copy_block - 1):
-            raise ValueError(f"uniep: OverlapConfig needs chunks, copy_programs and copy_warps >= 1 and copy_block a "
-                             f"power of two >= 16, got {self}")
+            raise ValueError(f"uniep: OverlapConfig needs chunks, copy_programs, copy_streams and copy_warps >= 1 "
+                             f"and copy_block a power of two >= 16, got {self}")
 
     def chunk_experts(self, local_experts: int) -> int:
         return max(1, math.ceil(local_experts / max(1, self.chunks)))
+
+    def engine(self) -> bool:
+        """Whether the transfers run on the copy engines."""
+        return COPY_ENGINE_DEFAULT if self.copy_engine is None else self.copy_engine
 
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
@@ -95,10 +101,11 @@ class _Layout:
 
     counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens; width: the elements
     of a row (every transfer of the layer moves [*, hidden] rows); block: the transfer kernel's block, None
-    when the call does not use the kernel (no table then)."""
+    when the call does not use the kernel (no table then); engine: whether the copy engines move the rows
+    (the per-(chunk, source) blocks and the stage permutations then)."""
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
-                 width: int, block: int | None):
+                 width: int, block: int | None, engine: bool = False):
         from .kernels.triton_transfer import segment_table
 
         self.rank, self.world = rank, world
@@ -141,6 +148,33 @@ class _Layout:
                 rows, blocks = segment_table(segments, width, block)
                 self.table_chunks.append((len(self.table), len(rows), blocks))
                 self.table.extend(rows)
+        # The copy engines move a chunk as one copy per source: source s's rows for the chunk's experts are one run
+        # of its buffer (plan order is expert-major). On this rank they land in a stage ordered by source, then
+        # expert (stage row: source s's block start + the row's place in the run), and one row gather puts them
+        # into the receive order; before a push, the reverse gather puts the results back in stage order.
+        # blocks[c]: (source, row in its buffer, row in the stage, rows) per source with rows, this rank first;
+        # staged[c]: whether chunk c's stage order differs from its receive order (one expert or one source: no).
+        self.blocks, self.staged = [], []
+        # the permutations, as runs of (delta, rows): receive row i -> its row in the chunk's stage, i + delta; stage
+        # row j of a chunk whose first row is lo -> its row counted from lo in the receive order, lo + j + delta
+        self._perm_runs, self._inv_runs = ([], []), ([], [])
+        for e0, e1, lo, _ in self.chunks if engine else ():
+            stage_start, at = [], 0
+            for s in range(world):
+                stage_start.append(at)
+                at += sum(counts[s][first + e0:first + e1])
+            self.blocks.append([(s, self.send_start[s][first + e0], stage_start[s],
+                                 sum(counts[s][first + e0:first + e1])) for s in order
+                                if sum(counts[s][first + e0:first + e1])])
+            by_expert = [(e, s) for e in range(e0, e1) for s in range(world) if counts[s][first + e]]
+            by_source = [(e, s) for s in range(world) for e in range(e0, e1) if counts[s][first + e]]
+            self.staged.append(by_expert != by_source)
+            for runs, order_ in ((self._perm_runs, by_expert), (self._inv_runs, by_source)):
+                for e, s in order_:
+                    stage = stage_start[s] + self.send_start[s][first + e] - self.send_start[s][first + e0]
+                    recv = self.recv_start[e][s]  # receive row (absolute): perm indexes by it
+                    runs[0].append(stage - recv if runs is self._perm_runs else recv - lo - (lo + stage))
+                    runs[1].append(counts[s][first + e])
 
     def to_device(self, device):
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
@@ -151,6 +185,24 @@ class _Layout:
     def ends(self, device):
         """[E_local] int64 on the device: each local expert's end row (the offsets of a GEMM over every chunk)."""
         return self._copied(device)[2]
+
+    def permutations(self, device):
+        """([rows] int64, [rows] int64) on the device: for each receive row, its row in its chunk's stage; for
+        each stage row (the chunk's first row plus the row in its stage), its row in the chunk's receive order.
+        Made once per device, without a host synchronization."""
+        key = ("permutations", str(device))
+        if key not in self._on_device:
+            host = torch.tensor(self._perm_runs[0] + self._inv_runs[0] + self._perm_runs[1] + self._inv_runs[1],
+                                dtype=torch.int64)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            every = host.to(device, non_blocking=True)
+            n = len(self._perm_runs[0])
+            rows = torch.arange(self.rows, device=device)
+            self._on_device[key] = tuple(
+                rows + torch.repeat_interleave(every[i * n:(i + 1) * n], every[(2 + i) * n:(3 + i) * n],
+                                               output_size=self.rows) for i in (0, 1))
+        return self._on_device[key]
 
     def _copied(self, device):
         key = str(device)
@@ -247,20 +299,25 @@ def _receive_buffer(role: str, rows: int, hidden: int, dtype, device, knobs: "Ov
 
 
 class _Streams:
-    """The pull and push streams of a device (CUDA); on CPU every copy runs in place, in order. The stream current
-    when the phase starts is read once: the host issues a phase's launches one after another, and each stream
-    switch or event through torch.cuda's helpers reads the current stream again (tens of µs a chunk)."""
+    """The pull and push streams of a device (CUDA): ``pulls`` and ``pushes``, ``count`` of each (the copy engines'
+    copies of a chunk spread over them), ``pull`` and ``push`` the first; on CPU every copy runs in place, in order.
+    The stream current when the phase starts is read once: the host issues a phase's launches one after another,
+    and each stream switch or event through torch.cuda's helpers reads the current stream again (tens of µs a
+    chunk)."""
 
     _cache: dict = {}
 
-    def __init__(self, device):
+    def __init__(self, device, count: int = 1):
         self.cuda = device.type == "cuda"
         self.pull = self.push = self.current = None
+        self.pulls, self.pushes = [None] * count, [None] * count
         if self.cuda:
             key = str(device)
-            if key not in self._cache:
-                self._cache[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            self.pull, self.push = self._cache[key]
+            made = self._cache.setdefault(key, [])
+            while len(made) < 2 * count:
+                made.append(torch.cuda.Stream(device))
+            self.pulls, self.pushes = made[0:2 * count:2], made[1:2 * count:2]
+            self.pull, self.push = self.pulls[0], self.pushes[0]
             self.current = torch.cuda.current_stream(device)
             # set_stream switches the current stream of the stream's device: the device must be current
             self._switch = device.index is None or device.index == torch.cuda.current_device()
@@ -278,18 +335,20 @@ class _Streams:
         return event
 
     def wait(self, event, stream=None):
-        if event is not None:
-            (stream if stream is not None else self.current).wait_event(event)
+        """``stream`` (the current one by default) waits for the event, or for each of a list of them."""
+        for e in event if isinstance(event, list) else [event]:
+            if e is not None:
+                (stream if stream is not None else self.current).wait_event(e)
 
     def join(self):
         if self.cuda:
-            self.current.wait_stream(self.pull)
-            self.current.wait_stream(self.push)
+            for stream in self.pulls + self.pushes:
+                self.current.wait_stream(stream)
 
     def start_after_current(self):
         if self.cuda:
-            self.pull.wait_stream(self.current)
-            self.push.wait_stream(self.current)
+            for stream in self.pulls + self.pushes:
+                stream.wait_stream(self.current)
 
 
 class _On:
@@ -318,12 +377,10 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     every copy has been issued. ``table``: the layout's transfer table on the device."""
     from .kernels.triton_transfer import MAX_PEERS, copy_segments
 
-    streams = _Streams(device)
-    streams.start_after_current()
     transfer = knobs.timing != "compute"
-    copy_engine = knobs.copy_engine
-    if copy_engine is None:
-        copy_engine = max(map(len, layout.segments), default=0) <= COPY_ENGINE_SEGMENTS
+    copy_engine = knobs.engine()
+    if copy_engine and len(layout.blocks) != len(layout.chunks):
+        raise RuntimeError("uniep: the EP layout was laid out without the copy engines' blocks")
     # the transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_
     kernel = not copy_engine and knobs.copy_kernel and layout.world <= MAX_PEERS
     num_chunks = len(layout.chunks)
@@ -331,6 +388,18 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     backs = [win_in.back(s) for s in range(layout.world)]
     pulled = []
     pushed = []  # the result rows, alive until the push stream is joined (their memory is not reused before)
+    ahead = num_chunks if not knobs.overlap else min(num_chunks, LOOKAHEAD)
+
+    # the copy engines' stages: chunk c is pulled into slot c % slots, which its row gather frees for chunk c + slots
+    staged = [copy_engine and transfer and layout.staged[c] for c in range(num_chunks)]
+    stage, freed, perm, inv = [], [None] * ahead, None, None
+    if any(staged):
+        perm, inv = layout.permutations(device)
+        most = max(hi - lo for (_, _, lo, hi), st in zip(layout.chunks, staged) if st)
+        stage = torch.empty(ahead, most, recv.shape[1], dtype=recv.dtype, device=device)
+
+    streams = _Streams(device, knobs.copy_streams if copy_engine else 1)
+    streams.start_after_current()
 
     # a transfer no GEMM runs beside (the first pull, the last push, all of them without overlap) takes every SM
     programs = knobs.programs(layout.world)
@@ -343,10 +412,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
             pairs = [(peers[s][peer_row:peer_row + n], local[row:row + n]) if push else
                      (local[row:row + n], peers[s][peer_row:peer_row + n])
                      for s, peer_row, row, n in layout.segments[c]]
-            if copy_engine:
-                for dst, src in pairs:
-                    dst.copy_(src)
-            elif pairs:
+            if pairs:
                 dsts, srcs = zip(*pairs)
                 torch._foreach_copy_(list(dsts), list(srcs))
         else:
@@ -355,27 +421,58 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
             copy_segments(table[first:first + rows], blocks, local, peers, push,
                           solo_programs if solo else programs, knobs.copy_block, knobs.copy_warps)
 
+    def engine_copies(c, local, peers, push, after):
+        """The copy engines' copies of chunk c, one per source, spread over the streams of the direction, each of
+        which first waits for ``after``; returns the events of the streams that copied."""
+        lanes = streams.pushes if push else streams.pulls
+        done = []
+        for i, (s, peer_row, row, n) in enumerate(layout.blocks[c] if transfer else ()):
+            lane = lanes[i % len(lanes)]
+            if i < len(lanes):
+                streams.wait(after, lane)
+            with streams.on(lane):
+                if push:
+                    peers[s][peer_row:peer_row + n].copy_(local[row:row + n])
+                else:
+                    local[row:row + n].copy_(peers[s][peer_row:peer_row + n])
+            if i + len(lanes) >= len(layout.blocks[c]):  # the lane's last copy of the chunk
+                done.append(streams.record(lane))
+        return done
+
     def pull(c):
+        _, _, lo, hi = layout.chunks[c]
+        local = stage[c % ahead][:hi - lo] if staged[c] else recv[lo:hi]
+        if copy_engine:  # after the slot's last chunk was gathered out of the stage
+            pulled.append(engine_copies(c, local, sends, False, freed[c % ahead] if staged[c] else None))
+            return
         with streams.on(streams.pull):
-            move(c, recv[layout.chunks[c][2]:layout.chunks[c][3]], sends, push=False)
+            move(c, local, sends, push=False)
             pulled.append(streams.record(streams.pull))
 
     def push(c, rows, done):
-        streams.wait(done, streams.push)
-        with streams.on(streams.push):
-            move(c, rows, backs, push=True)
+        if copy_engine:
+            engine_copies(c, rows, backs, True, done)
+        else:
+            streams.wait(done, streams.push)
+            with streams.on(streams.push):
+                move(c, rows, backs, push=True)
         pushed.append(rows)
 
-    ahead = num_chunks if not knobs.overlap else min(num_chunks, LOOKAHEAD)
     for c in range(ahead):
         pull(c)
     if not knobs.overlap:  # every pull before the first GEMM
         streams.wait(pulled[-1])
     results = []
     for c in range(num_chunks):
+        _, _, lo, hi = layout.chunks[c]
         streams.wait(pulled[c])
+        if staged[c]:  # the stage, ordered by source, into the receive order
+            torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
+            freed[c % ahead] = streams.record()
         result = compute(c)
         if result is not None:
+            if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
+                result = torch.index_select(result, 0, inv[lo:hi])
             results.append((c, result, streams.record()))
         if knobs.overlap or c == num_chunks - 1:  # without overlap: every GEMM before the first push
             for done in results:
@@ -404,7 +501,7 @@ _SM_COUNTS: dict = {}
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
 COPY_PROGRAMS_PER_PEER = 32  # OverlapConfig.copy_programs=None: the transfer kernel's programs per peer rank
-COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to this many segments a chunk
+COPY_ENGINE_DEFAULT = False  # OverlapConfig.copy_engine=None: the transfers' path by default
 
 
 class _Chunks:
@@ -620,7 +717,7 @@ class _OverlapEP(torch.autograd.Function):
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
         layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size,
-                         knobs.copy_block if knobs.copy_kernel else None)
+                         knobs.copy_block if knobs.copy_kernel else None, knobs.engine())
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")
@@ -843,7 +940,7 @@ def _exchange_layout(rows, counts, rank: int, local_experts: int, knobs: Overlap
     split sizes), and within this rank's block they run expert by expert (the received counts). The last few
     are cached by their host integers: a backward (and, with steady routing, the next step) reuses them."""
     key = (tuple(map(tuple, rows)), tuple(map(tuple, counts)), rank, local_experts, knobs.chunk_experts(local_experts),
-           width, knobs.copy_block if knobs.copy_kernel else None)
+           width, knobs.copy_block if knobs.copy_kernel else None, knobs.engine())
     layout = _EXCHANGE_LAYOUTS.get(key)
     if layout is None:
         layout = _EXCHANGE_LAYOUTS[key] = _build_exchange_layout(rows, counts, rank, local_experts, knobs, width)
@@ -861,7 +958,8 @@ def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: O
             row.extend(counts[s] if r == rank else [rows[s][r]] + [0] * (local_experts - 1))
         per_expert.append(row)
     return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts,
-                   knobs.chunk_experts(local_experts), width, knobs.copy_block if knobs.copy_kernel else None)
+                   knobs.chunk_experts(local_experts), width, knobs.copy_block if knobs.copy_kernel else None,
+                   knobs.engine())
 
 
 def _check_exchange(rows, claims):

@@ -419,6 +419,7 @@ EP_SPACE = {
     "overlap": (True, False),
     "transfer": ("copy_engine", "foreach", "kernel"),  # OverlapConfig.copy_engine / copy_kernel
     "copy_programs": (16, 32, 64, 132),  # the transfer kernel's programs beside the GEMMs
+    "copy_streams": (1, 2, 4),  # the copy engines' streams a direction
     "weight_grads_last": (True, False),
 }
 
@@ -439,6 +440,10 @@ def ep_candidates(local_experts: int, world: int):
             knobs["copy_programs"] = default.copy_programs
         elif world > MAX_PEERS:
             continue
+        if transfer != "copy_engine":
+            if knobs["copy_streams"] != EP_SPACE["copy_streams"][0]:
+                continue  # only the copy engines have streams
+            knobs["copy_streams"] = default.copy_streams
         cfg = OverlapConfig(copy_engine=transfer == "copy_engine", copy_kernel=transfer == "kernel", **knobs)
         schedule = _ep_schedule(cfg, local_experts, world)
         if schedule not in seen:  # e.g. more chunks than experts: the same schedule as fewer
@@ -451,9 +456,10 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     """What a config does for this many local experts at this EP size (configs with one schedule are one
     candidate)."""
     chunk = cfg.chunk_experts(local_experts)
-    kernel = cfg.copy_kernel and cfg.copy_engine is False
-    return (chunk, cfg.overlap, cfg.copy_engine, kernel, cfg.programs(world) if kernel else None,
-            cfg.weight_grads_last)
+    engine = cfg.engine()
+    kernel = cfg.copy_kernel and not engine
+    return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
+            min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last)
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""The overlapped EP layer's row layout (uniep_dynamo/ep_overlap.py's _Layout), without processes: the copy
+engines' per-(chunk, source) copies into a stage plus the stage permutations must put every row where the
+per-(expert, source) segments put it, and push every result row back to where those segments push it."""
+import pytest
+import torch
+
+from uniep_dynamo.ep_overlap import _Layout
+
+
+def _counts(world, local_experts, seed, hot=None, empty_source=None):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 5, (world, world * local_experts), generator=g)
+    if hot is not None:
+        counts[:, hot] += 9
+    if empty_source is not None:
+        counts[empty_source] = 0
+    return counts.tolist()
+
+
+def _buffers(counts, width):
+    """Each source's send buffer: rows whose values name (source, row)."""
+    return [torch.arange(sum(row) * width, dtype=torch.float32).view(-1, width) + 1000 * s
+            for s, row in enumerate(counts)]
+
+
+@pytest.mark.parametrize("world,local_experts,chunk,hot,empty_source", [
+    (2, 4, 4, None, None),  # one chunk of four experts
+    (4, 3, 2, None, None),  # uneven chunks
+    (4, 8, 3, 5, None),  # a hot expert
+    (3, 2, 1, None, None),  # chunks of one expert: the stage is the receive order
+    (4, 4, 2, None, 2),  # a source that sends nothing
+    (2, 4, 4, None, 0),
+])
+def test_copy_engine_stage_matches_the_segments(world, local_experts, chunk, hot, empty_source):
+    width = 3
+    for seed in range(3):
+        counts = _counts(world, local_experts, seed, hot, empty_source)
+        tokens = [sum(row) for row in counts]
+        for rank in range(world):
+            layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True)
+            sends = _buffers(counts, width)
+            # where the per-(expert, source) segments put every row
+            recv = torch.full((layout.rows, width), -1.0)
+            for c, (_, _, lo, _) in enumerate(layout.chunks):
+                for s, peer_row, row, n in layout.segments[c]:
+                    recv[lo + row:lo + row + n] = sends[s][peer_row:peer_row + n]
+            assert (recv >= 0).all()
+            perm, inv = layout.permutations(torch.device("cpu"))
+            got = torch.full_like(recv, -2.0)
+            backs = [torch.full_like(b, -3.0) for b in sends]
+            for c, (_, _, lo, hi) in enumerate(layout.chunks):
+                stage = torch.full((hi - lo, width), -4.0)
+                for s, peer_row, row, n in layout.blocks[c]:
+                    stage[row:row + n] = sends[s][peer_row:peer_row + n]
+                if layout.staged[c]:
+                    torch.index_select(stage, 0, perm[lo:hi], out=got[lo:hi])
+                    out = torch.index_select(got[lo:hi], 0, inv[lo:hi])
+                else:
+                    assert torch.equal(perm[lo:hi], torch.arange(hi - lo))
+                    got[lo:hi] = stage
+                    out = got[lo:hi]
+                assert torch.equal(out, stage)  # the reverse gather restores the stage order
+                for s, peer_row, row, n in layout.blocks[c]:  # the pushes of the results (here: the rows)
+                    backs[s][peer_row:peer_row + n] = out[row:row + n]
+            assert torch.equal(got, recv), (seed, rank)
+            # every row this rank's experts received went back to where it came from
+            first = rank * local_experts
+            for s in range(world):
+                mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
+                assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
+            one_expert = chunk == 1 or empty_source is not None and world == 2
+            if one_expert:
+                assert not any(layout.staged)
