@@ -4,6 +4,7 @@ Spawns --world ranks; each holds T tokens and E / world experts of one shape. Fo
 --iters steps (forward + backward, CUDA events, median), measures the host time of one step (from the
 call to the return of backward, nothing synchronized after it), and profiles 3 steps on rank 0 with the
 torch profiler: a chrome trace per variant into --out-dir and a summary of device time per kernel name.
+With --cprofile N, N more steps run under cProfile on rank 0 (the host functions by own time).
 
     python benchmarks/probes/ep_profile_probe.py --world 2 --shape qwen3-30b-a3b --out-dir /tmp/prof
 """
@@ -99,6 +100,28 @@ def _worker(rank, world, port, args):
             dist.barrier()
             results[name] = {"ms": times[len(times) // 2], "host_ms": host[len(host) // 2]}
             summary = f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)"
+            if args.cprofile and rank == 0:
+                import cProfile
+                import io
+                import pstats
+
+                with cProfile.Profile() as cprof:
+                    for _ in range(args.cprofile):
+                        step()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(cprof, stream=text).sort_stats("tottime").print_stats(args.cprofile_rows)
+                cumulative = io.StringIO()
+                pstats.Stats(cprof, stream=cumulative).sort_stats("cumulative").print_stats("uniep_dynamo",
+                                                                                            args.cprofile_rows)
+                print(f"{summary}; cProfile of {args.cprofile} steps, by own time:\n"
+                      + text.getvalue().split("ncalls", 1)[-1][:6000]
+                      + "\nuniep's functions by cumulative time:\n" + cumulative.getvalue().split("ncalls", 1)[-1][:5000],
+                      flush=True)
+            elif args.cprofile:
+                for _ in range(args.cprofile):
+                    step()
+                torch.cuda.synchronize()
             if args.no_profile:
                 if rank == 0:
                     print(summary, flush=True)
@@ -131,6 +154,9 @@ def main():
                    "comm_only:copy_engine=0:copy_kernel=1",
                    help="comma-separated: kind[:knob=value...], kind one of " + ", ".join(KINDS))
     p.add_argument("--no-profile", action="store_true", help="time only")
+    p.add_argument("--cprofile", type=int, default=0, help="run this many steps under cProfile on rank 0 per variant "
+                   "and print the host functions that took the most time")
+    p.add_argument("--cprofile-rows", type=int, default=30)
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
