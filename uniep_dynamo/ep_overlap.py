@@ -258,15 +258,13 @@ class _Window:
                 dist.barrier(group=group)
                 os.unlink(mine)  # the mappings stay
                 return None, views
-        # after the rows, the signal buffer of kernels/triton_transfer.py's barrier ([world * SIGNAL_SLOT] int32, in
-        # the same allocation: Triton refused a pointer into a small symmetric int32 allocation of its own), zeros on
-        # every rank before the first barrier (past MAX_PEERS ranks: torch's barrier, or gloo's on CPU)
-        signal_elements = world * SIGNAL_SLOT * 4 // torch.empty((), dtype=dtype).element_size()
-        self._handle, views = shared(numel + signal_elements, dtype)
-        self._views = [v[:numel].view(2, capacity, hidden) for v in views]
+        self._handle, rows = shared(numel, dtype)
+        self._views = [v.view(2, capacity, hidden) for v in rows]
+        # the signal buffers of kernels/triton_transfer.py's barrier: zeros on every rank before the first barrier
+        # (past MAX_PEERS ranks, torch's barrier, or gloo's on CPU)
         self._signals = None
         if world <= MAX_PEERS:
-            self._signals = [v[numel:].view(torch.int32) for v in views]
+            _, self._signals = shared(world * SIGNAL_SLOT, torch.int32)
             if device.type == "cuda":
                 self._signals[self._rank].zero_()
                 torch.cuda.synchronize(device)
