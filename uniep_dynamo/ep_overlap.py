@@ -230,46 +230,31 @@ class _Window:
     write them, and a barrier over the group."""
 
     def __init__(self, group, capacity: int, hidden: int, dtype, device):
-        from .kernels.triton_transfer import MAX_PEERS, SIGNAL_SLOT
-
         self.capacity, self.hidden, self.dtype = capacity, hidden, dtype
         world = dist.get_world_size(group)
         numel = 2 * capacity * hidden
-        self._rank, self._epoch, self._handle = dist.get_rank(group), 0, None
         if device.type == "cuda":
             import torch.distributed._symmetric_memory as symm_mem
 
-            def shared(n, dtype_):  # every rank's buffer of n elements
-                buffer = symm_mem.empty(n, dtype=dtype_, device=device)
-                handle = symm_mem.rendezvous(buffer, group.group_name)
-                return handle, [handle.get_buffer(p, (n,), dtype_, 0) for p in range(world)]
+            self._buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+            self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+            self._views = [self._handle.get_buffer(p, (2, capacity, hidden), dtype, 0) for p in range(world)]
+            self._barrier = lambda: self._handle.barrier(channel=0)
         else:
             # CPU stand-in: one shared file per rank, mapped by every process of the group
-            def shared(n, dtype_):
-                name = [uuid.uuid4().hex]
-                dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
-                root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-                paths = [os.path.join(root, f"uniep-ep-{name[0]}-{p}") for p in range(world)]
-                mine = paths[self._rank]
-                with open(mine, "wb") as f:  # zeros
-                    f.truncate(max(n, 1) * torch.empty((), dtype=dtype_).element_size())
-                dist.barrier(group=group)
-                views = [torch.from_file(p, shared=True, size=max(n, 1), dtype=dtype_)[:n] for p in paths]
-                dist.barrier(group=group)
-                os.unlink(mine)  # the mappings stay
-                return None, views
-        self._handle, rows = shared(numel, dtype)
-        self._views = [v.view(2, capacity, hidden) for v in rows]
-        # the signal buffers of kernels/triton_transfer.py's barrier: zeros on every rank before the first barrier
-        # (past MAX_PEERS ranks, torch's barrier, or gloo's on CPU)
-        self._signals = None
-        if world <= MAX_PEERS:
-            _, self._signals = shared(world * SIGNAL_SLOT, torch.int32)
-            if device.type == "cuda":
-                self._signals[self._rank].zero_()
-                torch.cuda.synchronize(device)
-                dist.barrier(group=group)
-        self._group = group
+            name = [uuid.uuid4().hex]
+            dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            paths = [os.path.join(root, f"uniep-ep-{name[0]}-{p}") for p in range(world)]
+            mine = paths[dist.get_rank(group)]
+            with open(mine, "wb") as f:
+                f.truncate(max(numel, 1) * torch.empty((), dtype=dtype).element_size())
+            dist.barrier(group=group)
+            self._views = [torch.from_file(p, shared=True, size=max(numel, 1), dtype=dtype)[:numel]
+                           .view(2, capacity, hidden) for p in paths]
+            dist.barrier(group=group)
+            os.unlink(mine)  # the mappings stay
+            self._barrier = lambda: dist.barrier(group=group)
 
     def send(self, rank: int) -> torch.Tensor:
         return self._views[rank][0]
@@ -278,24 +263,10 @@ class _Window:
         return self._views[rank][1]
 
     def barrier(self) -> None:
-        """Every rank's work queued before this point (on its current stream) is done before any rank's work
-        queued after it starts: kernels/triton_transfer.py's signal barrier, which the host does not wait for
-        (torch symmetric memory's barrier held the host until the GPU reached it: BENCHMARKS.md, session 15).
-        TORCH_BARRIER, or past MAX_PEERS ranks: torch's (gloo's on CPU)."""
-        if self._signals is None or (TORCH_BARRIER and self._handle is not None):
-            if self._handle is not None:
-                self._handle.barrier(channel=0)
-            else:
-                dist.barrier(group=self._group)
-            return
-        from .kernels.triton_transfer import signal_barrier
-
-        self._epoch += 1
-        signal_barrier(self._signals, self._rank, self._epoch)
+        self._barrier()
 
 
 _WINDOWS: dict = {}
-TORCH_BARRIER = False  # probes: the windows' barriers by torch symmetric memory's handle instead
 
 
 def _window_key(group, dtype, hidden: int, device):

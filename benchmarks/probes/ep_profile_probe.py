@@ -36,7 +36,7 @@ def _variant(name):
     knobs = dict(KINDS[kind])
     for pair in pairs:
         key, value = pair.split("=")
-        knobs[key] = bool(int(value)) if key in ("copy_engine", "copy_kernel", "overlap", "torch_barrier") else int(value)
+        knobs[key] = bool(int(value)) if key in ("copy_engine", "copy_kernel", "overlap") else int(value)
     return knobs
 
 
@@ -75,10 +75,6 @@ def _worker(rank, world, port, args):
                     out = ops.moe_experts_out(x, ids, weights, full_up, full_down, None, None, spec)
                     out.backward(grad)
             else:
-                from uniep_dynamo import ep_overlap
-
-                # torch_barrier=1: the windows' barriers by torch symmetric memory's handle
-                ep_overlap.TORCH_BARRIER = bool(knobs.pop("torch_barrier", False))
                 config = OverlapConfig(**{"chunks": args.chunks, **knobs})
 
                 def step():

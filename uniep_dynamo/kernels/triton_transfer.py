@@ -94,37 +94,3 @@ def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, pee
     ptrs += [ptrs[0]] * (MAX_PEERS - len(ptrs))
     _copy_segments[(max(1, min(programs, num_blocks)),)](table, num_blocks, local.view(bits), *ptrs, PUSH=push,
                                                         VEC=vec, BLOCK=block, num_warps=warps)
-
-
-# ---- a barrier over the ranks' symmetric signal buffers, on the current stream -----------------------------------
-#
-# Each rank owns a symmetric int32 buffer with a slot per rank (SIGNAL_SLOT apart). At its n-th barrier a rank writes
-# n into its own slot of every rank's buffer (a release at system scope: its earlier writes to peer memory, in stream
-# order before the barrier, are visible first), then waits until every slot of its own buffer holds n or more (an
-# acquire). The counts only grow, so nothing is reset between barriers. The kernel is queued like any other: the host
-# does not wait for it.
-
-SIGNAL_SLOT = 32  # int32 elements between two ranks' slots (128 bytes)
-
-
-@triton.jit
-def _signal_barrier(own_ptr, p0, p1, p2, p3, p4, p5, p6, p7, rank, world, epoch, SLOT: tl.constexpr):
-    for q in tl.static_range(8):
-        if q < world:
-            base = _peer(q, p0, p1, p2, p3, p4, p5, p6, p7)
-            tl.atomic_xchg(base + rank * SLOT, epoch, sem="release", scope="sys")
-    for q in tl.static_range(8):
-        if q < world:
-            seen = tl.atomic_add(own_ptr + q * SLOT, 0, sem="acquire", scope="sys")
-            while seen < epoch:
-                seen = tl.atomic_add(own_ptr + q * SLOT, 0, sem="acquire", scope="sys")
-
-
-def signal_barrier(signals, rank: int, epoch: int) -> None:
-    """Rank ``rank``'s ``epoch``-th barrier (from 1) over ``signals``: every rank's signal buffer, [world * SIGNAL_SLOT]
-    int32 each, zeros before the first barrier."""
-    world = len(signals)
-    if world > MAX_PEERS:
-        raise ValueError(f"uniep: the signal barrier takes at most {MAX_PEERS} ranks, got {world}")
-    ptrs = list(signals) + [signals[0]] * (MAX_PEERS - world)
-    _signal_barrier[(1,)](signals[rank], *ptrs, rank, world, epoch, SLOT=SIGNAL_SLOT, num_warps=1)
