@@ -52,7 +52,8 @@ class OverlapConfig:
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
     # Transfers by the copy engines (True: no SMs taken from the GEMMs; one copy per (chunk, source), into a
     # stage ordered by source and put into expert order by one local row gather a chunk, the reverse before the
-    # pushes), or on the SMs (False). None: COPY_ENGINE_DEFAULT (BENCHMARKS.md has the measurements).
+    # pushes), or on the SMs (False). None: the copy engines where a chunk holds at most COPY_ENGINE_SEGMENTS
+    # (expert, source) pairs (chunks of one expert at a few ranks, as Mixtral's), else the SMs (BENCHMARKS.md).
     copy_engine: bool | None = None
     # On the SMs: uniep's Triton transfer kernel over a segment table on the device (True;
     # kernels/triton_transfer.py: one host call, copy_programs programs), or one torch._foreach_copy_ per
@@ -87,9 +88,11 @@ class OverlapConfig:
     def chunk_experts(self, local_experts: int) -> int:
         return max(1, math.ceil(local_experts / max(1, self.chunks)))
 
-    def engine(self) -> bool:
-        """Whether the transfers run on the copy engines."""
-        return COPY_ENGINE_DEFAULT if self.copy_engine is None else self.copy_engine
+    def engine(self, local_experts: int, world: int) -> bool:
+        """Whether the transfers run on the copy engines, for this many local experts at this EP size."""
+        if self.copy_engine is not None:
+            return self.copy_engine
+        return self.chunk_experts(local_experts) * world <= COPY_ENGINE_SEGMENTS
 
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
@@ -108,7 +111,7 @@ class _Layout:
                  width: int, block: int | None, engine: bool = False):
         from .kernels.triton_transfer import segment_table
 
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.engine = rank, world, engine
         self._on_device = {}  # to_device's tensors, per device
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
         self.send_start = [[0] * (len(row) + 1) for row in counts]
@@ -378,9 +381,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     from .kernels.triton_transfer import MAX_PEERS, copy_segments
 
     transfer = knobs.timing != "compute"
-    copy_engine = knobs.engine()
-    if copy_engine and len(layout.blocks) != len(layout.chunks):
-        raise RuntimeError("uniep: the EP layout was laid out without the copy engines' blocks")
+    copy_engine = layout.engine  # OverlapConfig.engine, which the layout was laid out for
     # the transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_
     kernel = not copy_engine and knobs.copy_kernel and layout.world <= MAX_PEERS
     num_chunks = len(layout.chunks)
@@ -501,7 +502,7 @@ _SM_COUNTS: dict = {}
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
 COPY_PROGRAMS_PER_PEER = 32  # OverlapConfig.copy_programs=None: the transfer kernel's programs per peer rank
-COPY_ENGINE_DEFAULT = False  # OverlapConfig.copy_engine=None: the transfers' path by default
+COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to this many (expert, source) pairs a chunk
 
 
 class _Chunks:
@@ -717,7 +718,7 @@ class _OverlapEP(torch.autograd.Function):
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
         layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size,
-                         knobs.copy_block if knobs.copy_kernel else None, knobs.engine())
+                         knobs.copy_block if knobs.copy_kernel else None, knobs.engine(local_experts, world))
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")
@@ -940,7 +941,7 @@ def _exchange_layout(rows, counts, rank: int, local_experts: int, knobs: Overlap
     split sizes), and within this rank's block they run expert by expert (the received counts). The last few
     are cached by their host integers: a backward (and, with steady routing, the next step) reuses them."""
     key = (tuple(map(tuple, rows)), tuple(map(tuple, counts)), rank, local_experts, knobs.chunk_experts(local_experts),
-           width, knobs.copy_block if knobs.copy_kernel else None, knobs.engine())
+           width, knobs.copy_block if knobs.copy_kernel else None, knobs.engine(local_experts, len(rows)))
     layout = _EXCHANGE_LAYOUTS.get(key)
     if layout is None:
         layout = _EXCHANGE_LAYOUTS[key] = _build_exchange_layout(rows, counts, rank, local_experts, knobs, width)
@@ -959,7 +960,7 @@ def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: O
         per_expert.append(row)
     return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts,
                    knobs.chunk_experts(local_experts), width, knobs.copy_block if knobs.copy_kernel else None,
-                   knobs.engine())
+                   knobs.engine(local_experts, world))
 
 
 def _check_exchange(rows, claims):

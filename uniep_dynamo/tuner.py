@@ -456,7 +456,7 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     """What a config does for this many local experts at this EP size (configs with one schedule are one
     candidate)."""
     chunk = cfg.chunk_experts(local_experts)
-    engine = cfg.engine()
+    engine = cfg.engine(local_experts, world)
     kernel = cfg.copy_kernel and not engine
     return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last)
