@@ -19,16 +19,17 @@ pytestmark = [
 ]
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
-# weight_grads_last, copy_streams]): copy engines (chunks of one expert; of every local expert, through the stage,
-# with overlap on, and off over three streams), torch._foreach_copy_, and the transfer kernel with one program walking every segment of a chunk, and
-# with three over one chunk
-KNOBS = [(1, True, None), (2, True, True), (4, True, True), (2, False, True), (2, True, False, False),
-         (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3), (1, True, True),
+# weight_grads_last, copy_streams]). The two cases that run them have two experts a rank, so: the default (one
+# chunk of both, by the copy engines through the stage), the copy engines over chunks of one expert (no stage) with
+# overlap on and off, torch._foreach_copy_, the transfer kernel with one program walking every segment of two chunks and with
+# three over one chunk, and the copy engines through the stage over three streams with overlap off.
+KNOBS = [(1, True, None), (2, True, True), (2, False, True), (2, True, False, False),
+         (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3),
          (1, False, True, True, None, 8192, 8, True, 3)]
 # The gate and routing cases (what they stress is the plan and the epilogues, not the schedule) run three of
-# them: one chunk, the copy engines through the stage (with a rank that receives nothing: an empty chunk), and the
-# transfer kernel with the weight gradients between the chunks.
-FEW_KNOBS = [KNOBS[0], KNOBS[7], KNOBS[5]]
+# them: the default (the stage; with a rank that receives nothing, an empty chunk), chunks of one expert by the copy
+# engines, and the transfer kernel with the weight gradients between the chunks.
+FEW_KNOBS = [KNOBS[0], KNOBS[1], KNOBS[4]]
 
 
 def _case(routing, tokens, experts, top_k, gate, bias, split):
