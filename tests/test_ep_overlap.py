@@ -21,8 +21,8 @@ pytestmark = [
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
 # weight_grads_last, copy_streams]). The two cases that run them have two experts a rank, so: the default (one
 # chunk of both, by the copy engines through the stage), the copy engines over chunks of one expert (no stage) with
-# overlap on and off, torch._foreach_copy_, the transfer kernel with one program walking every segment of two chunks and with
-# three over one chunk, and the copy engines through the stage over three streams with overlap off.
+# overlap on and off, torch._foreach_copy_, the transfer kernel with one program walking every segment of two
+# chunks and with three over one chunk, and the copy engines through the stage over three streams with overlap off.
 KNOBS = [(1, True, None), (2, True, True), (2, False, True), (2, True, False, False),
          (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3),
          (1, False, True, True, None, 8192, 8, True, 3)]
