@@ -162,22 +162,23 @@ class _Layout:
         # row j of a chunk whose first row is lo -> its row counted from lo in the receive order, lo + j + delta
         self._perm_runs, self._inv_runs = ([], []), ([], [])
         for e0, e1, lo, _ in self.chunks if engine else ():
-            stage_start, at = [], 0
-            for s in range(world):
-                stage_start.append(at)
-                at += sum(counts[s][first + e0:first + e1])
-            self.blocks.append([(s, self.send_start[s][first + e0], stage_start[s],
-                                 sum(counts[s][first + e0:first + e1])) for s in order
-                                if sum(counts[s][first + e0:first + e1])])
+            per_source = [sum(counts[s][first + e0:first + e1]) for s in range(world)]
+            stage_start = [sum(per_source[:s]) for s in range(world)]
+            self.blocks.append([(s, self.send_start[s][first + e0], stage_start[s], per_source[s]) for s in order
+                                if per_source[s]])
             by_expert = [(e, s) for e in range(e0, e1) for s in range(world) if counts[s][first + e]]
             by_source = [(e, s) for s in range(world) for e in range(e0, e1) if counts[s][first + e]]
             self.staged.append(by_expert != by_source)
-            for runs, order_ in ((self._perm_runs, by_expert), (self._inv_runs, by_source)):
-                for e, s in order_:
-                    stage = stage_start[s] + self.send_start[s][first + e] - self.send_start[s][first + e0]
-                    recv = self.recv_start[e][s]  # receive row (absolute): perm indexes by it
-                    runs[0].append(stage - recv if runs is self._perm_runs else recv - lo - (lo + stage))
-                    runs[1].append(counts[s][first + e])
+
+            def stage_row(e, s):  # the first stage row (counted from the chunk's) of source s's rows for expert e
+                return stage_start[s] + self.send_start[s][first + e] - self.send_start[s][first + e0]
+
+            for e, s in by_expert:  # indexed by the absolute receive row
+                self._perm_runs[0].append(stage_row(e, s) - self.recv_start[e][s])
+                self._perm_runs[1].append(counts[s][first + e])
+            for e, s in by_source:  # indexed by lo + the stage row; gives the receive row counted from lo
+                self._inv_runs[0].append((self.recv_start[e][s] - lo) - (lo + stage_row(e, s)))
+                self._inv_runs[1].append(counts[s][first + e])
 
     def to_device(self, device):
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
