@@ -58,8 +58,12 @@ def _case(routing, tokens, experts, top_k, gate, bias, split):
 def _worker(rank, world, port, case_args, knobs_list, out_dir):
     with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
         import uniep_dynamo  # noqa: F401
+        from uniep_dynamo import ep_overlap
         from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
 
+        barriers = []  # the window barriers this rank takes part in
+        plain = ep_overlap._Window.barrier
+        ep_overlap._Window.barrier = lambda win: (barriers.append(win), plain(win))[1]
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _case(*case_args)
         split = case_args[-1]
         start = sum(split[:rank])
@@ -68,12 +72,14 @@ def _worker(rank, world, port, case_args, knobs_list, out_dir):
         experts = slice(rank * e_local, (rank + 1) * e_local)
         results = []
         for knobs in knobs_list:
+            before = len(barriers)
             leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
             out = ep_experts_overlapped(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                         knobs=OverlapConfig(*knobs))
             grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
             out.backward(grad)
-            results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves]})
+            results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves],
+                            "barriers": len(barriers) - before})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -104,6 +110,10 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
     ref_out, ref_grads = single_process(*_case(*case_args))
     for i, knobs in enumerate(knobs_list):
         knob = f"OverlapConfig{knobs}"
+        # a step takes four barriers (rows in ``send``, results in ``back``; the same in the backward); from the
+        # second call on, the forward's rows go into the cached window before the count table's all-gather, which
+        # orders them: three
+        assert [r[i]["barriers"] for r in ranks] == [4 if i == 0 else 3] * world, knob
         assert torch.equal(torch.cat([r[i]["out"] for r in ranks]), ref_out), knob
         for j, name in ((0, "d_hidden"), (1, "d_weights")):  # per token, concatenated over ranks
             assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"

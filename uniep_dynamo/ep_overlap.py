@@ -663,12 +663,17 @@ def _table(offsets: torch.Tensor, num_tokens: int, group):
 def _forward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, fill) -> _Window:
     """The forward's transfers and GEMMs: fill(window) writes this rank's rows into the window's ``send``, then
     every chunk is pulled into ``x``, runs its up and down GEMMs (``up`` keeps the up projection) and is pushed
-    back. Returns the window whose ``back`` holds this rank's result rows, in its send order."""
+    back. Returns the window whose ``back`` holds this rank's result rows, in its send order.
+
+    fill returns whether the peers must wait for its rows in a barrier. It returns False where every rank wrote
+    them before the all-gather of the count table: a rank's all-gather ends after every peer's has started, that
+    is after the work each peer queued before it (its rows, and its last reads of this window). That holds on
+    every rank or on none: the window is the cached one, too small for no rank's rows."""
     size, device = x.shape[1], x.device
     win_x = _window(group, layout.capacity, size, x.dtype, device)
     win_y = _window(group, layout.capacity, size, chunks.w_down.dtype, device)
-    fill(win_x)
-    win_x.barrier()
+    if fill(win_x):
+        win_x.barrier()
     scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)}
     _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"]), knobs, device)
     scratch.clear()  # after _exchange joined the streams that read them
@@ -731,9 +736,12 @@ class _OverlapEP(torch.autograd.Function):
         x = _receive_buffer("x", layout.rows, size, hidden.dtype, device, knobs)
         up = torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
 
-        def fill(win):
-            if win is not early:  # not gathered above (no window, or one too small, which _window replaced)
+        def fill(win):  # whether the peers wait for the rows in a barrier (see _forward_phase)
+            if win is early:
+                return False
+            if slots:  # not gathered above: no window, or one too small for some rank, which _window replaced
                 gather_rows(hidden, row_order, top_k, out=win.send(rank)[:slots])
+            return True
         win_y = _forward_phase(layout, table, chunks, group, knobs, x, up, fill)
         rows = win_y.back(rank)[:slots]
         out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype)
@@ -1051,8 +1059,11 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     up = torch.empty(layout.rows, up_width, dtype=w_up.dtype, device=device)
     if layout.capacity == 0:  # no rank sends a row
         return send.new_empty(0, size), x, up, table
-    win_y = _forward_phase(layout, transfers, chunks, group, knobs, x, up,
-                           lambda win: win.send(rank)[:send.shape[0]].copy_(send))
+
+    def fill(win):  # the rows go in after the count table: the peers wait for them in a barrier
+        win.send(rank)[:send.shape[0]].copy_(send)
+        return True
+    win_y = _forward_phase(layout, transfers, chunks, group, knobs, x, up, fill)
     return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
 
 
