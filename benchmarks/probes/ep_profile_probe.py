@@ -4,7 +4,10 @@ Spawns --world ranks; each holds T tokens and E / world experts of one shape. Fo
 --iters steps (forward + backward, CUDA events, median), measures the host time of one step (from the
 call to the return of backward, nothing synchronized after it), and profiles 3 steps on rank 0 with the
 torch profiler: a chrome trace per variant into --out-dir and a summary of device time per kernel name.
-With --cprofile N, N more steps run under cProfile on rank 0 (the host functions by own time).
+With --cprofile N, N more steps run under cProfile on rank 0 (the host functions by own time). With
+--barriers, every rank times each window barrier of the timed steps on its GPU (CUDA events around it: how
+long its GPU waited for the slowest peer) and rank 0 prints them per rank, with each rank's step and host time.
+--pin binds each rank to its own block of cores.
 
     python benchmarks/probes/ep_profile_probe.py --world 2 --shape qwen3-30b-a3b --out-dir /tmp/prof
 """
@@ -40,10 +43,58 @@ def _variant(name):
     return knobs
 
 
+class _timed_barriers:
+    """Within it, every window barrier is timed on the GPU, (start, end) event pairs appended to ``marks``, and on
+    the host (``host``), as is the count table's all-gather and copy to the host (``host_table``). marks=None:
+    nothing is timed."""
+
+    def __init__(self, marks):
+        self.marks = marks
+
+    def __enter__(self):
+        from uniep_dynamo import ep_overlap
+
+        self.window, self.plain = ep_overlap._Window, ep_overlap._Window.barrier
+        if self.marks is None:
+            return self
+        plain, marks = self.plain, self.marks
+
+        def barrier(win):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t = time.perf_counter()
+            plain(win)
+            host.append((time.perf_counter() - t) * 1e3)
+            b.record()
+            marks.append((a, b))
+
+        def table(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return plain_table(*args, **kwargs)
+            finally:
+                host_table.append((time.perf_counter() - t) * 1e3)
+        host, host_table = self.host, self.host_table = [], []
+        plain_table = self.plain_table = ep_overlap._table
+        self.window.barrier, ep_overlap._table = barrier, table
+        return self
+
+    def __exit__(self, *exc):
+        from uniep_dynamo import ep_overlap
+
+        self.window.barrier = self.plain
+        if self.marks is not None:
+            ep_overlap._table = self.plain_table
+
+
 def _worker(rank, world, port, args):
     from uniep_dynamo import ops
     from uniep_dynamo.ep import local_rank
 
+    if args.pin:  # this rank's process (every thread it starts after this) on its own block of cores
+        cores = sorted(os.sched_getaffinity(0))
+        per = len(cores) // world
+        os.sched_setaffinity(0, cores[rank * per:(rank + 1) * per])
     with local_rank(rank, world, port) as device:
         from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
         from uniep_dynamo.kernels import gate_program
@@ -86,20 +137,41 @@ def _worker(rank, world, port, args):
                 step()
             torch.cuda.synchronize()
             dist.barrier()
-            times, host = [], []
+            times, host, waits, host_waits = [], [], [], []
             for _ in range(args.iters):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                t = time.perf_counter()
-                step()
-                host.append((time.perf_counter() - t) * 1e3)
-                e1.record()
-                torch.cuda.synchronize()
+                marks = []
+                with _timed_barriers(marks if args.barriers else None) as timed:
+                    e0.record()
+                    t = time.perf_counter()
+                    step()
+                    host.append((time.perf_counter() - t) * 1e3)
+                    e1.record()
+                    torch.cuda.synchronize()
                 times.append(e0.elapsed_time(e1))
-            times.sort(); host.sort()
+                waits.append([a.elapsed_time(b) for a, b in marks])
+                if args.barriers:
+                    host_waits.append((sum(timed.host), sum(timed.host_table)))
+            step_ms, host_ms = sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
             dist.barrier()
-            results[name] = {"ms": times[len(times) // 2], "host_ms": host[len(host) // 2]}
+            results[name] = {"ms": step_ms, "host_ms": host_ms}
             summary = f"== {name}: {results[name]['ms']:.3f} ms (host {results[name]['host_ms']:.3f} ms)"
+            if args.barriers:
+                calls = min(len(w) for w in waits)
+                mine = {"ms": step_ms, "host_ms": host_ms,
+                        "barrier_ms": [sorted(w[i] for w in waits)[len(waits) // 2] for i in range(calls)],
+                        "host_in_barriers_ms": sorted(h[0] for h in host_waits)[len(host_waits) // 2],
+                        "host_in_table_ms": sorted(h[1] for h in host_waits)[len(host_waits) // 2]}
+                every = [None] * world
+                dist.all_gather_object(every, mine)
+                results[name]["ranks"] = every
+                if rank == 0:
+                    print(f"{summary}; per rank: step ms, host ms, host ms in the barrier calls and in the count "
+                          f"table (all-gather and copy to the host), median GPU wait in each barrier of a step (ms)")
+                    for r, m in enumerate(every):
+                        print(f"   rank {r}: {m['ms']:7.3f} {m['host_ms']:7.3f} {m['host_in_barriers_ms']:7.3f} "
+                              f"{m['host_in_table_ms']:7.3f}  " + " ".join(f"{b:6.3f}" for b in m["barrier_ms"]),
+                              flush=True)
             if args.cprofile and rank == 0:
                 import cProfile
                 import io
@@ -157,6 +229,8 @@ def main():
     p.add_argument("--cprofile", type=int, default=0, help="run this many steps under cProfile on rank 0 per variant "
                    "and print the host functions that took the most time")
     p.add_argument("--cprofile-rows", type=int, default=30)
+    p.add_argument("--barriers", action="store_true", help="time every window barrier on each rank's GPU")
+    p.add_argument("--pin", action="store_true", help="bind each rank to its own block of the allowed cores")
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
