@@ -94,6 +94,16 @@ class OverlapConfig:
             return self.copy_engine
         return self.chunk_experts(local_experts) * world <= COPY_ENGINE_SEGMENTS
 
+    def layout_knobs(self, local_experts: int, world: int) -> tuple:
+        """What a _Layout needs of these knobs at this EP size: (local experts a chunk, the transfer kernel's block
+        where the kernel moves the rows, else None: no transfer table then, whether the copy engines move them).
+        The transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_ does."""
+        from .kernels.triton_transfer import MAX_PEERS
+
+        engine = self.engine(local_experts, world)
+        kernel = not engine and self.copy_kernel and world <= MAX_PEERS
+        return self.chunk_experts(local_experts), self.copy_block if kernel else None, engine
+
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
         return self.copy_programs if self.copy_programs is not None else COPY_PROGRAMS_PER_PEER * max(1, world - 1)
@@ -111,7 +121,7 @@ class _Layout:
                  width: int, block: int | None, engine: bool = False):
         from .kernels.triton_transfer import segment_table
 
-        self.rank, self.world, self.engine = rank, world, engine
+        self.rank, self.world, self.block, self.engine = rank, world, block, engine
         self._on_device = {}  # to_device's tensors, per device
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
         self.send_start = [[0] * (len(row) + 1) for row in counts]
@@ -379,12 +389,12 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
     every copy has been issued. ``table``: the layout's transfer table on the device."""
-    from .kernels.triton_transfer import MAX_PEERS, copy_segments
+    from .kernels.triton_transfer import copy_segments
 
     transfer = knobs.timing != "compute"
-    copy_engine = layout.engine  # OverlapConfig.engine, which the layout was laid out for
-    # the transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_
-    kernel = not copy_engine and knobs.copy_kernel and layout.world <= MAX_PEERS
+    # the paths the layout was laid out for (OverlapConfig.layout_knobs): the copy engines, the transfer kernel
+    # (a block: its table), else torch._foreach_copy_
+    copy_engine, kernel = layout.engine, layout.block is not None
     num_chunks = len(layout.chunks)
     sends = [win_out.send(s) for s in range(layout.world)]
     backs = [win_in.back(s) for s in range(layout.world)]
@@ -723,8 +733,8 @@ class _OverlapEP(torch.autograd.Function):
         if early is not None and early.capacity >= slots and slots:
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
-        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, knobs.chunk_experts(local_experts), size,
-                         knobs.copy_block if knobs.copy_kernel else None, knobs.engine(local_experts, world))
+        chunk, block, engine = knobs.layout_knobs(local_experts, world)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine)
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")
@@ -949,8 +959,8 @@ def _exchange_layout(rows, counts, rank: int, local_experts: int, knobs: Overlap
     """The _Layout of an exchange: source s's rows for rank r start after its rows for the ranks before r (the
     split sizes), and within this rank's block they run expert by expert (the received counts). The last few
     are cached by their host integers: a backward (and, with steady routing, the next step) reuses them."""
-    key = (tuple(map(tuple, rows)), tuple(map(tuple, counts)), rank, local_experts, knobs.chunk_experts(local_experts),
-           width, knobs.copy_block if knobs.copy_kernel else None, knobs.engine(local_experts, len(rows)))
+    key = (tuple(map(tuple, rows)), tuple(map(tuple, counts)), rank, local_experts, width,
+           *knobs.layout_knobs(local_experts, len(rows)))
     layout = _EXCHANGE_LAYOUTS.get(key)
     if layout is None:
         layout = _EXCHANGE_LAYOUTS[key] = _build_exchange_layout(rows, counts, rank, local_experts, knobs, width)
@@ -967,9 +977,9 @@ def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: O
         for r in range(world):
             row.extend(counts[s] if r == rank else [rows[s][r]] + [0] * (local_experts - 1))
         per_expert.append(row)
-    return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts,
-                   knobs.chunk_experts(local_experts), width, knobs.copy_block if knobs.copy_kernel else None,
-                   knobs.engine(local_experts, world))
+    chunk, block, engine = knobs.layout_knobs(local_experts, world)
+    return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts, chunk,
+                   width, block, engine)
 
 
 def _check_exchange(rows, claims):

@@ -455,9 +455,8 @@ def ep_candidates(local_experts: int, world: int):
 def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     """What a config does for this many local experts at this EP size (configs with one schedule are one
     candidate)."""
-    chunk = cfg.chunk_experts(local_experts)
-    engine = cfg.engine(local_experts, world)
-    kernel = cfg.copy_kernel and not engine
+    chunk, block, engine = cfg.layout_knobs(local_experts, world)
+    kernel = block is not None
     return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last)
 
