@@ -28,6 +28,8 @@ it. Providers, on the same module and inputs:
              (kernels/triton_transfer.py; --copy-programs programs beside the GEMMs)
   uniep_overlap_off  the same with overlap off (each phase's transfers, then its GEMMs)
   uniep_overlap_kernel_wgrad_chunks  uniep_overlap_kernel with the weight gradients chunk by chunk
+  uniep_overlap_kernel_pushes  uniep_overlap_kernel with the results pushed by the transfer kernel (by default the
+             chunks' last GEMMs store them into the peers themselves: OverlapConfig.push_in_gemm)
   overlap_compute_only, overlap_comm_only, overlap_streams_comm_only, overlap_sm_comm_only,
   overlap_kernel_comm_only  the overlapped
              layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
@@ -70,7 +72,8 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_overlap",
-             "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks", "uniep_overlap_off",
+             "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks",
+             "uniep_overlap_kernel_pushes", "uniep_overlap_off",
              "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
              "overlap_sm_comm_only", "overlap_kernel_comm_only",
              "hf_eager", "hf_inductor", "hf_uniep")
@@ -82,6 +85,8 @@ OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_en
            "overlap_sm_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": False},
            "uniep_overlap_kernel": {"copy_engine": False, "copy_kernel": True},
            "uniep_overlap_kernel_wgrad_chunks": {"copy_engine": False, "copy_kernel": True, "weight_grads_last": False},
+           # the transfer kernel pushes the results too (the GEMMs do not store them into the peers)
+           "uniep_overlap_kernel_pushes": {"copy_engine": False, "copy_kernel": True, "push_in_gemm": False},
            "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True}}
 
 

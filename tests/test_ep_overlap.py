@@ -19,13 +19,15 @@ pytestmark = [
 ]
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
-# weight_grads_last, copy_streams]). The two cases that run them have two experts a rank, so: the default (one
-# chunk of both, by the copy engines through the stage), the copy engines over chunks of one expert (no stage) with
-# overlap on and off, torch._foreach_copy_, the transfer kernel with one program walking every segment of two
-# chunks and with three over one chunk, and the copy engines through the stage over three streams with overlap off.
+# weight_grads_last, copy_streams, push_in_gemm]). The two cases that run them have two experts a rank, so: the
+# default (one chunk of both, by the copy engines through the stage), the copy engines over chunks of one expert (no
+# stage) with overlap on and off, torch._foreach_copy_, the transfer kernel with one program walking every segment
+# of two chunks and with three over one chunk, the copy engines through the stage over three streams with overlap
+# off, and the transfer kernel pushing the results itself instead of the GEMMs storing them into the peers. Where
+# the SMs move the rows with overlap on, the GEMMs store them by default (push_in_gemm).
 KNOBS = [(1, True, None), (2, True, True), (2, False, True), (2, True, False, False),
          (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3),
-         (1, False, True, True, None, 8192, 8, True, 3)]
+         (1, False, True, True, None, 8192, 8, True, 3), (2, True, False, True, 1, 8192, 8, True, 1, False)]
 # The gate and routing cases (what they stress is the plan and the epilogues, not the schedule) run three of
 # them: the default (the stage; with a rank that receives nothing, an empty chunk), chunks of one expert by the copy
 # engines, and the transfer kernel with the weight gradients between the chunks.
@@ -71,15 +73,18 @@ def _worker(rank, world, port, case_args, knobs_list, out_dir):
         e_local = w_up.shape[0] // world
         experts = slice(rank * e_local, (rank + 1) * e_local)
         results = []
+        from torch._dynamo.utils import counters
+
         for knobs in knobs_list:
-            before = len(barriers)
+            before, scattered = len(barriers), counters["uniep_kernels"]["scattered_gemms"]
             leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
             out = ep_experts_overlapped(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                         knobs=OverlapConfig(*knobs))
             grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
             out.backward(grad)
             results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves],
-                            "barriers": len(barriers) - before})
+                            "barriers": len(barriers) - before,
+                            "scattered": counters["uniep_kernels"]["scattered_gemms"] - scattered})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -106,6 +111,8 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
     monkeypatch.setenv("UNIEP_KERNELS", "triton")
     import uniep_dynamo  # noqa: F401
 
+    from uniep_dynamo.ep_overlap import OverlapConfig
+
     ranks = run_workers(_worker, world, (case_args, knobs_list), tmp_path)
     ref_out, ref_grads = single_process(*_case(*case_args))
     for i, knobs in enumerate(knobs_list):
@@ -114,6 +121,11 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
         # second call on, the forward's rows go into the cached window before the count table's all-gather, which
         # orders them: three
         assert [r[i]["barriers"] for r in ranks] == [4 if i == 0 else 3] * world, knob
+        # the GEMMs stored the results into the peers themselves exactly where the SMs move the rows with overlap on
+        cfg = OverlapConfig(*knobs)
+        scattered = sum(r[i]["scattered"] for r in ranks)
+        fused = cfg.gemm_pushes(case_args[2] // world, world)
+        assert bool(scattered) == fused, f"{knob}: {scattered} scattered GEMMs"
         assert torch.equal(torch.cat([r[i]["out"] for r in ranks]), ref_out), knob
         for j, name in ((0, "d_hidden"), (1, "d_weights")):  # per token, concatenated over ranks
             assert torch.equal(torch.cat([r[i]["grads"][j] for r in ranks]), ref_grads[j]), f"{name} {knob}"

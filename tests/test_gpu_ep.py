@@ -65,25 +65,28 @@ def _worker(rank, world, port, case, out_dir):
             runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
                          lambda x, i, w, a, b: ep_experts(x, i, w, a, b, None, None, spec)) for _ in range(2)]
             grouped_mm = []  # torch._grouped_mm calls of each overlapped run (the chunks' GEMMs with outputs of their own)
+            scattered = []  # GEMMs of each overlapped run that stored their rows into the peers
             for knobs in OVERLAP_KNOBS:
                 before = counters["uniep_kernels"]["grouped_mm_gemms"]
+                pushes = counters["uniep_kernels"]["scattered_gemms"]
                 runs.append(_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
                                  lambda x, i, w, a, b: ep_experts_overlapped(x, i, w, a, b, None, None, spec,
                                                                              knobs=OverlapConfig(*knobs))))
                 grouped_mm.append(counters["uniep_kernels"]["grouped_mm_gemms"] - before)
+                scattered.append(counters["uniep_kernels"]["scattered_gemms"] - pushes)
             single = _run(hidden, ids, weights, w_up, w_down, grad,
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
-        torch.save({"runs": [[t.cpu() for t in r] for r in runs], "grouped_mm": grouped_mm,
+        torch.save({"runs": [[t.cpu() for t in r] for r in runs], "grouped_mm": grouped_mm, "scattered": scattered,
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
                                single[3][local].cpu(), single[4][local].cpu()]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
-# weight_grads_last, copy_streams]) for the overlapped layer; the first twice (run to run)
+# weight_grads_last, copy_streams, push_in_gemm]) for the overlapped layer; the first twice (run to run)
 OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (4, True, False, False),
                  (8, True, False, True, 7), (4, False, False, True, 132), (4, True, None, True, 32, 8192, 8, False),
-                 (2, True, True, True, None, 8192, 8, True, 3)]
+                 (2, True, True, True, None, 8192, 8, True, 3), (4, True, False, True, None, 8192, 8, True, 1, False)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -101,6 +104,11 @@ def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
         # receives no rows runs no GEMM)
         calls = [sum(r["grouped_mm"][i] for r in results) for i in range(len(OVERLAP_KNOBS))]
         assert all(calls), f"torch._grouped_mm calls per overlapped run, over the ranks: {calls}"
+    from uniep_dynamo.ep_overlap import OverlapConfig
+
+    scattered = [sum(r["scattered"][i] for r in results) for i in range(len(OVERLAP_KNOBS))]
+    fused = [OverlapConfig(*k).gemm_pushes(case[1] // world, world) for k in OVERLAP_KNOBS]
+    assert [bool(n) for n in scattered] == fused, f"GEMMs that stored into the peers, per run: {scattered}"
     for rank, result in enumerate(results):
         for label, run in zip(labels, result["runs"]):
             for name, a, s in zip(names, run, result["single"]):

@@ -71,6 +71,11 @@ class OverlapConfig:
     # is the same GEMM over the same rows either way.
     weight_grads_last: bool = True
     copy_streams: int = 1  # the copy engines: streams that a direction's copies of a chunk are spread over
+    # Where the SMs move the rows (not the copy engines), the last GEMM of a chunk (the down projection; in the
+    # backward the input gradient) stores its result rows straight into their sources' ``back`` (True; Triton's
+    # GEMM, no push of its own), or into a buffer of this rank that a transfer then pushes (False; that GEMM may
+    # run as torch._grouped_mm). Same values either way: the same tiles' results, stored elsewhere.
+    push_in_gemm: bool = True
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
@@ -103,6 +108,13 @@ class OverlapConfig:
         engine = self.engine(local_experts, world)
         kernel = not engine and self.copy_kernel and world <= MAX_PEERS
         return self.chunk_experts(local_experts), self.copy_block if kernel else None, engine
+
+    def gemm_pushes(self, local_experts: int, world: int) -> bool:
+        """Whether the chunks' last GEMMs store their results into the sources' ``back`` themselves (push_in_gemm):
+        where the SMs move the rows with overlap on, at most 8 ranks (the scattering GEMM's peers), and the
+        transfers are not skipped for timing."""
+        return (self.push_in_gemm and self.overlap and not self.engine(local_experts, world) and world <= 8
+                and self.timing == "")
 
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
@@ -189,6 +201,21 @@ class _Layout:
             for e, s in by_source:  # indexed by lo + the stage row; gives the receive row counted from lo
                 self._inv_runs[0].append((self.recv_start[e][s] - lo) - (lo + stage_row(e, s)))
                 self._inv_runs[1].append(counts[s][first + e])
+
+    def destinations(self, device):
+        """[rows] int64 on the device: where each receive row's result goes back, (row in its source's buffer) * 8
+        + source (the scattered GEMM's table). Made once per device, without a host synchronization."""
+        key = ("destinations", str(device))
+        if key not in self._on_device:
+            runs = sorted((lo + row, peer_row * 8 + s - (lo + row) * 8, n) for (_, _, lo, _), segments
+                          in zip(self.chunks, self.segments) for s, peer_row, row, n in segments)
+            host = torch.tensor([r[1] for r in runs] + [r[2] for r in runs], dtype=torch.int64)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            every = host.to(device, non_blocking=True)
+            self._on_device[key] = torch.arange(self.rows, device=device) * 8 + torch.repeat_interleave(
+                every[:len(runs)], every[len(runs):], output_size=self.rows)
+        return self._on_device[key]
 
     def to_device(self, device):
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
@@ -383,9 +410,11 @@ class _On:
 def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute,
               knobs: OverlapConfig, device, after=None):
     """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
-    run compute(chunk) -> the chunk's result rows ([chunk rows, H], or None), push those rows into the
+    run compute(chunk, scatter) -> the chunk's result rows ([chunk rows, H], or None), push those rows into the
     sources' ``back`` of win_in; then after() (work that no transfer waits for, beside the last pushes). Ends
-    with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more.
+    with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more. ``scatter``: None, or
+    (the layout's destinations, the sources' ``back``) for a compute that stores its results there itself
+    (OverlapConfig.push_in_gemm) and returns None.
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
     every copy has been issued. ``table``: the layout's transfer table on the device."""
@@ -410,6 +439,9 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
         most = max(hi - lo for (_, _, lo, hi), st in zip(layout.chunks, staged) if st)
         stage = torch.empty(ahead, most, recv.shape[1], dtype=recv.dtype, device=device)
 
+    # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (the Triton GEMM takes at most 8)
+    scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
+        else None
     streams = _Streams(device, knobs.copy_streams if copy_engine else 1)
     streams.start_after_current()
 
@@ -481,7 +513,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
         if staged[c]:  # the stage, ordered by source, into the receive order
             torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
             freed[c % ahead] = streams.record()
-        result = compute(c)
+        result = compute(c, scatter)
         if result is not None:
             if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
                 result = torch.index_select(result, 0, inv[lo:hi])
@@ -546,9 +578,10 @@ class _Chunks:
         layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec, self.config)
         return layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
 
-    def forward(self, c, x, up, act):
+    def forward(self, c, x, up, act, scatter=None):
         """up/act rows of chunk c from its received x rows (into the buffers' chunk rows); returns the chunk's
-        down projection ([chunk rows, H]), None for a chunk without rows."""
+        down projection ([chunk rows, H]), None for a chunk without rows. With ``scatter`` (the layout's
+        destinations, the peers' buffers) the down projection goes straight to the peers instead (None)."""
         from .kernels import megakernel
         from .kernels.triton_gemm import GLU_FWD, STORE
 
@@ -565,12 +598,14 @@ class _Chunks:
                               two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
                               up_shift=layer.up_shift)
         return megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
-                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs)
+                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
+                                     scatter=(scatter[0][rows], scatter[1]) if scatter is not None else None)
 
-    def backward(self, c, x, up, dy, act, d_up, grads, weight_grads: bool = True):
-        """Chunk c's input-gradient rows ([chunk rows, H], returned; None for a chunk without rows), the
-        activation and d_up into the chunk's rows of ``act`` and ``d_up``, and, with ``weight_grads``, its experts'
-        weight and bias gradients (into grads; else weight_grads does them)."""
+    def backward(self, c, x, up, dy, act, d_up, grads, weight_grads: bool = True, scatter=None):
+        """Chunk c's input-gradient rows ([chunk rows, H], returned; None for a chunk without rows; with
+        ``scatter`` stored straight into the peers' buffers, as in forward), the activation and d_up into the
+        chunk's rows of ``act`` and ``d_up``, and, with ``weight_grads``, its experts' weight and bias gradients
+        (into grads; else weight_grads does them)."""
         from .kernels import megakernel
         from .kernels.triton_gemm import STORE
 
@@ -591,7 +626,8 @@ class _Chunks:
         del d_act
         d_x = megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
                                     b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width,
-                                    epilogue=STORE, offsets=offs)
+                                    epilogue=STORE, offsets=offs,
+                                    scatter=(scatter[0][rows], scatter[1]) if scatter is not None else None)
         if weight_grads:
             self._weight_grads(layer, offs, rows, experts, x, dy, act, d_up, grads)
         return d_x
@@ -685,7 +721,8 @@ def _forward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: Overla
     if fill(win_x):
         win_x.barrier()
     scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)}
-    _exchange(layout, table, win_x, win_y, x, lambda c: chunks.forward(c, x, up, scratch["act"]), knobs, device)
+    _exchange(layout, table, win_x, win_y, x, lambda c, scatter: chunks.forward(c, x, up, scratch["act"], scatter),
+              knobs, device)
     scratch.clear()  # after _exchange joined the streams that read them
     return win_y
 
@@ -706,7 +743,8 @@ def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: Overl
     last = knobs.weight_grads_last
     grads = _new_grads(chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down, weights=not last)
     _exchange(layout, table, win_dy, win_dx, scratch["dy"],
-              lambda c: chunks.backward(c, x, up, grads=grads, weight_grads=not last, **scratch), knobs, device,
+              lambda c, scatter: chunks.backward(c, x, up, grads=grads, weight_grads=not last, scatter=scatter,
+                                                 **scratch), knobs, device,
               after=(lambda: chunks.weight_grads(x, scratch["dy"], scratch["act"], scratch["d_up"], grads))
               if last else None)
     scratch.clear()

@@ -8,7 +8,8 @@ heuristic one (config.py's numerics contract), and the tuner checks it on every 
 shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
 a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. ``EP_SPACE`` holds the
 overlapped EP layer's knobs (ep_overlap.OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
-and the transfer kernel's programs, its SMs for communication); ``ep_candidates`` prunes repeats (more
+the transfer kernel's programs, its SMs for communication, and whether the GEMMs push their results
+into the peers themselves); ``ep_candidates`` prunes repeats (more
 chunks than local experts, programs of a path without the kernel, the kernel past its rank limit). None of
 them changes numerics.
 
@@ -421,6 +422,7 @@ EP_SPACE = {
     "copy_programs": (16, 32, 64, 132),  # the transfer kernel's programs beside the GEMMs
     "copy_streams": (1, 2, 4),  # the copy engines' streams a direction
     "weight_grads_last": (True, False),
+    "push_in_gemm": (True, False),  # the chunks' last GEMMs store their results into the peers, or a transfer does
 }
 
 
@@ -458,7 +460,8 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     chunk, block, engine = cfg.layout_knobs(local_experts, world)
     kernel = block is not None
     return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
-            min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last)
+            min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
+            cfg.gemm_pushes(local_experts, world))
 
 
 @dataclass

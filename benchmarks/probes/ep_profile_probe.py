@@ -39,7 +39,7 @@ def _variant(name):
     knobs = dict(KINDS[kind])
     for pair in pairs:
         key, value = pair.split("=")
-        knobs[key] = bool(int(value)) if key in ("copy_engine", "copy_kernel", "overlap") else int(value)
+        knobs[key] = bool(int(value)) if key in ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last") else int(value)
     return knobs
 
 

@@ -237,16 +237,27 @@ def _use_grouped_mm(layer: _Layer, cfg, out_cols: int, *operands) -> bool:
 
 
 def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, h=None, w=None,
-               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0):
+               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
     a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
-    ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``)."""
+    ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
+
+    ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
+    dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most 8), by Triton; returns None."""
     import triton
 
-    from .triton_gemm import GLU_BWD, GLU_FWD
+    from .triton_gemm import GLU_BWD, GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
     width = b.shape[2] if epilogue == GLU_FWD else n
+    peers = []
+    if scatter is not None:
+        dst, peers = scatter
+        if epilogue != STORE or c is not None or not 0 < len(peers) <= 8 or dst.shape[0] != layer.num_slots:
+            raise ValueError("uniep: a scattered GEMM takes a STORE epilogue, no output and a row table, "
+                             "for 1 to 8 peers")
+        c = peers[0]
+        counters["uniep_kernels"]["scattered_gemms"] += 1
     if (c is None and epilogue != GLU_BWD and not gather and not a_scale and bias is None
             and _use_grouped_mm(layer, cfg, width, a, b)):
         counters["uniep_kernels"]["grouped_mm_gemms"] += 1
@@ -301,8 +312,10 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         a_desc=a_desc, b_desc=b_desc, b_expert_rows=b_expert_rows,
         TMA_A=a_desc is not None, TMA_B=b_desc is not None, B_KMAJOR=b_kmajor,
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
+        **({"dst_ptr": scatter[0], "SCATTER": True,
+            **{f"q{i}": peers[min(i, len(peers) - 1)] for i in range(8)}} if scatter is not None else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return c
+    return c if scatter is None else None
 
 
 # Weight tiles stored K-major ([E, out, in] up projection, for one) are loaded [block_n, block_k] and

@@ -10,7 +10,9 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
     gradient, so the dispatch never materialises a permuted copy (measured slower on Hopper for the
     weight gradients, hence not the default); with A_SCALE each gathered row is multiplied by its routing
     weight and rounded to the storage dtype first. Epilogues:
-      STORE     out = acc (+ bias[e]), cast to the output dtype (down projection, input gradient)
+      STORE     out = acc (+ bias[e]), cast to the output dtype (down projection, input gradient); with
+                SCATTER each row goes to a peer rank's buffer instead (the EP layer's push of its results,
+                fused: a per-row table names the peer and the row there)
       GLU_FWD   gate and up halves in two accumulators, or (PACKED) one accumulator over a weight tile
                 that holds a gate block and its up block side by side, split in the epilogue -- the
                 same MMA chain per element either way; h = acc (+ bias) rounded to the storage dtype
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .triton_transfer import _peer
 
 STORE, GLU_FWD, GLU_BWD = 0, 1, 2
 # Activation codes (gate_program.classify names).
@@ -148,6 +152,8 @@ def _rows_gemm(
     a_desc=None, b_desc=None, b_expert_rows=0,
     TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
     FLATTEN: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    dst_ptr=None, q0=None, q1=None, q2=None, q3=None, q4=None, q5=None, q6=None, q7=None,
+    SCATTER: tl.constexpr = False,
 ):
     e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     total_m = tl.sum(tiles)
@@ -249,7 +255,15 @@ def _rows_gemm(
         if EPILOGUE == 0:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+            if SCATTER:
+                # each row to its peer's buffer: dst = (row there) * 8 + peer (the EP layer's push, fused)
+                dst = tl.load(dst_ptr + rows, mask=row_mask, other=0)
+                base = _peer((dst & 7).to(tl.int32), q0, q1, q2, q3, q4, q5, q6, q7)
+                tl.store(base[:, None] + (dst >> 3)[:, None] * stride_cm + cols[None, :],
+                         acc.to(q0.dtype.element_ty), mask=mask)
+            else:
+                tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                         mask=mask)
         elif EPILOGUE == 1:
             if PACKED:
                 halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1))
