@@ -366,7 +366,8 @@ def main():
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
         for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
                             ("uniep_overlap_streams", "overlap_streams_comm_only"),
-                            ("uniep_overlap_kernel", "overlap_kernel_comm_only")):
+                            ("uniep_overlap_kernel", "overlap_kernel_comm_only"),
+                            ("uniep_overlap_kernel_pushes", "overlap_kernel_comm_only")):
             if all(p in ms for p in (layer, "overlap_compute_only", comm)):
                 hidden = 1 - (ms[layer] - ms["overlap_compute_only"]) / ms[comm]
                 print(f"{shape}: {layer} {ms[layer]:.3f} ms, compute only {ms['overlap_compute_only']:.3f} ms, "
