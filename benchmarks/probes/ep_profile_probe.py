@@ -7,13 +7,16 @@ torch profiler: a chrome trace per variant into --out-dir and a summary of devic
 With --cprofile N, N more steps run under cProfile on rank 0 (the host functions by own time). With
 --barriers, every rank times each window barrier of the timed steps on its GPU (CUDA events around it: how
 long its GPU waited for the slowest peer) and rank 0 prints them per rank, with each rank's step and host time.
---pin binds each rank to its own block of cores.
+--pin binds each rank to its own block of cores. --interleave runs the variants' steps in turn, round by round
+(each step's time is its slowest rank's), so that drifts fall on every variant alike; with --host-clock it also
+prints the host time a step of each function in HOST_FUNCTIONS, per rank.
 
     python benchmarks/probes/ep_profile_probe.py --world 2 --shape qwen3-30b-a3b --out-dir /tmp/prof
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -87,6 +90,71 @@ class _timed_barriers:
             ep_overlap._table = self.plain_table
 
 
+# (module or class path, attribute): the host functions --host-clock times, each inclusive of what it calls
+HOST_FUNCTIONS = [
+    ("uniep_dynamo.ep_overlap", "_plan"), ("uniep_dynamo.ep_overlap", "_table"),
+    ("uniep_dynamo.ep_overlap._Layout", "__init__"), ("uniep_dynamo.ep_overlap._Layout", "to_device"),
+    ("uniep_dynamo.ep_overlap._Layout", "destinations"), ("uniep_dynamo.ep_overlap", "_window"),
+    ("uniep_dynamo.ep_overlap._Chunks", "__init__"), ("uniep_dynamo.ep_overlap._Chunks", "layer"),
+    ("uniep_dynamo.ep_overlap", "_forward_phase"), ("uniep_dynamo.ep_overlap", "_backward_phase"),
+    ("uniep_dynamo.ep_overlap", "_exchange"), ("uniep_dynamo.ep_overlap._Chunks", "forward"),
+    ("uniep_dynamo.ep_overlap._Chunks", "backward"), ("uniep_dynamo.ep_overlap._Chunks", "weight_grads"),
+    ("uniep_dynamo.ep_overlap._Window", "barrier"), ("uniep_dynamo.ep_overlap._Streams", "__init__"),
+    ("uniep_dynamo.ep_overlap._Streams", "record"), ("uniep_dynamo.ep_overlap._Streams", "wait"),
+    ("uniep_dynamo.kernels.triton_routing", "routing_plan"), ("uniep_dynamo.kernels.triton_routing", "combine"),
+    ("uniep_dynamo.kernels.triton_routing", "gather_rows"),
+    ("uniep_dynamo.kernels.triton_routing", "routing_weight_grad"),
+    ("uniep_dynamo.kernels.triton_transfer", "copy_segments"),
+    ("uniep_dynamo.kernels.megakernel._Layer", "__init__"), ("uniep_dynamo.kernels.megakernel", "_rows_gemm"),
+    ("uniep_dynamo.kernels.megakernel", "_weight_grad"), ("uniep_dynamo.kernels.megakernel", "_act_forward"),
+    ("uniep_dynamo.kernels.megakernel", "_act_backward"),
+    ("triton.runtime.jit.JITFunction", "run"), ("torch", "_grouped_mm"),
+]
+
+
+class _host_clock:
+    """Within it, each of HOST_FUNCTIONS adds its host time (inclusive; a call inside a call of the same function
+    is not counted twice) and its calls to ``totals[name] = [ms, calls]``, from every thread."""
+
+    def __init__(self, totals):
+        self.totals, self.saved = totals, []
+
+    def __enter__(self):
+        import importlib
+        import threading
+
+        depth = threading.local()
+        for path, attr in HOST_FUNCTIONS:
+            try:
+                owner = importlib.import_module(path)
+            except ImportError:
+                mod, _, cls = path.rpartition(".")
+                owner = getattr(importlib.import_module(mod), cls)
+            plain = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            name = f"{path.rsplit('.', 1)[-1]}.{attr}"
+            self.totals.setdefault(name, [0.0, 0])
+
+            def timed(*a, _plain=plain, _name=name, **k):
+                level = getattr(depth, _name, 0)
+                setattr(depth, _name, level + 1)
+                t = time.perf_counter()
+                try:
+                    return _plain(*a, **k)
+                finally:
+                    setattr(depth, _name, level)
+                    if level == 0:
+                        entry = self.totals[_name]
+                        entry[0] += (time.perf_counter() - t) * 1e3
+                        entry[1] += 1
+            self.saved.append((owner, attr, plain))
+            setattr(owner, attr, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, plain in reversed(self.saved):
+            setattr(owner, attr, plain)
+
+
 def _worker(rank, world, port, args):
     from uniep_dynamo import ops
     from uniep_dynamo.ep import local_rank
@@ -117,7 +185,8 @@ def _worker(rank, world, port, args):
         full_down = torch.randn(experts, inter, hidden, generator=g).mul_(inter ** -0.5).to(device, dtype)
         full_up.requires_grad_(); full_down.requires_grad_()
         results = {}
-        for name in args.variants.split(","):
+
+        def make_step(name):
             knobs = _variant(name)
             if knobs is None:
                 def step():
@@ -133,6 +202,13 @@ def _worker(rank, world, port, args):
                         t.grad = None
                     out = ep_experts_overlapped(x, ids, weights, w_up, w_down, None, None, spec, knobs=config)
                     out.backward(grad)
+            return step
+
+        if args.interleave:
+            _interleaved(rank, world, args, make_step)
+            return
+        for name in args.variants.split(","):
+            step = make_step(name)
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
@@ -215,6 +291,60 @@ def _worker(rank, world, port, args):
                 json.dump(results, f, indent=1)
 
 
+def _interleaved(rank, world, args, make_step):
+    """--interleave: the variants' steps in turn, --iters rounds, so that drifts of clocks and hosts fall on all of
+    them alike; each step's time is its slowest rank's. With --host-clock, each variant's host time per function."""
+    names = list(dict.fromkeys(args.variants.split(",")))
+    steps = {name: make_step(name) for name in names}
+    for name in names:
+        for _ in range(3):
+            steps[name]()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = {name: [] for name in names}
+    host = {name: [] for name in names}
+    clocks = {name: {} for name in names}
+    for _ in range(args.iters):
+        for name in names:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with (_host_clock(clocks[name]) if args.host_clock else contextlib.nullcontext()):
+                e0.record()
+                t = time.perf_counter()
+                steps[name]()
+                host[name].append((time.perf_counter() - t) * 1e3)
+                e1.record()
+                torch.cuda.synchronize()
+            times[name].append(e0.elapsed_time(e1))
+    every = [None] * world
+    dist.all_gather_object(every, {"times": times, "host": host, "clocks": clocks})
+    if rank != 0:
+        return
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    print(f"== interleaved, {args.iters} rounds; ms a step (slowest rank of each step, median), host ms a step "
+          "(median of each rank's)")
+    result = {}
+    for name in names:
+        slowest = [max(r["times"][name][i] for r in every) for i in range(args.iters)]
+        hosts = [median(r["host"][name]) for r in every]
+        result[name] = {"ms": median(slowest), "host_ms": hosts}
+        print(f"   {name:40s} {median(slowest):7.3f} ms  (min {min(slowest):.3f})  host " +
+              " ".join(f"{h:6.3f}" for h in hosts), flush=True)
+    if args.host_clock:
+        print("== host ms a step in each function (inclusive), per rank; calls a step")
+        funcs = [f for f in every[0]["clocks"][names[0]]]
+        for name in names:
+            print(f"-- {name}")
+            for f in funcs:
+                per_rank = [r["clocks"][name].get(f, [0.0, 0]) for r in every]
+                if not any(c for _, c in per_rank):
+                    continue
+                print(f"   {f:36s} " + " ".join(f"{ms / args.iters:6.3f}" for ms, _ in per_rank)
+                      + f"   {per_rank[0][1] / args.iters:6.1f}", flush=True)
+        result["clocks"] = [r["clocks"] for r in every]
+    with open(os.path.join(args.out_dir, f"{args.shape}-w{world}-interleaved.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
@@ -231,6 +361,9 @@ def main():
     p.add_argument("--cprofile-rows", type=int, default=30)
     p.add_argument("--barriers", action="store_true", help="time every window barrier on each rank's GPU")
     p.add_argument("--pin", action="store_true", help="bind each rank to its own block of the allowed cores")
+    p.add_argument("--interleave", action="store_true", help="run the variants' steps in turn, round by round")
+    p.add_argument("--host-clock", action="store_true", help="with --interleave: the host time of each of "
+                   "HOST_FUNCTIONS a step, per rank")
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
