@@ -143,12 +143,19 @@ class _Layout:
         first = rank * local_experts
         # expert-major receive layout: expert e's rows from source s start at recv_start[e][s]
         self.recv_start, self.expert_end = [], []
+        # where the SMs move the rows, each receive row's destination as runs in receive order, (delta, rows): receive
+        # row i goes back to row i + delta // 8 of source delta % 8 (destinations(); the scattering GEMMs' table)
+        self._dest_runs = ([], [])
         at = 0
         for e in range(local_experts):
             starts = []
             for s in range(world):
                 starts.append(at)
-                at += counts[s][first + e]
+                n = counts[s][first + e]
+                if n and not engine and world <= 8:
+                    self._dest_runs[0].append((self.send_start[s][first + e] - at) * 8 + s)
+                    self._dest_runs[1].append(n)
+                at += n
             self.recv_start.append(starts)
             self.expert_end.append(at)
         self.rows = at
@@ -204,17 +211,13 @@ class _Layout:
 
     def destinations(self, device):
         """[rows] int64 on the device: where each receive row's result goes back, (row in its source's buffer) * 8
-        + source (the scattered GEMM's table). Made once per device, without a host synchronization."""
+        + source (the scattering GEMMs' table; a layout of the SMs' transfers at most 8 ranks). Made once per
+        device from to_device's copy, without a host synchronization."""
         key = ("destinations", str(device))
         if key not in self._on_device:
-            runs = sorted((lo + row, peer_row * 8 + s - (lo + row) * 8, n) for (_, _, lo, _), segments
-                          in zip(self.chunks, self.segments) for s, peer_row, row, n in segments)
-            host = torch.tensor([r[1] for r in runs] + [r[2] for r in runs], dtype=torch.int64)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            every = host.to(device, non_blocking=True)
+            deltas, rows = self._copied(device)[3]
             self._on_device[key] = torch.arange(self.rows, device=device) * 8 + torch.repeat_interleave(
-                every[:len(runs)], every[len(runs):], output_size=self.rows)
+                deltas, rows, output_size=self.rows)
         return self._on_device[key]
 
     def to_device(self, device):
@@ -255,7 +258,8 @@ class _Layout:
         rel = []
         for e0, e1, lo, _ in self.chunks:
             rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-        flat = rel + self.expert_end + [v for row in self.table for v in row]
+        runs = len(self._dest_runs[0])
+        flat = rel + self.expert_end + self._dest_runs[0] + self._dest_runs[1] + [v for row in self.table for v in row]
         host = torch.tensor(flat, dtype=torch.int64)
         from .kernels.triton_transfer import TABLE_COLUMNS
 
@@ -263,7 +267,9 @@ class _Layout:
             host = host.pin_memory()
         every = host.to(device, non_blocking=True)
         n = len(rel)
-        return every[:n], every[2 * n:].view(-1, TABLE_COLUMNS), every[n:2 * n]
+        table = 2 * n + 2 * runs
+        return (every[:n], every[table:].view(-1, TABLE_COLUMNS), every[n:2 * n],
+                (every[2 * n:2 * n + runs], every[2 * n + runs:table]))
 
 
 class _Window:
@@ -570,13 +576,19 @@ class _Chunks:
         self.config = config_mod.current_config(rows, experts, probe.shape[1], self.inter, probe.device.type != "cuda",
                                                 dtype=probe.dtype, device=probe.device)
         self.offsets = offsets  # _Layout.to_device
+        self._layers = {}  # layer()'s, per chunk
 
     def layer(self, c: int, probe):
+        """(the single-GPU op's _Layer over chunk c's rows and experts, their offsets, rows and experts), made once:
+        the forward's serve the backward (the forward's probe is of the rows' dtype and device, as the backward's)."""
         from .kernels import megakernel
 
-        e0, e1, lo, hi = self.layout.chunks[c]
-        layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec, self.config)
-        return layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
+        if c not in self._layers:
+            e0, e1, lo, hi = self.layout.chunks[c]
+            layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec,
+                                      self.config)
+            self._layers[c] = layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
+        return self._layers[c]
 
     def forward(self, c, x, up, act, scatter=None):
         """up/act rows of chunk c from its received x rows (into the buffers' chunk rows); returns the chunk's
