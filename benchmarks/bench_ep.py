@@ -341,7 +341,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default="ep.json")
-    parser.add_argument("--chunks", type=int, default=4, help="pipeline chunks of the overlapped layer")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="pipeline chunks of the overlapped layer (default: the library's, OverlapConfig.chunks)")
     parser.add_argument("--copy-programs", type=int, default=None,
                         help="programs of the transfer kernel (default: the library's, 32 per peer rank)")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")

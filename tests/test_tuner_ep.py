@@ -29,7 +29,7 @@ def test_ep_candidates_default_first_distinct_and_pruned():
     assert all(c.copy_programs == OverlapConfig().copy_programs for c in cands if not c.copy_kernel)
     # one local expert: every chunk count is one chunk, so chunks no longer multiply the candidates
     one = tuner.ep_candidates(local_experts=1, world=2)
-    assert len({c.chunk_experts(1) for c in one}) == 1 and len(one) < len(cands)
+    assert len({c.chunk_experts(1, 2) for c in one}) == 1 and len(one) < len(cands)
     # past the transfer kernel's rank limit no candidate asks for it (the default's copy_kernel=True then runs
     # torch._foreach_copy_, ep_overlap.MAX_PEERS)
     assert not any(c.copy_kernel and c.copy_engine is False for c in tuner.ep_candidates(local_experts=4, world=16))

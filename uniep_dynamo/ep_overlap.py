@@ -19,7 +19,8 @@ Where each row goes comes from the routing plan alone, never from arrival order:
                 the single-GPU op's GEMMs over those experts, in the same row order
     pipeline    chunk c's rows are pulled (one copy per (expert, source) segment) while chunk c - 1
                 computes; chunk c's results are pushed back to their sources' ``back`` while chunk
-                c + 1 computes
+                c + 1 computes (where the SMs move the rows, by the chunk's last GEMM itself: its epilogue
+                stores each row into its source's ``back``, OverlapConfig.push_in_gemm)
     combine     after a barrier, the source sums each token's K rows from its ``back``, k in order, fp32
 
 The backward runs the same way: the weighted output-gradient rows are the dispatched rows, the input
@@ -48,7 +49,10 @@ from .spec import decode_spec
 @dataclasses.dataclass(frozen=True)
 class OverlapConfig:
     """The EP scheduling knobs. None of them changes numerics."""
-    chunks: int = 4  # pipeline chunks per rank (each a run of whole local experts); at most E / W
+    # pipeline chunks per rank (each a run of whole local experts); at most E / W. None: CHUNKS_COPY_ENGINE where the
+    # copy engines move the rows, CHUNKS_SM where the SMs do (each chunk costs those a transfer launch and the GEMMs'
+    # launches a phase; 2 chunks beat 4 there in interleaved runs, BENCHMARKS.md session 17)
+    chunks: int | None = None
     overlap: bool = True  # False: a phase's transfers all finish before its GEMMs (same results)
     # Transfers by the copy engines (True: no SMs taken from the GEMMs; one copy per (chunk, source), into a
     # stage ordered by source and put into expert order by one local row gather a chunk, the reverse before the
@@ -83,21 +87,30 @@ class OverlapConfig:
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
             raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
-        if self.chunks < 1 or (self.copy_programs is not None and self.copy_programs < 1) or self.copy_warps < 1 \
+        if (self.chunks is not None and self.chunks < 1) or (self.copy_programs is not None and self.copy_programs < 1) or self.copy_warps < 1 \
                 or self.copy_streams < 1 \
                 or self.copy_block < 16 \
                 or self.copy_block & (self.copy_block - 1):
             raise ValueError(f"uniep: OverlapConfig needs chunks, copy_programs, copy_streams and copy_warps >= 1 "
                              f"and copy_block a power of two >= 16, got {self}")
 
-    def chunk_experts(self, local_experts: int) -> int:
-        return max(1, math.ceil(local_experts / max(1, self.chunks)))
+    def chunk_experts(self, local_experts: int, world: int) -> int:
+        """Local experts a chunk, for this many local experts at this EP size."""
+        if self.chunks is not None:
+            return max(1, math.ceil(local_experts / self.chunks))
+        engine_chunk = max(1, math.ceil(local_experts / CHUNKS_COPY_ENGINE))
+        if self._engine_at(engine_chunk, world):
+            return engine_chunk
+        return max(1, math.ceil(local_experts / CHUNKS_SM))
+
+    def _engine_at(self, chunk_experts: int, world: int) -> bool:
+        if self.copy_engine is not None:
+            return self.copy_engine
+        return chunk_experts * world <= COPY_ENGINE_SEGMENTS
 
     def engine(self, local_experts: int, world: int) -> bool:
         """Whether the transfers run on the copy engines, for this many local experts at this EP size."""
-        if self.copy_engine is not None:
-            return self.copy_engine
-        return self.chunk_experts(local_experts) * world <= COPY_ENGINE_SEGMENTS
+        return self._engine_at(self.chunk_experts(local_experts, world), world)
 
     def layout_knobs(self, local_experts: int, world: int) -> tuple:
         """What a _Layout needs of these knobs at this EP size: (local experts a chunk, the transfer kernel's block
@@ -107,7 +120,7 @@ class OverlapConfig:
 
         engine = self.engine(local_experts, world)
         kernel = not engine and self.copy_kernel and world <= MAX_PEERS
-        return self.chunk_experts(local_experts), self.copy_block if kernel else None, engine
+        return self.chunk_experts(local_experts, world), self.copy_block if kernel else None, engine
 
     def gemm_pushes(self, local_experts: int, world: int) -> bool:
         """Whether the chunks' last GEMMs store their results into the sources' ``back`` themselves (push_in_gemm):
@@ -550,6 +563,8 @@ _SM_COUNTS: dict = {}
 
 
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
+CHUNKS_COPY_ENGINE = 4  # OverlapConfig.chunks=None where the copy engines move the rows
+CHUNKS_SM = 2  # OverlapConfig.chunks=None where the SMs move them
 COPY_PROGRAMS_PER_PEER = 32  # OverlapConfig.copy_programs=None: the transfer kernel's programs per peer rank
 COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to this many (expert, source) pairs a chunk
 

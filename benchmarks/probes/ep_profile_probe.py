@@ -350,7 +350,7 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=None, help="default: the library's (OverlapConfig.chunks)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--variants", default="single_gpu,compute_only,overlap:copy_engine=0:copy_kernel=1,"
                    "comm_only:copy_engine=0:copy_kernel=1",

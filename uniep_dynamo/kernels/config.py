@@ -207,3 +207,13 @@ def _gpu_name(device) -> str:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers (triton.cdiv is a constexpr function: several µs a call on the launch path)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as triton.next_power_of_2, without its call overhead."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0

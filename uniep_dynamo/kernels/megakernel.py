@@ -33,6 +33,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import config as config_mod
+from .config import cdiv as _cdiv
 from . import gate_program
 
 log = logging.getLogger("uniep")
@@ -244,7 +245,6 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
 
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
     dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most 8), by Triton; returns None."""
-    import triton
 
     from .triton_gemm import GLU_BWD, GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
@@ -269,7 +269,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     if c is None:
         c = torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
     cfg.validate(layer.interpret)
-    upper = (triton.cdiv(layer.num_slots, cfg.block_m) + layer.num_experts) * triton.cdiv(n, cfg.block_n)
+    upper = (_cdiv(layer.num_slots, cfg.block_m) + layer.num_experts) * _cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
     d = d if d is not None else c
     h = h if h is not None else c
@@ -349,10 +349,9 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
 def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift):
     """Launch an element-wise activation kernel of triton_gemm.py over the routed rows and the activation's
     columns; ``tensors`` are its leading (tensor, row stride) arguments."""
-    import triton
 
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
-    grid = (triton.cdiv(max(layer.num_slots, 1), block_r), triton.cdiv(layer.inter, block_c))
+    grid = (_cdiv(max(layer.num_slots, 1), block_r), _cdiv(layer.inter, block_c))
     kernel[grid](*(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter, up_shift,
                  COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
                  act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
@@ -377,7 +376,6 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e; returns grad. ``grad``
     may be a shape: the gradient is then a new contiguous tensor of P's dtype, computed by torch._grouped_mm
     where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient)."""
-    import triton
 
     from .triton_gemm import _weight_grad_gemm as kernel
 
@@ -393,7 +391,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
         grad = torch.empty(shape, dtype=p.dtype, device=p.device)
     cfg.validate(layer.interpret)
     m, n = grad.shape[m_dim], grad.shape[n_dim]
-    upper = layer.num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    upper = layer.num_experts * _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
     p_desc = q_desc = None
     if (layer.config.tma_weight_grad and not (p_gather or q_gather or q_scale) and _tma_device(p.device)

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import cdiv as _cdiv
 from .config import interpreting
+from .config import next_pow2 as _next_pow2
 from .router_reference import linear_backward, router_logits
 
 _MODES = {"softmax_topk": 0, "sigmoid_topk": 1, "topk_softmax": 2}
@@ -215,9 +217,9 @@ def _router_grad(logits_ptr, ids_ptr, gw_ptr, gl_ptr, dl_ptr, num_tokens, num_ex
 
 
 def _launch(num_tokens, num_experts):
-    e_pad = max(16, triton.next_power_of_2(num_experts))
+    e_pad = max(16, _next_pow2(num_experts))
     block_t = 16 if interpreting() else max(1, min(64, 4096 // e_pad))
-    return e_pad, block_t, (triton.cdiv(num_tokens, block_t),)
+    return e_pad, block_t, (_cdiv(num_tokens, block_t),)
 
 
 def router_forward(hidden, weight, bias, score_bias, spec):
@@ -237,7 +239,7 @@ def router_forward(hidden, weight, bias, score_bias, spec):
     e_pad, block_t, grid = _launch(num_tokens, spec.num_experts)
     num_keys = plan_num_keys(spec.num_experts)
     hist = torch.empty(grid[0], num_keys, dtype=torch.int32, device=hidden.device) if spec.plan else ids
-    k_pad = max(2, triton.next_power_of_2(spec.top_k))
+    k_pad = max(2, _next_pow2(spec.top_k))
     _router_select[grid](
         logits, score_bias if score_bias is not None else logits, weights, ids, hist, num_tokens, spec.num_experts,
         float(spec.scale), float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, K_PAD=k_pad, E_PAD=e_pad,

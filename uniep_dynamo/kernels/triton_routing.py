@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import cdiv as _cdiv
+from .config import next_pow2 as _next_pow2
+
 PLAN_BLOCK = 1024      # slots per histogram/scatter program: one tl.sort of 1024 keys
 MAX_SLOTS = 2**31 - PLAN_BLOCK  # counts, bases and in-block ranks are int32
 COMBINE_BLOCK_H = 256  # hidden columns per combine program
@@ -92,7 +95,7 @@ def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num
 
 def plan_num_keys(num_experts: int) -> int:
     """Histogram bins: one per expert, one for dropped slots, one for the padding of a block."""
-    return triton.next_power_of_2(num_experts + 2)
+    return _next_pow2(num_experts + 2)
 
 
 def plan_buffers(num_slots: int, num_experts: int, device):
@@ -114,7 +117,7 @@ def plan_from_histogram(flat_ids, hist, slots_per_block: int, num_experts: int, 
     base = torch.empty_like(hist)
     _plan_scan[(1,)](hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
     _plan_scatter[(num_blocks,)](flat_ids, base, row_order, slot_row, flat_ids.numel(), num_experts,
-                                 slots_per_block, CLAMP=clamp, BLOCK=triton.next_power_of_2(slots_per_block),
+                                 slots_per_block, CLAMP=clamp, BLOCK=_next_pow2(slots_per_block),
                                  NUM_KEYS=num_keys)
     return plan
 
@@ -127,7 +130,7 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     if num_slots == 0:
         return plan
     num_keys = plan_num_keys(num_experts)
-    num_blocks = triton.cdiv(num_slots, PLAN_BLOCK)
+    num_blocks = _cdiv(num_slots, PLAN_BLOCK)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
     _plan_histogram[(num_blocks,)](flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
                                    NUM_KEYS=num_keys)
@@ -160,7 +163,7 @@ def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_d
     if num_tokens == 0 or hidden == 0:
         return out
     weights_arg = weights.contiguous() if weights is not None else rows
-    grid = (num_tokens, triton.cdiv(hidden, COMBINE_BLOCK_H))
+    grid = (num_tokens, _cdiv(hidden, COMBINE_BLOCK_H))
     _combine[grid](rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), hidden, offsets.numel(),
                    TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=COMBINE_BLOCK_H)
     return out
@@ -193,7 +196,7 @@ def routing_weight_grad(grad_out, rows, slot_row, offsets, num_tokens: int, top_
     grad_out = grad_out.contiguous()
     _routing_weight_grad[(num_tokens,)](grad_out, grad_out.stride(0), rows, rows.stride(0), slot_row, offsets, out,
                                         rows.shape[1], offsets.numel(), TOP_K=top_k,
-                                        BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_H=GRAD_W_BLOCK_H)
+                                        BLOCK_K=max(2, _next_pow2(top_k)), BLOCK_H=GRAD_W_BLOCK_H)
     return out
 
 
@@ -228,7 +231,7 @@ def gather_rows(src, row_order, top_k: int, weights=None, out=None) -> torch.Ten
         return out
     if src.stride(1) != 1:
         src = src.contiguous()
-    grid = (triton.cdiv(num_rows, GATHER_BLOCK_R), triton.cdiv(num_cols, GATHER_BLOCK_C))
+    grid = (_cdiv(num_rows, GATHER_BLOCK_R), _cdiv(num_cols, GATHER_BLOCK_C))
     _gather_rows[grid](src, src.stride(0), row_order, weights if weights is not None else src, out, out.stride(0),
                        num_rows, num_cols, top_k, SCALE=weights is not None, BLOCK_R=GATHER_BLOCK_R,
                        BLOCK_C=GATHER_BLOCK_C)
