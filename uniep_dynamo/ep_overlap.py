@@ -87,7 +87,8 @@ class OverlapConfig:
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
             raise ValueError(f"uniep: OverlapConfig.timing={self.timing!r}; expected '', 'compute' or 'comm'")
-        if (self.chunks is not None and self.chunks < 1) or (self.copy_programs is not None and self.copy_programs < 1) or self.copy_warps < 1 \
+        if (self.chunks is not None and self.chunks < 1) \
+                or (self.copy_programs is not None and self.copy_programs < 1) or self.copy_warps < 1 \
                 or self.copy_streams < 1 \
                 or self.copy_block < 16 \
                 or self.copy_block & (self.copy_block - 1):

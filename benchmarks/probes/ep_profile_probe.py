@@ -42,7 +42,8 @@ def _variant(name):
     knobs = dict(KINDS[kind])
     for pair in pairs:
         key, value = pair.split("=")
-        knobs[key] = bool(int(value)) if key in ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last") else int(value)
+        flags = ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last")
+        knobs[key] = bool(int(value)) if key in flags else int(value)
     return knobs
 
 

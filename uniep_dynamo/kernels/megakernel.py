@@ -245,7 +245,6 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
 
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
     dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most 8), by Triton; returns None."""
-
     from .triton_gemm import GLU_BWD, GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
@@ -349,7 +348,6 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
 def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift):
     """Launch an element-wise activation kernel of triton_gemm.py over the routed rows and the activation's
     columns; ``tensors`` are its leading (tensor, row stride) arguments."""
-
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (_cdiv(max(layer.num_slots, 1), block_r), _cdiv(layer.inter, block_c))
     kernel[grid](*(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter, up_shift,
@@ -376,7 +374,6 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e; returns grad. ``grad``
     may be a shape: the gradient is then a new contiguous tensor of P's dtype, computed by torch._grouped_mm
     where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient)."""
-
     from .triton_gemm import _weight_grad_gemm as kernel
 
     if not isinstance(grad, torch.Tensor):
