@@ -125,10 +125,12 @@ class OverlapConfig:
 
     def gemm_pushes(self, local_experts: int, world: int) -> bool:
         """Whether the chunks' last GEMMs store their results into the sources' ``back`` themselves (push_in_gemm):
-        where the SMs move the rows with overlap on, at most 8 ranks (the scattering GEMM's peers), and the
-        transfers are not skipped for timing."""
-        return (self.push_in_gemm and self.overlap and not self.engine(local_experts, world) and world <= 8
-                and self.timing == "")
+        where the SMs move the rows with overlap on, at most MAX_PEERS ranks (the scattering GEMM's peers), and
+        the transfers are not skipped for timing."""
+        from .kernels.triton_transfer import MAX_PEERS
+
+        return (self.push_in_gemm and self.overlap and not self.engine(local_experts, world)
+                and world <= MAX_PEERS and self.timing == "")
 
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
@@ -145,7 +147,7 @@ class _Layout:
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
                  width: int, block: int | None, engine: bool = False):
-        from .kernels.triton_transfer import segment_table
+        from .kernels.triton_transfer import MAX_PEERS, segment_table
 
         self.rank, self.world, self.block, self.engine = rank, world, block, engine
         self._on_device = {}  # to_device's tensors, per device
@@ -166,7 +168,7 @@ class _Layout:
             for s in range(world):
                 starts.append(at)
                 n = counts[s][first + e]
-                if n and not engine and world <= 8:
+                if n and not engine and world <= MAX_PEERS:
                     self._dest_runs[0].append((self.send_start[s][first + e] - at) * 8 + s)
                     self._dest_runs[1].append(n)
                 at += n
@@ -225,42 +227,39 @@ class _Layout:
 
     def destinations(self, device):
         """[rows] int64 on the device: where each receive row's result goes back, (row in its source's buffer) * 8
-        + source (the scattering GEMMs' table; a layout of the SMs' transfers at most 8 ranks). Made once per
-        device from to_device's copy, without a host synchronization."""
+        + source (the scattering GEMMs' table; a layout of the SMs' transfers at most MAX_PEERS ranks). Made once
+        per device from to_device's copy, without a host synchronization."""
         key = ("destinations", str(device))
         if key not in self._on_device:
-            deltas, rows = self._copied(device)[3]
-            self._on_device[key] = torch.arange(self.rows, device=device) * 8 + torch.repeat_interleave(
-                deltas, rows, output_size=self.rows)
+            self._on_device[key] = self._expand(device, "dest", scale=8)
         return self._on_device[key]
 
     def to_device(self, device):
         """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
         first row: the grouped GEMMs' offsets, sliced per chunk; [n, 5] int64, the transfer table). Made once per
         device: a cached exchange layout serves the forward and the backward (the kernels only read them)."""
-        return self._copied(device)[:2]
+        copied = self._copied(device)
+        return copied["rel"], copied["table"]
 
     def ends(self, device):
         """[E_local] int64 on the device: each local expert's end row (the offsets of a GEMM over every chunk)."""
-        return self._copied(device)[2]
+        return self._copied(device)["ends"]
 
     def permutations(self, device):
         """([rows] int64, [rows] int64) on the device: for each receive row, its row in its chunk's stage; for
         each stage row (the chunk's first row plus the row in its stage), its row in the chunk's receive order.
-        Made once per device, without a host synchronization."""
+        Made once per device from to_device's copy, without a host synchronization."""
         key = ("permutations", str(device))
         if key not in self._on_device:
-            host = torch.tensor(self._perm_runs[0] + self._inv_runs[0] + self._perm_runs[1] + self._inv_runs[1],
-                                dtype=torch.int64)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            every = host.to(device, non_blocking=True)
-            n = len(self._perm_runs[0])
-            rows = torch.arange(self.rows, device=device)
-            self._on_device[key] = tuple(
-                rows + torch.repeat_interleave(every[i * n:(i + 1) * n], every[(2 + i) * n:(3 + i) * n],
-                                               output_size=self.rows) for i in (0, 1))
+            self._on_device[key] = (self._expand(device, "perm"), self._expand(device, "inv"))
         return self._on_device[key]
+
+    def _expand(self, device, name: str, scale: int = 1):
+        """[rows] int64: row i * scale + the delta of the run (of the ``name`` runs, in row order) that holds row i."""
+        copied = self._copied(device)
+        rows = torch.arange(self.rows, device=device)
+        return (rows * scale if scale != 1 else rows) + torch.repeat_interleave(
+            copied[name + "_deltas"], copied[name + "_rows"], output_size=self.rows)
 
     def _copied(self, device):
         key = str(device)
@@ -269,21 +268,27 @@ class _Layout:
         return self._on_device[key]
 
     def _copy_to(self, device):
+        """Every host table of the layout in one host-to-device copy: {name: its int64 tensor on the device}."""
+        from .kernels.triton_transfer import TABLE_COLUMNS
+
         rel = []
         for e0, e1, lo, _ in self.chunks:
             rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-        runs = len(self._dest_runs[0])
-        flat = rel + self.expert_end + self._dest_runs[0] + self._dest_runs[1] + [v for row in self.table for v in row]
-        host = torch.tensor(flat, dtype=torch.int64)
-        from .kernels.triton_transfer import TABLE_COLUMNS
-
+        sections = {"rel": rel, "ends": self.expert_end,
+                    "dest_deltas": self._dest_runs[0], "dest_rows": self._dest_runs[1],
+                    "perm_deltas": self._perm_runs[0], "perm_rows": self._perm_runs[1],
+                    "inv_deltas": self._inv_runs[0], "inv_rows": self._inv_runs[1],
+                    "table": [v for row in self.table for v in row]}
+        host = torch.tensor([v for values in sections.values() for v in values], dtype=torch.int64)
         if device.type == "cuda":
             host = host.pin_memory()
         every = host.to(device, non_blocking=True)
-        n = len(rel)
-        table = 2 * n + 2 * runs
-        return (every[:n], every[table:].view(-1, TABLE_COLUMNS), every[n:2 * n],
-                (every[2 * n:2 * n + runs], every[2 * n + runs:table]))
+        copied, at = {}, 0
+        for name, values in sections.items():
+            copied[name] = every[at:at + len(values)]
+            at += len(values)
+        copied["table"] = copied["table"].view(-1, TABLE_COLUMNS)
+        return copied
 
 
 class _Window:
@@ -459,7 +464,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
         most = max(hi - lo for (_, _, lo, hi), st in zip(layout.chunks, staged) if st)
         stage = torch.empty(ahead, most, recv.shape[1], dtype=recv.dtype, device=device)
 
-    # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (the Triton GEMM takes at most 8)
+    # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (OverlapConfig.gemm_pushes)
     scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
         else None
     streams = _Streams(device, knobs.copy_streams if copy_engine else 1)
@@ -627,7 +632,7 @@ class _Chunks:
                               up_shift=layer.up_shift)
         return megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
                                      n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
-                                     scatter=(scatter[0][rows], scatter[1]) if scatter is not None else None)
+                                     scatter=_chunk_scatter(scatter, rows))
 
     def backward(self, c, x, up, dy, act, d_up, grads, weight_grads: bool = True, scatter=None):
         """Chunk c's input-gradient rows ([chunk rows, H], returned; None for a chunk without rows; with
@@ -655,7 +660,7 @@ class _Chunks:
         d_x = megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
                                     b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width,
                                     epilogue=STORE, offsets=offs,
-                                    scatter=(scatter[0][rows], scatter[1]) if scatter is not None else None)
+                                    scatter=_chunk_scatter(scatter, rows))
         if weight_grads:
             self._weight_grads(layer, offs, rows, experts, x, dy, act, d_up, grads)
         return d_x
@@ -700,6 +705,11 @@ class _Chunks:
             m_dim=up_dims[0], n_dim=up_dims[1], bias_grad=d_b_up[experts] if d_b_up is not None else None)
         if grads[0] is None:
             grads[0] = d_w_up
+
+
+def _chunk_scatter(scatter, rows: slice):
+    """A chunk's part of _exchange's ``scatter`` (the destinations of its rows, the peers' buffers), or None."""
+    return (scatter[0][rows], scatter[1]) if scatter is not None else None
 
 
 def _new_grads(w_up, w_down, b_up, b_down, weights: bool = True):

@@ -244,17 +244,19 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
 
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
-    dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most 8), by Triton; returns None."""
+    dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most MAX_PEERS), by Triton; returns None."""
     from .triton_gemm import GLU_BWD, GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
     width = b.shape[2] if epilogue == GLU_FWD else n
     peers = []
     if scatter is not None:
+        from .triton_transfer import MAX_PEERS
+
         dst, peers = scatter
-        if epilogue != STORE or c is not None or not 0 < len(peers) <= 8 or dst.shape[0] != layer.num_slots:
+        if epilogue != STORE or c is not None or not 0 < len(peers) <= MAX_PEERS or dst.shape[0] != layer.num_slots:
             raise ValueError("uniep: a scattered GEMM takes a STORE epilogue, no output and a row table, "
-                             "for 1 to 8 peers")
+                             f"for 1 to {MAX_PEERS} peers")
         c = peers[0]
         counters["uniep_kernels"]["scattered_gemms"] += 1
     if (c is None and epilogue != GLU_BWD and not gather and not a_scale and bias is None
@@ -312,7 +314,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
         TMA_A=a_desc is not None, TMA_B=b_desc is not None, B_KMAJOR=b_kmajor,
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         **({"dst_ptr": scatter[0], "SCATTER": True,
-            **{f"q{i}": peers[min(i, len(peers) - 1)] for i in range(8)}} if scatter is not None else {}),
+            **{f"q{i}": peers[min(i, len(peers) - 1)] for i in range(MAX_PEERS)}} if scatter is not None else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return c if scatter is None else None
 
