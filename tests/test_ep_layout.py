@@ -71,3 +71,40 @@ def test_copy_engine_stage_matches_the_segments(world, local_experts, chunk, hot
             one_expert = chunk == 1 or empty_source is not None and world == 2
             if one_expert:
                 assert not any(layout.staged)
+
+
+@pytest.mark.parametrize("world,local_experts,chunk,lanes", [(2, 4, 4, 1), (4, 3, 2, 2), (4, 8, 3, 3), (3, 2, 1, 4)])
+def test_batched_copies_are_the_segments_in_bytes(world, local_experts, chunk, lanes):
+    """With batch_copies the layout stages nothing, and its batches are the (expert, source) segments in bytes: the
+    pulls put every row where the segments do, the pushes put it back, and a source's runs stay on one stream."""
+    width = 3
+    for seed in range(3):
+        counts = _counts(world, local_experts, seed, hot=1 if seed == 2 else None)
+        tokens = [sum(row) for row in counts]
+        for rank in range(world):
+            layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True,
+                             batched=True)
+            assert not any(layout.staged) and not layout.blocks
+            sends = _buffers(counts, width)
+            recv = torch.full((layout.rows, width), -1.0)
+            backs = [torch.full_like(b, -3.0) for b in sends]
+            row_bytes = width * recv.element_size()
+            for c, (_, _, lo, hi) in enumerate(layout.chunks):
+                lane_sources = []
+                local = recv[lo:hi].view(-1).view(torch.uint8)
+                for sources, peer_at, local_at, sizes in layout.batches(c, lanes, row_bytes):
+                    lane_sources.append(set(sources))
+                    for s, p, at, n in zip(sources, peer_at, local_at, sizes):
+                        local[at:at + n] = sends[s].view(-1).view(torch.uint8)[p:p + n]
+                        backs[s].view(-1).view(torch.uint8)[p:p + n] = local[at:at + n]
+                assert len(lane_sources) <= lanes
+                assert all(not (a & b) for i, a in enumerate(lane_sources) for b in lane_sources[i + 1:])
+            expect = torch.full_like(recv, -1.0)
+            for c, (_, _, lo, _) in enumerate(layout.chunks):
+                for s, peer_row, row, n in layout.segments[c]:
+                    expect[lo + row:lo + row + n] = sends[s][peer_row:peer_row + n]
+            assert (expect >= 0).all() and torch.equal(recv, expect), (seed, rank)
+            first = rank * local_experts
+            for s in range(world):
+                mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
+                assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)

@@ -19,15 +19,19 @@ pytestmark = [
 ]
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
-# weight_grads_last, copy_streams, push_in_gemm]). The two cases that run them have two experts a rank, so: the
-# default (one chunk of both, by the copy engines through the stage), the copy engines over chunks of one expert (no
-# stage) with overlap on and off, torch._foreach_copy_, the transfer kernel with one program walking every segment
-# of two chunks and with three over one chunk, the copy engines through the stage over three streams with overlap
-# off, and the transfer kernel pushing the results itself instead of the GEMMs storing them into the peers. Where
-# the SMs move the rows with overlap on, the GEMMs store them by default (push_in_gemm).
+# weight_grads_last, copy_streams, push_in_gemm, timing, batch_copies]). The two cases that run them have two
+# experts a rank, so: the default (one chunk of both, by the copy engines through the stage), the copy engines over
+# chunks of one expert (no stage) with overlap on and off, torch._foreach_copy_, the transfer kernel with one program
+# walking every segment of two chunks and with three over one chunk, the copy engines through the stage over three
+# streams with overlap off, the transfer kernel pushing the results itself instead of the GEMMs storing them into
+# the peers, and the copy engines' batches of (expert, source) runs (no stage) over one chunk of both experts and
+# two streams, then over chunks of one expert without overlap. Where the SMs move the rows with overlap on, the GEMMs
+# store them by default (push_in_gemm).
 KNOBS = [(1, True, None), (2, True, True), (2, False, True), (2, True, False, False),
          (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3),
-         (1, False, True, True, None, 8192, 8, True, 3), (2, True, False, True, 1, 8192, 8, True, 1, False)]
+         (1, False, True, True, None, 8192, 8, True, 3), (2, True, False, True, 1, 8192, 8, True, 1, False),
+         (1, True, True, True, None, 8192, 8, True, 2, True, "", True),
+         (2, False, True, True, None, 8192, 8, False, 1, True, "", True)]
 # The gate and routing cases (what they stress is the plan and the epilogues, not the schedule) run three of
 # them: the default (the stage; with a rank that receives nothing, an empty chunk), chunks of one expert by the copy
 # engines, and the transfer kernel with the weight gradients between the chunks.

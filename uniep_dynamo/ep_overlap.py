@@ -83,6 +83,10 @@ class OverlapConfig:
     # Benchmarks only, the results are wrong: "compute" skips the transfers, "comm" skips the GEMMs, to time
     # the two parts of the layer apart.
     timing: str = ""
+    # The copy engines' copies of a chunk: one batched driver call (kernels/batch_copy.py) a stream over every
+    # (expert, source) run, straight into expert order and back (True: no stage and no row gathers on the SMs), or
+    # one copy per (chunk, source) through a stage (False). Same rows either way.
+    batch_copies: bool = False
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
@@ -115,13 +119,15 @@ class OverlapConfig:
 
     def layout_knobs(self, local_experts: int, world: int) -> tuple:
         """What a _Layout needs of these knobs at this EP size: (local experts a chunk, the transfer kernel's block
-        where the kernel moves the rows, else None: no transfer table then, whether the copy engines move them).
-        The transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_ does."""
+        where the kernel moves the rows, else None: no transfer table then, whether the copy engines move them,
+        whether they do so in batches of (expert, source) runs). The transfer kernel addresses at most MAX_PEERS
+        ranks' buffers; past that, torch._foreach_copy_ does."""
         from .kernels.triton_transfer import MAX_PEERS
 
         engine = self.engine(local_experts, world)
         kernel = not engine and self.copy_kernel and world <= MAX_PEERS
-        return self.chunk_experts(local_experts, world), self.copy_block if kernel else None, engine
+        return (self.chunk_experts(local_experts, world), self.copy_block if kernel else None, engine,
+                engine and self.batch_copies)
 
     def gemm_pushes(self, local_experts: int, world: int) -> bool:
         """Whether the chunks' last GEMMs store their results into the sources' ``back`` themselves (push_in_gemm):
@@ -143,13 +149,16 @@ class _Layout:
     counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens; width: the elements
     of a row (every transfer of the layer moves [*, hidden] rows); block: the transfer kernel's block, None
     when the call does not use the kernel (no table then); engine: whether the copy engines move the rows
-    (the per-(chunk, source) blocks and the stage permutations then)."""
+    (the per-(chunk, source) blocks and the stage permutations then, unless ``batched``: their copies are then the
+    (expert, source) segments themselves, in batches, and no chunk is staged)."""
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
-                 width: int, block: int | None, engine: bool = False):
+                 width: int, block: int | None, engine: bool = False, batched: bool = False):
         from .kernels.triton_transfer import MAX_PEERS, segment_table
 
         self.rank, self.world, self.block, self.engine = rank, world, block, engine
+        self.batched = engine and batched
+        self._batches = {}  # batches(): per (chunk, streams, row bytes)
         self._on_device = {}  # to_device's tensors, per device
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
         self.send_start = [[0] * (len(row) + 1) for row in counts]
@@ -206,7 +215,7 @@ class _Layout:
         # the permutations, as runs of (delta, rows): receive row i -> its row in the chunk's stage, i + delta; stage
         # row j of a chunk whose first row is lo -> its row counted from lo in the receive order, lo + j + delta
         self._perm_runs, self._inv_runs = ([], []), ([], [])
-        for e0, e1, lo, _ in self.chunks if engine else ():
+        for e0, e1, lo, _ in self.chunks if engine and not self.batched else ():
             per_source = [sum(counts[s][first + e0:first + e1]) for s in range(world)]
             stage_start = [sum(per_source[:s]) for s in range(world)]
             self.blocks.append([(s, self.send_start[s][first + e0], stage_start[s], per_source[s]) for s in order
@@ -224,6 +233,27 @@ class _Layout:
             for e, s in by_source:  # indexed by lo + the stage row; gives the receive row counted from lo
                 self._inv_runs[0].append((self.recv_start[e][s] - lo) - (lo + stage_row(e, s)))
                 self._inv_runs[1].append(counts[s][first + e])
+        if self.batched:
+            self.staged = [False] * len(self.chunks)
+
+    def batches(self, c: int, lanes: int, row_bytes: int):
+        """Chunk c's segments as byte offsets, for the batched copies (``lanes`` streams; a source's runs stay on
+        one): per lane, (sources, offsets into the sources' buffers, offsets into the chunk's local rows, sizes).
+        Made once per (chunk, lanes, row bytes); a pull and a push read the same offsets."""
+        key = (c, lanes, row_bytes)
+        if key not in self._batches:
+            per_lane = [([], [], [], []) for _ in range(lanes)]
+            sources = []
+            for s, peer_row, row, n in self.segments[c]:
+                if s not in sources:
+                    sources.append(s)
+                lane = per_lane[sources.index(s) % lanes]
+                lane[0].append(s)
+                lane[1].append(peer_row * row_bytes)
+                lane[2].append(row * row_bytes)
+                lane[3].append(n * row_bytes)
+            self._batches[key] = [lane for lane in per_lane if lane[0]]
+        return self._batches[key]
 
     def destinations(self, device):
         """[rows] int64 on the device: where each receive row's result goes back, (row in its source's buffer) * 8
@@ -443,6 +473,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
     every copy has been issued. ``table``: the layout's transfer table on the device."""
+    from .kernels import batch_copy
     from .kernels.triton_transfer import copy_segments
 
     transfer = knobs.timing != "compute"
@@ -478,12 +509,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
         if not transfer:
             return
         if not kernel:
-            pairs = [(peers[s][peer_row:peer_row + n], local[row:row + n]) if push else
-                     (local[row:row + n], peers[s][peer_row:peer_row + n])
-                     for s, peer_row, row, n in layout.segments[c]]
-            if pairs:
-                dsts, srcs = zip(*pairs)
-                torch._foreach_copy_(list(dsts), list(srcs))
+            _segment_copies(layout.segments[c], local, peers, push)
         else:
             first, rows, blocks = layout.table_chunks[c]
             solo = not knobs.overlap or c == (num_chunks - 1 if push else 0)
@@ -491,9 +517,12 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
                           solo_programs if solo else programs, knobs.copy_block, knobs.copy_warps)
 
     def engine_copies(c, local, peers, push, after):
-        """The copy engines' copies of chunk c, one per source, spread over the streams of the direction, each of
-        which first waits for ``after``; returns the events of the streams that copied."""
+        """The copy engines' copies of chunk c, one per source (or its batches of (expert, source) runs), spread
+        over the streams of the direction, each of which first waits for ``after``; returns the events of the
+        streams that copied."""
         lanes = streams.pushes if push else streams.pulls
+        if layout.batched:
+            return batched_copies(c, local, peers, push, after, lanes)
         done = []
         for i, (s, peer_row, row, n) in enumerate(layout.blocks[c] if transfer else ()):
             lane = lanes[i % len(lanes)]
@@ -506,6 +535,26 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
                     local[row:row + n].copy_(peers[s][peer_row:peer_row + n])
             if i + len(lanes) >= len(layout.blocks[c]):  # the lane's last copy of the chunk
                 done.append(streams.record(lane))
+        return done
+
+    def batched_copies(c, local, peers, push, after, lanes):
+        if not transfer:
+            return []
+        if not streams.cuda or not batch_copy.available():  # CPU, or a driver without batches: one copy a run
+            with streams.on(lanes[0]):
+                streams.wait(after, lanes[0])
+                _segment_copies(layout.segments[c], local, peers, push)
+                return [streams.record(lanes[0])]
+        if not local.is_contiguous():
+            raise ValueError("uniep: the batched copies take contiguous chunk rows")
+        done, bases, here = [], [p.data_ptr() for p in peers], local.data_ptr()
+        for lane, (sources, peer_at, local_at, sizes) in zip(lanes, layout.batches(
+                c, len(lanes), local.shape[1] * local.element_size())):
+            streams.wait(after, lane)
+            there = [bases[s] + at for s, at in zip(sources, peer_at)]
+            mine = [here + at for at in local_at]
+            batch_copy.copy_batch(there if push else mine, mine if push else there, sizes, lane.cuda_stream)
+            done.append(streams.record(lane))
         return done
 
     def pull(c):
@@ -554,6 +603,17 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     streams.join()
     pushed.clear()
     win_out.barrier()
+
+
+def _segment_copies(segments, local, peers, push: bool) -> None:
+    """Every (source, row in its buffer, row in ``local``, rows) segment, pulled from peers[source] into local
+    or pushed the other way, by one torch._foreach_copy_."""
+    pairs = [(peers[s][peer_row:peer_row + n], local[row:row + n]) if push else
+             (local[row:row + n], peers[s][peer_row:peer_row + n])
+             for s, peer_row, row, n in segments]
+    if pairs:
+        dsts, srcs = zip(*pairs)
+        torch._foreach_copy_(list(dsts), list(srcs))
 
 
 def _sm_count(device) -> int:
@@ -809,8 +869,8 @@ class _OverlapEP(torch.autograd.Function):
         if early is not None and early.capacity >= slots and slots:
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
-        chunk, block, engine = knobs.layout_knobs(local_experts, world)
-        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine)
+        chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched)
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")
@@ -1053,9 +1113,9 @@ def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: O
         for r in range(world):
             row.extend(counts[s] if r == rank else [rows[s][r]] + [0] * (local_experts - 1))
         per_expert.append(row)
-    chunk, block, engine = knobs.layout_knobs(local_experts, world)
+    chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
     return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts, chunk,
-                   width, block, engine)
+                   width, block, engine, batched)
 
 
 def _check_exchange(rows, claims):

@@ -418,7 +418,8 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
 EP_SPACE = {
     "chunks": (1, 2, 4, 8),
     "overlap": (True, False),
-    "transfer": ("copy_engine", "foreach", "kernel"),  # OverlapConfig.copy_engine / copy_kernel
+    # OverlapConfig.copy_engine (with batch_copies: copy_engine_batches) / copy_kernel
+    "transfer": ("copy_engine", "copy_engine_batches", "foreach", "kernel"),
     "copy_programs": (16, 32, 64, 132),  # the transfer kernel's programs beside the GEMMs
     "copy_streams": (1, 2, 4),  # the copy engines' streams a direction
     "weight_grads_last": (True, False),
@@ -442,11 +443,13 @@ def ep_candidates(local_experts: int, world: int):
             knobs["copy_programs"] = default.copy_programs
         elif world > MAX_PEERS:
             continue
-        if transfer != "copy_engine":
+        engine = transfer.startswith("copy_engine")
+        if not engine:
             if knobs["copy_streams"] != EP_SPACE["copy_streams"][0]:
                 continue  # only the copy engines have streams
             knobs["copy_streams"] = default.copy_streams
-        cfg = OverlapConfig(copy_engine=transfer == "copy_engine", copy_kernel=transfer == "kernel", **knobs)
+        cfg = OverlapConfig(copy_engine=engine, copy_kernel=transfer == "kernel",
+                            batch_copies=transfer == "copy_engine_batches", **knobs)
         schedule = _ep_schedule(cfg, local_experts, world)
         if schedule not in seen:  # e.g. more chunks than experts: the same schedule as fewer
             seen.add(schedule)
@@ -457,11 +460,11 @@ def ep_candidates(local_experts: int, world: int):
 def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     """What a config does for this many local experts at this EP size (configs with one schedule are one
     candidate)."""
-    chunk, block, engine = cfg.layout_knobs(local_experts, world)
+    chunk, block, engine, batched = cfg.layout_knobs(local_experts, world)
     kernel = block is not None
     return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
-            cfg.gemm_pushes(local_experts, world))
+            cfg.gemm_pushes(local_experts, world), batched)
 
 
 @dataclass
