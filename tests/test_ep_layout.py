@@ -25,6 +25,7 @@ def _buffers(counts, width):
 
 @pytest.mark.parametrize("world,local_experts,chunk,hot,empty_source", [
     (2, 4, 4, None, None),  # one chunk of four experts
+    (4, 8, (2, 4, 2), 3, None),  # tapered chunks (OverlapConfig.taper)
     (4, 3, 2, None, None),  # uneven chunks
     (4, 8, 3, 5, None),  # a hot expert
     (3, 2, 1, None, None),  # chunks of one expert: the stage is the receive order
@@ -69,6 +70,9 @@ def test_copy_engine_stage_matches_the_segments(world, local_experts, chunk, hot
                 mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
                 assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
             one_expert = chunk == 1 or empty_source is not None and world == 2
+            sizes = chunk if isinstance(chunk, tuple) else None
+            if sizes:
+                assert [e1 - e0 for e0, e1, _, _ in layout.chunks] == list(sizes)
             if one_expert:
                 assert not any(layout.staged)
 
@@ -108,3 +112,19 @@ def test_batched_copies_are_the_segments_in_bytes(world, local_experts, chunk, l
             for s in range(world):
                 mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
                 assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
+
+
+def test_tapered_chunk_sizes():
+    """taper: the first chunk (and past two chunks, the last) half the others'; every expert in one chunk, every
+    chunk at least one; without taper, even chunks as before."""
+    from uniep_dynamo.ep_overlap import OverlapConfig
+
+    assert OverlapConfig(chunks=2, taper=True).chunk_sizes(32, 4) == (11, 21)
+    assert OverlapConfig(chunks=3, taper=True).chunk_sizes(32, 4) == (8, 16, 8)
+    assert OverlapConfig(chunks=4, taper=True).chunk_sizes(64, 4) == (11, 21, 21, 11)
+    assert OverlapConfig(chunks=3).chunk_sizes(32, 4) == (11, 11, 10)
+    for chunks in range(1, 9):
+        for local in range(1, 40):
+            sizes = OverlapConfig(chunks=chunks, taper=True).chunk_sizes(local, 4)
+            assert sum(sizes) == local and min(sizes) >= 1 and len(sizes) == len(
+                OverlapConfig(chunks=chunks).chunk_sizes(local, 4)), (chunks, local, sizes)

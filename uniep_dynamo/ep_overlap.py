@@ -87,6 +87,9 @@ class OverlapConfig:
     # (expert, source) run, straight into expert order and back (True: no stage and no row gathers on the SMs), or
     # one copy per (chunk, source) through a stage (False). Same rows either way.
     batch_copies: bool = False
+    # Chunk sizes: even (False), or tapered (True): the first chunk (whose pull no GEMM hides) and, past two chunks,
+    # the last (whose push none hides) take half the experts of the others. Same rows and GEMMs per expert.
+    taper: bool = False
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
@@ -108,6 +111,22 @@ class OverlapConfig:
             return engine_chunk
         return max(1, math.ceil(local_experts / CHUNKS_SM))
 
+    def chunk_sizes(self, local_experts: int, world: int) -> tuple:
+        """Local experts of each chunk, in order: chunk_experts() each (the last takes the rest), or with ``taper``
+        as many chunks with weights 1, 2, ..., 2, 1 (two chunks: 1, 2), each at least one expert."""
+        each = self.chunk_experts(local_experts, world)
+        n = math.ceil(local_experts / each) if local_experts else 0
+        if not self.taper or n < 2:
+            return tuple(min(each, local_experts - e0) for e0 in range(0, local_experts, each))
+        weights = [1] + [2] * (n - 2) + [1 if n > 2 else 2]
+        sizes, done, total = [], 0, sum(weights)
+        for i, w in enumerate(weights):
+            end = round(local_experts * sum(weights[:i + 1]) / total)
+            end = min(max(end, done + 1), local_experts - (n - 1 - i))  # every chunk keeps an expert
+            sizes.append(end - done)
+            done = end
+        return tuple(sizes)
+
     def _engine_at(self, chunk_experts: int, world: int) -> bool:
         if self.copy_engine is not None:
             return self.copy_engine
@@ -118,7 +137,7 @@ class OverlapConfig:
         return self._engine_at(self.chunk_experts(local_experts, world), world)
 
     def layout_knobs(self, local_experts: int, world: int) -> tuple:
-        """What a _Layout needs of these knobs at this EP size: (local experts a chunk, the transfer kernel's block
+        """What a _Layout needs of these knobs at this EP size: (local experts of each chunk, the transfer kernel's block
         where the kernel moves the rows, else None: no transfer table then, whether the copy engines move them,
         whether they do so in batches of (expert, source) runs). The transfer kernel addresses at most MAX_PEERS
         ranks' buffers; past that, torch._foreach_copy_ does."""
@@ -126,7 +145,7 @@ class OverlapConfig:
 
         engine = self.engine(local_experts, world)
         kernel = not engine and self.copy_kernel and world <= MAX_PEERS
-        return (self.chunk_experts(local_experts, world), self.copy_block if kernel else None, engine,
+        return (self.chunk_sizes(local_experts, world), self.copy_block if kernel else None, engine,
                 engine and self.batch_copies)
 
     def gemm_pushes(self, local_experts: int, world: int) -> bool:
@@ -146,13 +165,14 @@ class OverlapConfig:
 class _Layout:
     """Where every row of one call lives, from the all-gathered table (host integers).
 
-    counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens; width: the elements
+    counts[s][g]: rows source s sends to global expert g; tokens[s]: source s's tokens; chunk: local experts a
+    chunk (the last takes the rest), or each chunk's, in order (OverlapConfig.chunk_sizes); width: the elements
     of a row (every transfer of the layer moves [*, hidden] rows); block: the transfer kernel's block, None
     when the call does not use the kernel (no table then); engine: whether the copy engines move the rows
     (the per-(chunk, source) blocks and the stage permutations then, unless ``batched``: their copies are then the
     (expert, source) segments themselves, in batches, and no chunk is staged)."""
 
-    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int,
+    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int | tuple,
                  width: int, block: int | None, engine: bool = False, batched: bool = False):
         from .kernels.triton_transfer import MAX_PEERS, segment_table
 
@@ -194,8 +214,13 @@ class _Layout:
         # with a block: the transfer kernel's table, and per chunk (first table row, rows, blocks)
         self.table, self.table_chunks = [], []
         order = [(rank + j) % world for j in range(world)]
-        for e0 in range(0, local_experts, chunk):
-            e1 = min(e0 + chunk, local_experts)
+        sizes = chunk if isinstance(chunk, tuple) else \
+            tuple(min(chunk, local_experts - e0) for e0 in range(0, local_experts, chunk))
+        if sum(sizes) != local_experts or min(sizes, default=1) < 1:
+            raise ValueError(f"uniep: chunks of {sizes} experts do not cut {local_experts} local experts")
+        for i in range(len(sizes)):
+            e0 = sum(sizes[:i])
+            e1 = e0 + sizes[i]
             lo = self.recv_start[e0][0]
             self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
             segments = [(s, self.send_start[s][first + e], self.recv_start[e][s] - lo, counts[s][first + e])

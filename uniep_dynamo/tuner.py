@@ -424,6 +424,7 @@ EP_SPACE = {
     "copy_streams": (1, 2, 4),  # the copy engines' streams a direction
     "weight_grads_last": (True, False),
     "push_in_gemm": (True, False),  # the chunks' last GEMMs store their results into the peers, or a transfer does
+    "taper": (False, True),  # even chunks, or half-size first and last ones
 }
 
 
