@@ -141,8 +141,8 @@ def _worker(rank, world, port, args):
             print(f"world {world}, {args.experts} experts a chunk, {len(segs)} segments, hidden {hidden}")
             for r, res, mb, remote, n in out:
                 line = "  ".join(f"{k} {g:.3f} ms (host {h:.3f})" for k, (g, h) in res.items())
-                print(f"rank {r}: {mb:.1f} MB ({remote:.1f} remote): {line}; batch "
-                      f"{remote / 1e3 / res['batch'][0]:.0f} GB/s remote" if "batch" in res else line, flush=True)
+                rate = f"; batch {remote / res['batch'][0]:.0f} GB/s remote" if "batch" in res else ""
+                print(f"rank {r}: {mb:.1f} MB ({remote:.1f} remote): {line}{rate}", flush=True)
         handle.barrier(channel=0)
 
 

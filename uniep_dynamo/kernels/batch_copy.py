@@ -4,8 +4,8 @@ The EP layer's copy-engine transfers move a pipeline chunk as one run per (local
 of copies a chunk on Qwen3-30B-A3B's shape. One cudaMemcpyAsync each costs the host microseconds apiece; one
 batch takes them all, and the copies stay on the copy engines (no SM is taken from the GEMMs beside them).
 
-The function is looked up through cuGetProcAddress for the driver's own CUDA version, whose argument list it then
-uses (12.8 and 12.9 take a failure index that 13.0 dropped). The batch runs in stream order on ``stream`` (the
+The function is looked up through cuGetProcAddress for the CUDA version whose argument list this file uses: 12.8's
+on a 12.8 or 12.9 driver (with a failure index), 13.0's on a newer one (without). The batch runs in stream order on ``stream`` (the
 source is read in stream order too); within a batch the copies have no order, so they must not overlap.
 Where the driver has no such function (or no CUDA is there), ``available()`` is False and callers copy one by
 one; nothing here runs on CPU tensors.
@@ -43,9 +43,11 @@ def _driver():
     pfn, status = ctypes.c_void_p(), ctypes.c_int(0)
     get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
                     ctypes.POINTER(ctypes.c_int)]
-    if get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), version.value, 0, ctypes.byref(status)) != 0 or not pfn.value:
-        return None
+    # the argument list of a CUDA version this file knows: 13.0's on a 13.x (or newer) driver, else 12.8's
     with_fail = version.value < 13000
+    asked = 12080 if with_fail else 13000
+    if get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), asked, 0, ctypes.byref(status)) != 0 or not pfn.value:
+        return None
     u64, size = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
     args = [u64, u64, size, ctypes.c_size_t, ctypes.POINTER(_Attributes), size, ctypes.c_size_t]
     args += [size] if with_fail else []
