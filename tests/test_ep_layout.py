@@ -23,6 +23,15 @@ def _buffers(counts, width):
             for s, row in enumerate(counts)]
 
 
+def _segment_rows(layout, sends, width):
+    """The receive buffer as the per-(expert, source) segments fill it (-1 where none does)."""
+    recv = torch.full((layout.rows, width), -1.0)
+    for c, (_, _, lo, _) in enumerate(layout.chunks):
+        for s, peer_row, row, n in layout.segments[c]:
+            recv[lo + row:lo + row + n] = sends[s][peer_row:peer_row + n]
+    return recv
+
+
 @pytest.mark.parametrize("world,local_experts,chunk,hot,empty_source", [
     (2, 4, 4, None, None),  # one chunk of four experts
     (4, 8, (2, 4, 2), 3, None),  # tapered chunks (OverlapConfig.taper)
@@ -40,11 +49,7 @@ def test_copy_engine_stage_matches_the_segments(world, local_experts, chunk, hot
         for rank in range(world):
             layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True)
             sends = _buffers(counts, width)
-            # where the per-(expert, source) segments put every row
-            recv = torch.full((layout.rows, width), -1.0)
-            for c, (_, _, lo, _) in enumerate(layout.chunks):
-                for s, peer_row, row, n in layout.segments[c]:
-                    recv[lo + row:lo + row + n] = sends[s][peer_row:peer_row + n]
+            recv = _segment_rows(layout, sends, width)  # where the per-(expert, source) segments put every row
             assert (recv >= 0).all()
             perm, inv = layout.permutations(torch.device("cpu"))
             got = torch.full_like(recv, -2.0)
@@ -103,10 +108,7 @@ def test_batched_copies_are_the_segments_in_bytes(world, local_experts, chunk, l
                         backs[s].view(-1).view(torch.uint8)[p:p + n] = local[at:at + n]
                 assert len(lane_sources) <= lanes
                 assert all(not (a & b) for i, a in enumerate(lane_sources) for b in lane_sources[i + 1:])
-            expect = torch.full_like(recv, -1.0)
-            for c, (_, _, lo, _) in enumerate(layout.chunks):
-                for s, peer_row, row, n in layout.segments[c]:
-                    expect[lo + row:lo + row + n] = sends[s][peer_row:peer_row + n]
+            expect = _segment_rows(layout, sends, width)
             assert (expect >= 0).all() and torch.equal(recv, expect), (seed, rank)
             first = rank * local_experts
             for s in range(world):

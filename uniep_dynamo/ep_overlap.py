@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import tempfile
@@ -114,14 +115,14 @@ class OverlapConfig:
     def chunk_sizes(self, local_experts: int, world: int) -> tuple:
         """Local experts of each chunk, in order: chunk_experts() each (the last takes the rest), or with ``taper``
         as many chunks with weights 1, 2, ..., 2, 1 (two chunks: 1, 2), each at least one expert."""
-        each = self.chunk_experts(local_experts, world)
-        n = math.ceil(local_experts / each) if local_experts else 0
+        even = _even_chunks(local_experts, self.chunk_experts(local_experts, world))
+        n = len(even)
         if not self.taper or n < 2:
-            return tuple(min(each, local_experts - e0) for e0 in range(0, local_experts, each))
+            return even
         weights = [1] + [2] * (n - 2) + [1 if n > 2 else 2]
         sizes, done, total = [], 0, sum(weights)
-        for i, w in enumerate(weights):
-            end = round(local_experts * sum(weights[:i + 1]) / total)
+        for i, upto in enumerate(itertools.accumulate(weights)):
+            end = round(local_experts * upto / total)
             end = min(max(end, done + 1), local_experts - (n - 1 - i))  # every chunk keeps an expert
             sizes.append(end - done)
             done = end
@@ -160,6 +161,11 @@ class OverlapConfig:
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
         return self.copy_programs if self.copy_programs is not None else COPY_PROGRAMS_PER_PEER * max(1, world - 1)
+
+
+def _even_chunks(local_experts: int, each: int) -> tuple:
+    """Chunks of ``each`` local experts, the last taking the rest: each chunk's expert count, in order."""
+    return tuple(min(each, local_experts - e0) for e0 in range(0, local_experts, each))
 
 
 class _Layout:
@@ -214,13 +220,10 @@ class _Layout:
         # with a block: the transfer kernel's table, and per chunk (first table row, rows, blocks)
         self.table, self.table_chunks = [], []
         order = [(rank + j) % world for j in range(world)]
-        sizes = chunk if isinstance(chunk, tuple) else \
-            tuple(min(chunk, local_experts - e0) for e0 in range(0, local_experts, chunk))
+        sizes = chunk if isinstance(chunk, tuple) else _even_chunks(local_experts, chunk)
         if sum(sizes) != local_experts or min(sizes, default=1) < 1:
             raise ValueError(f"uniep: chunks of {sizes} experts do not cut {local_experts} local experts")
-        for i in range(len(sizes)):
-            e0 = sum(sizes[:i])
-            e1 = e0 + sizes[i]
+        for e0, e1 in zip((0,) + tuple(itertools.accumulate(sizes)), itertools.accumulate(sizes)):
             lo = self.recv_start[e0][0]
             self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
             segments = [(s, self.send_start[s][first + e], self.recv_start[e][s] - lo, counts[s][first + e])

@@ -8,8 +8,8 @@ heuristic one (config.py's numerics contract), and the tuner checks it on every 
 shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
 a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. ``EP_SPACE`` holds the
 overlapped EP layer's knobs (ep_overlap.OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
-the transfer kernel's programs, its SMs for communication, and whether the GEMMs push their results
-into the peers themselves); ``ep_candidates`` prunes repeats (more
+the transfer kernel's programs, its SMs for communication, whether the GEMMs push their results into the
+peers themselves, the copy engines' batched copies and tapered chunks); ``ep_candidates`` prunes repeats (more
 chunks than local experts, programs of a path without the kernel, the kernel past its rank limit). None of
 them changes numerics.
 
