@@ -130,3 +130,48 @@ def test_tapered_chunk_sizes():
             sizes = OverlapConfig(chunks=chunks, taper=True).chunk_sizes(local, 4)
             assert sum(sizes) == local and min(sizes) >= 1 and len(sizes) == len(
                 OverlapConfig(chunks=chunks).chunk_sizes(local, 4)), (chunks, local, sizes)
+
+
+@pytest.mark.parametrize("world,local_experts,hot,empty_source", [
+    (2, 4, None, None), (4, 3, 5, None), (4, 1, None, None), (3, 2, None, 1), (1, 4, 2, None), (4, 8, None, 0),
+])
+def test_by_source_pieces(world, local_experts, hot, empty_source):
+    """OverlapConfig.by_source: one copy a piece each way puts every row where source_rows says the single-GPU
+    (expert-major) order has it, each piece's offsets bound its experts' rows, the pushes return every row, and the
+    pieces run this rank's first half, the peers from the next rank on, then this rank's second half."""
+    width = 3
+    for seed in range(3):
+        counts = _counts(world, local_experts, seed, hot, empty_source)
+        tokens = [sum(row) for row in counts]
+        for rank in range(world):
+            layout = _Layout(counts, tokens, 1, rank, world, local_experts, None, width, None, by_source=True)
+            assert layout.engine and not any(layout.staged) and layout.rel_at[-1] == len(layout._rel)
+            sends = _buffers(counts, width)
+            recv = torch.full((layout.rows, width), -1.0)
+            backs = [torch.full_like(b, -3.0) for b in sends]
+            first = rank * local_experts
+            sources = []
+            for c, (e0, e1, lo, hi) in enumerate(layout.chunks):
+                assert len(layout.blocks[c]) <= 1 and layout.segments[c] == layout.blocks[c]
+                for s, peer_row, row, n in layout.blocks[c]:
+                    assert row == 0 and n == hi - lo
+                    recv[lo:lo + n] = sends[s][peer_row:peer_row + n]
+                    backs[s][peer_row:peer_row + n] = recv[lo:lo + n]
+                    # the piece's offsets: each expert's rows end where the source's plan order says
+                    ends = layout._rel[layout.rel_at[c]:layout.rel_at[c + 1]]
+                    assert ends == [layout.send_start[s][first + e + 1] - peer_row for e in range(e0, e1)]
+                s = layout.blocks[c][0][0] if layout.blocks[c] else None
+                sources.append((s, e0, e1))
+            assert (recv >= 0).all()
+            expect = _segment_rows(_Layout(counts, tokens, 1, rank, world, local_experts, local_experts, width, None,
+                                           engine=True), sends, width)
+            assert torch.equal(recv[layout.source_rows(torch.device("cpu"))], expect), (seed, rank)
+            for s in range(world):
+                mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
+                assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
+            half = local_experts // 2
+            shape = [(0, half)] * bool(half) + [(0, local_experts)] * (world - 1) + [(half, local_experts)]
+            assert [(e0, e1) for _, e0, e1 in sources] == shape
+            order = [(rank + j) % world for j in range(1, world)]
+            assert [s for s, _, _ in sources[bool(half):][:world - 1]] == [
+                s if sum(counts[s][first:first + local_experts]) else None for s in order]
