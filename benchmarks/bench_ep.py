@@ -30,9 +30,6 @@ it. Providers, on the same module and inputs:
   uniep_overlap_kernel_wgrad_chunks  uniep_overlap_kernel with the weight gradients chunk by chunk
   uniep_overlap_kernel_pushes  uniep_overlap_kernel with the results pushed by the transfer kernel (by default the
              chunks' last GEMMs store them into the peers themselves: OverlapConfig.push_in_gemm)
-  uniep_overlap_by_source  the overlapped layer with its pieces by source (OverlapConfig.by_source: one copy-engine
-             copy a source each way, this rank's own rows first and last); by_source_compute_only and
-             by_source_comm_only time its two parts apart
   overlap_compute_only, overlap_comm_only, overlap_streams_comm_only, overlap_sm_comm_only,
   overlap_kernel_comm_only  the overlapped
              layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
@@ -78,8 +75,7 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
              "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
-             "overlap_sm_comm_only", "overlap_kernel_comm_only", "uniep_overlap_by_source", "by_source_compute_only",
-             "by_source_comm_only",
+             "overlap_sm_comm_only", "overlap_kernel_comm_only",
              "hf_eager", "hf_inductor", "hf_uniep")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
@@ -91,10 +87,7 @@ OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_en
            "uniep_overlap_kernel_wgrad_chunks": {"copy_engine": False, "copy_kernel": True, "weight_grads_last": False},
            # the transfer kernel pushes the results too (the GEMMs do not store them into the peers)
            "uniep_overlap_kernel_pushes": {"copy_engine": False, "copy_kernel": True, "push_in_gemm": False},
-           "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True},
-           "uniep_overlap_by_source": {"by_source": True},
-           "by_source_compute_only": {"timing": "compute", "by_source": True},
-           "by_source_comm_only": {"timing": "comm", "by_source": True}}
+           "overlap_kernel_comm_only": {"timing": "comm", "copy_engine": False, "copy_kernel": True}}
 
 
 def _overlapped_run(layer, chunks: int, copy_programs: int | None, **knobs):
@@ -372,16 +365,13 @@ def main():
         print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s}")
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
-        compute = "overlap_compute_only"
         for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
                             ("uniep_overlap_streams", "overlap_streams_comm_only"),
                             ("uniep_overlap_kernel", "overlap_kernel_comm_only"),
-                            ("uniep_overlap_kernel_pushes", "overlap_kernel_comm_only"),
-                            ("uniep_overlap_by_source", "by_source_comm_only")):
-            alone = "by_source_compute_only" if layer.endswith("by_source") else compute  # its own GEMM pieces
-            if all(p in ms for p in (layer, alone, comm)):
-                hidden = 1 - (ms[layer] - ms[alone]) / ms[comm]
-                print(f"{shape}: {layer} {ms[layer]:.3f} ms, compute only {ms[alone]:.3f} ms, "
+                            ("uniep_overlap_kernel_pushes", "overlap_kernel_comm_only")):
+            if all(p in ms for p in (layer, "overlap_compute_only", comm)):
+                hidden = 1 - (ms[layer] - ms["overlap_compute_only"]) / ms[comm]
+                print(f"{shape}: {layer} {ms[layer]:.3f} ms, compute only {ms['overlap_compute_only']:.3f} ms, "
                       f"communication only {ms[comm]:.3f} ms: {100 * hidden:.0f}% of the communication hidden")
 
 

@@ -91,12 +91,12 @@ def _op_worker(rank, world, port, routing, gate, device, out_dir):
         spy = _Spy()
         results = {}
         # the overlapped path with its defaults, with the transfer kernel over one chunk, with the copy engines over
-        # one chunk (through the stage), with torch._foreach_copy_ and the weight gradients chunk by chunk, and by
-        # source (the knobs the compile rewrite passes from options={"ep_knobs": ...})
+        # one chunk (through the stage), and with torch._foreach_copy_ and the weight gradients chunk by chunk (the
+        # knobs the compile rewrite passes from options={"ep_knobs": ...})
         knobs = {"overlapped": "", "overlapped_kernel": '{"chunks": 1, "copy_engine": false, "copy_kernel": true}',
                  "overlapped_engine": '{"chunks": 1, "copy_engine": true}',
                  "overlapped_foreach": '{"copy_engine": false, "copy_kernel": false, "weight_grads_last": false}',
-                 "overlapped_by_source": '{"by_source": true}', "sequential": ""}
+                 "sequential": ""}
         for path in knobs:
             if path == "sequential":  # one rank cannot take the overlapped path, so no rank does
                 real = ep_overlap._exchange_unsupported
@@ -128,8 +128,7 @@ def test_exchange_op_overlapped_equals_sequential(world, routing, gate, tmp_path
 def check_op(ranks, routing):
     for r in ranks:
         assert r["sequential_phases"] == 0
-        for path in ("overlapped", "overlapped_kernel", "overlapped_engine", "overlapped_foreach",
-                     "overlapped_by_source"):
+        for path in ("overlapped", "overlapped_kernel", "overlapped_engine", "overlapped_foreach"):
             assert r[path + "_phases"] == (0 if routing == "empty" else 2), path
             for i, (a, b) in enumerate(zip(r[path], r["sequential"])):
                 assert (a is None) == (b is None), (path, i)

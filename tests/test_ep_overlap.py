@@ -27,19 +27,14 @@ pytestmark = [
 # the peers, and the copy engines' batches of (expert, source) runs (no stage) over one chunk of both experts and
 # two streams, then over chunks of one expert without overlap. Where the SMs move the rows with overlap on, the GEMMs
 # store them by default (push_in_gemm).
-# The pieces by source (OverlapConfig.by_source; weight_grads_last=False, which it overrides: its weight gradients
-# read every piece's rows)
-BY_SOURCE = (None, True, None, True, None, 8192, 8, False, 1, True, "", False, False, True)
 KNOBS = [(1, True, None), (2, True, True), (2, False, True), (2, True, False, False),
          (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3),
          (1, False, True, True, None, 8192, 8, True, 3), (2, True, False, True, 1, 8192, 8, True, 1, False),
          (1, True, True, True, None, 8192, 8, True, 2, True, "", True),
-         (2, False, True, True, None, 8192, 8, False, 1, True, "", True), BY_SOURCE]
+         (2, False, True, True, None, 8192, 8, False, 1, True, "", True)]
 # The gate and routing cases (what they stress is the plan and the epilogues, not the schedule) run three of
 # them: the default (the stage; with a rank that receives nothing, an empty chunk), chunks of one expert by the copy
-# engines, and the transfer kernel with the weight gradients between the chunks; with biases, a rank that receives
-# nothing and a rank without tokens, the pieces by source too (the biases' gradients through the row index, empty
-# pieces).
+# engines, and the transfer kernel with the weight gradients between the chunks.
 FEW_KNOBS = [KNOBS[0], KNOBS[1], KNOBS[4]]
 
 
@@ -101,12 +96,12 @@ CASES = [
     # (world, (routing, tokens, experts, top_k, gate, bias, tokens per rank), knobs), what it stresses
     (2, ("random", 0, 4, 2, SILU_GLU, False, (6, 6)), KNOBS),  # Mixtral-like, two experts per rank
     (4, ("random", 0, 8, 3, SILU_GLU, False, (4, 4, 4, 4)), KNOBS),  # four ranks, K odd, chunks of 1 expert
-    (2, ("random", 0, 4, 2, GPT_OSS, True, (5, 5)), FEW_KNOBS + [BY_SOURCE]),  # [E, H, 2I] layout, interleaved clamped gate, biases
+    (2, ("random", 0, 4, 2, GPT_OSS, True, (5, 5)), FEW_KNOBS),  # [E, H, 2I] layout, interleaved clamped gate, biases
     (2, ("random", 0, 4, 2, RELU2, False, (5, 5)), FEW_KNOBS),  # no gate
     (4, ("hot", 0, 8, 3, SILU_GLU, False, (3, 3, 3, 3)), FEW_KNOBS),  # one hot expert takes a slot of every token
-    (2, ("rank0_only", 0, 4, 2, SILU_GLU, False, (4, 4)), FEW_KNOBS + [BY_SOURCE]),  # rank 1 receives nothing
+    (2, ("rank0_only", 0, 4, 2, SILU_GLU, False, (4, 4)), FEW_KNOBS),  # rank 1 receives nothing
     (2, ("random", 0, 8, 2, SILU_GLU, False, (3, 7)), FEW_KNOBS),  # uneven token counts per rank
-    (2, ("random", 0, 4, 2, SILU_GLU, False, (5, 0)), FEW_KNOBS + [BY_SOURCE]),  # a rank with no tokens
+    (2, ("random", 0, 4, 2, SILU_GLU, False, (5, 0)), FEW_KNOBS),  # a rank with no tokens
     (2, ("dropped", 0, 4, 2, SILU_GLU, False, (6, 6)), FEW_KNOBS),  # out-of-range ids are dropped slots
 ]
 

@@ -85,17 +85,14 @@ def _worker(rank, world, port, case, out_dir):
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
 # weight_grads_last, copy_streams, push_in_gemm, timing, batch_copies, taper]) for the overlapped layer; the first
 # twice (run to run); then the copy engines' batched driver copies (kernels/batch_copy.py) on one and three streams,
-# and tapered chunks (half-size first and last) on the transfer kernel and on the copy engines' batches; the pieces
-# by source (OverlapConfig.by_source) with overlap on and off
+# and tapered chunks (half-size first and last) on the transfer kernel and on the copy engines' batches
 OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (4, True, False, False),
                  (8, True, False, True, 7), (4, False, False, True, 132), (4, True, None, True, 32, 8192, 8, False),
                  (2, True, True, True, None, 8192, 8, True, 3), (4, True, False, True, None, 8192, 8, True, 1, False),
                  (2, True, True, True, None, 8192, 8, True, 1, True, "", True),
                  (4, False, True, True, None, 8192, 8, False, 3, True, "", True),
                  (3, True, False, True, None, 8192, 8, True, 1, True, "", False, True),
-                 (3, True, True, True, None, 8192, 8, True, 3, True, "", True, True),
-                 (None, True, None, True, None, 8192, 8, True, 1, True, "", False, False, True),
-                 (None, False, None, True, None, 8192, 8, False, 1, True, "", False, False, True)]
+                 (3, True, True, True, None, 8192, 8, True, 3, True, "", True, True)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -91,17 +91,6 @@ class OverlapConfig:
     # Chunk sizes: even (False), or tapered (True): the first chunk (whose pull no GEMM hides) and, past two chunks,
     # the last (whose push none hides) take half the experts of the others. Same rows and GEMMs per expert.
     taper: bool = False
-    # The pipeline's pieces: runs of local experts (False: the chunks above, each holding every source's rows of its
-    # experts), or sources (True): each source's rows for this rank's experts, one run of its ``send`` and one of its
-    # ``back``, are a piece that one copy-engine copy pulls and one pushes, and whose up, down and input-gradient
-    # GEMMs run on those rows alone (each row's result is the same whichever rows share its GEMM: config.py). This
-    # rank's own rows are cut in two pieces, the first and the last (a local copy before the first GEMM and after the
-    # last one; every peer's copies run beside GEMMs). The received rows are then kept by source (and expert within
-    # it); the weight gradients, after every piece, read each expert's rows in the single-GPU op's order through a
-    # row index (Triton's weight-gradient GEMM with gathered rows: the same products in the same order). With it,
-    # chunks, taper, copy_engine, copy_kernel, copy_programs, batch_copies and push_in_gemm do not apply, and the
-    # weight gradients come after the last piece whatever weight_grads_last says.
-    by_source: bool = False
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
@@ -146,26 +135,19 @@ class OverlapConfig:
 
     def engine(self, local_experts: int, world: int) -> bool:
         """Whether the transfers run on the copy engines, for this many local experts at this EP size."""
-        return self.by_source or self._engine_at(self.chunk_experts(local_experts, world), world)
-
-    @property
-    def grads_last(self) -> bool:
-        """Whether the weight gradients run after the last piece (weight_grads_last; always by source)."""
-        return self.weight_grads_last or self.by_source
+        return self._engine_at(self.chunk_experts(local_experts, world), world)
 
     def layout_knobs(self, local_experts: int, world: int) -> tuple:
-        """What a _Layout needs of these knobs at this EP size: (local experts of each chunk, None by source; the
-        transfer kernel's block where the kernel moves the rows, else None: no transfer table then; whether the copy
-        engines move them; whether they do so in batches of (expert, source) runs; whether the pieces are sources).
-        The transfer kernel addresses at most MAX_PEERS ranks' buffers; past that, torch._foreach_copy_ does."""
+        """What a _Layout needs of these knobs at this EP size: (local experts of each chunk, the transfer kernel's block
+        where the kernel moves the rows, else None: no transfer table then, whether the copy engines move them,
+        whether they do so in batches of (expert, source) runs). The transfer kernel addresses at most MAX_PEERS
+        ranks' buffers; past that, torch._foreach_copy_ does."""
         from .kernels.triton_transfer import MAX_PEERS
 
-        if self.by_source:
-            return None, None, True, False, True
         engine = self.engine(local_experts, world)
         kernel = not engine and self.copy_kernel and world <= MAX_PEERS
         return (self.chunk_sizes(local_experts, world), self.copy_block if kernel else None, engine,
-                engine and self.batch_copies, False)
+                engine and self.batch_copies)
 
     def gemm_pushes(self, local_experts: int, world: int) -> bool:
         """Whether the chunks' last GEMMs store their results into the sources' ``back`` themselves (push_in_gemm):
@@ -194,19 +176,14 @@ class _Layout:
     of a row (every transfer of the layer moves [*, hidden] rows); block: the transfer kernel's block, None
     when the call does not use the kernel (no table then); engine: whether the copy engines move the rows
     (the per-(chunk, source) blocks and the stage permutations then, unless ``batched``: their copies are then the
-    (expert, source) segments themselves, in batches, and no chunk is staged); by_source: the pieces are sources,
-    not chunks of experts (OverlapConfig.by_source; chunk is not read then).
+    (expert, source) segments themselves, in batches, and no chunk is staged)."""
 
-    ``chunks`` holds the pipeline's pieces in the order they run, (first local expert, end, first row, end row) in the
-    receive buffer's rows; a piece's GEMM offsets are to_device's ``rel`` from rel_at[c] to rel_at[c + 1]."""
-
-    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int | tuple | None,
-                 width: int, block: int | None, engine: bool = False, batched: bool = False, by_source: bool = False):
+    def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int | tuple,
+                 width: int, block: int | None, engine: bool = False, batched: bool = False):
         from .kernels.triton_transfer import MAX_PEERS, segment_table
 
-        self.rank, self.world, self.block, self.engine = rank, world, block, engine or by_source
-        self.batched = engine and batched and not by_source
-        self.by_source = by_source
+        self.rank, self.world, self.block, self.engine = rank, world, block, engine
+        self.batched = engine and batched
         self._batches = {}  # batches(): per (chunk, streams, row bytes)
         self._on_device = {}  # to_device's tensors, per device
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
@@ -226,7 +203,7 @@ class _Layout:
             for s in range(world):
                 starts.append(at)
                 n = counts[s][first + e]
-                if n and not self.engine and world <= MAX_PEERS:
+                if n and not engine and world <= MAX_PEERS:
                     self._dest_runs[0].append((self.send_start[s][first + e] - at) * 8 + s)
                     self._dest_runs[1].append(n)
                 at += n
@@ -235,9 +212,6 @@ class _Layout:
         self.rows = at
         self.capacity = max(t * top_k for t in tokens)
         self.total_rows = sum(t * top_k for t in tokens)
-        if by_source:
-            self._by_source(counts, first, local_experts)
-            return
         self.chunks = []  # (first local expert, end, first row, end row)
         # per chunk: (source, row in the source's buffer, row in the chunk, rows) for each (expert, source) with
         # rows, this rank's own rows first; every transfer of the call (both directions, forward and backward). A
@@ -245,7 +219,6 @@ class _Layout:
         self.segments = []
         # with a block: the transfer kernel's table, and per chunk (first table row, rows, blocks)
         self.table, self.table_chunks = [], []
-        self._rel, self.rel_at = [], [0]
         order = [(rank + j) % world for j in range(world)]
         sizes = chunk if isinstance(chunk, tuple) else _even_chunks(local_experts, chunk)
         if sum(sizes) != local_experts or min(sizes, default=1) < 1:
@@ -253,8 +226,6 @@ class _Layout:
         for e0, e1 in zip((0,) + tuple(itertools.accumulate(sizes)), itertools.accumulate(sizes)):
             lo = self.recv_start[e0][0]
             self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
-            self._rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-            self.rel_at.append(e1)
             segments = [(s, self.send_start[s][first + e], self.recv_start[e][s] - lo, counts[s][first + e])
                         for s in order for e in range(e0, e1) if counts[s][first + e]]
             self.segments.append(segments)
@@ -293,40 +264,6 @@ class _Layout:
         if self.batched:
             self.staged = [False] * len(self.chunks)
 
-    def _by_source(self, counts, first: int, local_experts: int):
-        """The pieces of OverlapConfig.by_source. The receive buffer holds the sources' runs in rank order, each in
-        its source's order (expert, token, k); the pieces: this rank's first half of experts, every peer's run (from
-        the next rank on), this rank's second half. Each piece is one block (one copy each way, no stage); the
-        permutation runs map each row of the single-GPU order (expert-major, rows where recv_start says) to its row
-        here, for the weight gradients."""
-        rank, world = self.rank, self.world
-        run = [self.send_start[s][first + local_experts] - self.send_start[s][first] for s in range(world)]
-        start = [0, *itertools.accumulate(run)]
-
-        def row(s, e):  # where source s's rows for local expert e start here
-            return start[s] + self.send_start[s][first + e] - self.send_start[s][first]
-
-        half = local_experts // 2
-        pieces = ([(rank, 0, half)] if half else []) + [((rank + j) % world, 0, local_experts)
-                                                         for j in range(1, world)] + [(rank, half, local_experts)]
-        self.chunks, self.segments, self.blocks, self._rel, self.rel_at = [], [], [], [], [0]
-        for s, e0, e1 in pieces:
-            lo, hi = row(s, e0), row(s, e1)
-            self.chunks.append((e0, e1, lo, hi))
-            block = [(s, self.send_start[s][first + e0], 0, hi - lo)] if hi > lo else []
-            self.segments.append(block)
-            self.blocks.append(block)
-            self._rel.extend(row(s, e + 1) - lo for e in range(e0, e1))
-            self.rel_at.append(len(self._rel))
-        self.staged = [False] * len(pieces)
-        self.table, self.table_chunks = [], []
-        self._perm_runs, self._inv_runs = ([], []), ([], [])
-        for e in range(local_experts):
-            for s in range(world):
-                if counts[s][first + e]:
-                    self._perm_runs[0].append(row(s, e) - self.recv_start[e][s])
-                    self._perm_runs[1].append(counts[s][first + e])
-
     def batches(self, c: int, lanes: int, row_bytes: int):
         """Chunk c's segments as byte offsets, for the batched copies (``lanes`` streams; a source's runs stay on
         one): per lane, (sources, offsets into the sources' buffers, offsets into the chunk's local rows, sizes).
@@ -356,8 +293,8 @@ class _Layout:
         return self._on_device[key]
 
     def to_device(self, device):
-        """One host-to-device copy: (int64, each piece's experts' end rows counted from the piece's first row: the
-        grouped GEMMs' offsets, sliced per piece by rel_at; [n, 5] int64, the transfer table). Made once per
+        """One host-to-device copy: ([E_local] int64, each local expert's end row counted from its chunk's
+        first row: the grouped GEMMs' offsets, sliced per chunk; [n, 5] int64, the transfer table). Made once per
         device: a cached exchange layout serves the forward and the backward (the kernels only read them)."""
         copied = self._copied(device)
         return copied["rel"], copied["table"]
@@ -365,14 +302,6 @@ class _Layout:
     def ends(self, device):
         """[E_local] int64 on the device: each local expert's end row (the offsets of a GEMM over every chunk)."""
         return self._copied(device)["ends"]
-
-    def source_rows(self, device):
-        """[rows] int64 on the device, by source (OverlapConfig.by_source): for each row of the single-GPU order
-        (expert-major; ``ends`` the experts' ends), its row in the receive buffer. Made once per device."""
-        key = ("source_rows", str(device))
-        if key not in self._on_device:
-            self._on_device[key] = self._expand(device, "perm")
-        return self._on_device[key]
 
     def permutations(self, device):
         """([rows] int64, [rows] int64) on the device: for each receive row, its row in its chunk's stage; for
@@ -400,7 +329,10 @@ class _Layout:
         """Every host table of the layout in one host-to-device copy: {name: its int64 tensor on the device}."""
         from .kernels.triton_transfer import TABLE_COLUMNS
 
-        sections = {"rel": self._rel, "ends": self.expert_end,
+        rel = []
+        for e0, e1, lo, _ in self.chunks:
+            rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
+        sections = {"rel": rel, "ends": self.expert_end,
                     "dest_deltas": self._dest_runs[0], "dest_rows": self._dest_runs[1],
                     "perm_deltas": self._perm_runs[0], "perm_rows": self._perm_runs[1],
                     "inv_deltas": self._inv_runs[0], "inv_rows": self._inv_runs[1],
@@ -764,8 +696,7 @@ class _Chunks:
             e0, e1, lo, hi = self.layout.chunks[c]
             layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec,
                                       self.config)
-            rel = self.offsets[self.layout.rel_at[c]:self.layout.rel_at[c + 1]]
-            self._layers[c] = layer, rel, slice(lo, hi), slice(e0, e1)
+            self._layers[c] = layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
         return self._layers[c]
 
     def forward(self, c, x, up, act, scatter=None):
@@ -838,36 +769,27 @@ class _Chunks:
             _zero(grads[2:])  # the bias gradients' buffers
             return
         layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
-        order = self.layout.source_rows(x.device) if self.layout.by_source else None
-        self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads, order)
+        self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads)
 
-    def _weight_grads(self, layer, offs, rows, experts, x, dy, act, d_up, grads, order=None):
+    def _weight_grads(self, layer, offs, rows, experts, x, dy, act, d_up, grads):
         """The weight and bias gradients of the given experts over the given rows: into grads[0] and grads[1]'s
-        experts, or, where those are None, as new tensors put there (by torch._grouped_mm where the config asks).
-        ``order``: each row of the given rows in the single-GPU order is row order[i] of x, dy, act and d_up (rows
-        kept by source; Triton's GEMM then reads them through it), or None: the rows are in that order."""
+        experts, or, where those are None, as new tensors put there (by torch._grouped_mm where the config asks)."""
         from .kernels import megakernel
 
         d_w_up, d_w_down, d_b_up, d_b_down = grads
         cfg = layer.config
         down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
         up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
-        gather = order is not None
-        if gather:
-            rows, offs_order = slice(None), order
-        else:
-            offs_order = offs
         d_w_down = megakernel._weight_grad(
-            layer, cfg.wgrad_down, p=act[rows], p_gather=gather, q=dy[rows], q_gather=gather, q_scale=False,
-            row_order=offs_order, w=None, offsets=offs,
+            layer, cfg.wgrad_down, p=act[rows], p_gather=False, q=dy[rows], q_gather=False, q_scale=False,
+            row_order=offs, w=None, offsets=offs,
             grad=d_w_down[experts] if d_w_down is not None else self.w_down.shape, m_dim=down_dims[0],
             n_dim=down_dims[1], bias_grad=d_b_down[experts] if d_b_down is not None else None)
         if grads[1] is None:
             grads[1] = d_w_down
         d_w_up = megakernel._weight_grad(
-            layer, cfg.wgrad_up, p=x[rows], p_gather=gather, q=d_up[rows], q_gather=gather, q_scale=False,
-            row_order=offs_order, w=None, offsets=offs,
-            grad=d_w_up[experts] if d_w_up is not None else self.w_up.shape,
+            layer, cfg.wgrad_up, p=x[rows], p_gather=False, q=d_up[rows], q_gather=False, q_scale=False,
+            row_order=offs, w=None, offsets=offs, grad=d_w_up[experts] if d_w_up is not None else self.w_up.shape,
             m_dim=up_dims[0], n_dim=up_dims[1], bias_grad=d_b_up[experts] if d_b_up is not None else None)
         if grads[0] is None:
             grads[0] = d_w_up
@@ -944,7 +866,7 @@ def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: Overl
     scratch = {"dy": _receive_buffer("dy", layout.rows, size, dy_dtype, device, knobs),
                "act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
                "d_up": torch.empty_like(up)}
-    last = knobs.grads_last
+    last = knobs.weight_grads_last
     grads = _new_grads(chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down, weights=not last)
     _exchange(layout, table, win_dy, win_dx, scratch["dy"],
               lambda c, scatter: chunks.backward(c, x, up, grads=grads, weight_grads=not last, scatter=scatter,
@@ -975,9 +897,8 @@ class _OverlapEP(torch.autograd.Function):
         if early is not None and early.capacity >= slots and slots:
             gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
         counts, tokens = _table(offsets, num_tokens, group)
-        chunk, block, engine, batched, by_source = knobs.layout_knobs(local_experts, world)
-        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched,
-                         by_source)
+        chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched)
         offsets_dev, table = layout.to_device(device)
         chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
                          skip_gemms=knobs.timing == "comm")
@@ -1220,9 +1141,9 @@ def _build_exchange_layout(rows, counts, rank: int, local_experts: int, knobs: O
         for r in range(world):
             row.extend(counts[s] if r == rank else [rows[s][r]] + [0] * (local_experts - 1))
         per_expert.append(row)
-    chunk, block, engine, batched, by_source = knobs.layout_knobs(local_experts, world)
+    chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
     return _Layout(per_expert, [sum(rows[s][:world]) for s in range(world)], 1, rank, world, local_experts, chunk,
-                   width, block, engine, batched, by_source)
+                   width, block, engine, batched)
 
 
 def _check_exchange(rows, claims):

@@ -425,7 +425,6 @@ EP_SPACE = {
     "weight_grads_last": (True, False),
     "push_in_gemm": (True, False),  # the chunks' last GEMMs store their results into the peers, or a transfer does
     "taper": (False, True),  # even chunks, or half-size first and last ones
-    "by_source": (False, True),  # pieces of experts, or of sources (the copy engines; most knobs above do not apply)
 }
 
 
@@ -462,11 +461,11 @@ def ep_candidates(local_experts: int, world: int):
 def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     """What a config does for this many local experts at this EP size (configs with one schedule are one
     candidate)."""
-    chunk, block, engine, batched, by_source = cfg.layout_knobs(local_experts, world)
+    chunk, block, engine, batched = cfg.layout_knobs(local_experts, world)
     kernel = block is not None
     return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
-            min(cfg.copy_streams, world) if engine and not by_source else None, cfg.grads_last,
-            cfg.gemm_pushes(local_experts, world), batched, by_source)
+            min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
+            cfg.gemm_pushes(local_experts, world), batched)
 
 
 @dataclass

@@ -42,8 +42,7 @@ def _variant(name):
     knobs = dict(KINDS[kind])
     for pair in pairs:
         key, value = pair.split("=")
-        flags = ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last", "batch_copies", "taper",
-                 "by_source")
+        flags = ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last", "batch_copies", "taper")
         knobs[key] = bool(int(value)) if key in flags else int(value)
     return knobs
 
