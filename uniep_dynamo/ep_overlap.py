@@ -33,6 +33,7 @@ buffers are a shared file that every process maps, and the barrier is a gloo bar
 """
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import itertools
@@ -187,10 +188,7 @@ class _Layout:
         self._batches = {}  # batches(): per (chunk, streams, row bytes)
         self._on_device = {}  # to_device's tensors, per device
         # where source s's rows for expert g start in s's plan order (= its send and back buffers)
-        self.send_start = [[0] * (len(row) + 1) for row in counts]
-        for s, row in enumerate(counts):
-            for g, n in enumerate(row):
-                self.send_start[s][g + 1] = self.send_start[s][g] + n
+        self.send_start = [[0, *itertools.accumulate(row)] for row in counts]
         first = rank * local_experts
         # expert-major receive layout: expert e's rows from source s start at recv_start[e][s]
         self.recv_start, self.expert_end = [], []
@@ -336,10 +334,14 @@ class _Layout:
                     "dest_deltas": self._dest_runs[0], "dest_rows": self._dest_runs[1],
                     "perm_deltas": self._perm_runs[0], "perm_rows": self._perm_runs[1],
                     "inv_deltas": self._inv_runs[0], "inv_rows": self._inv_runs[1],
-                    "table": [v for row in self.table for v in row]}
-        host = torch.tensor([v for values in sections.values() for v in values], dtype=torch.int64)
+                    "table": list(itertools.chain.from_iterable(self.table))}
+        # an int64 array and a tensor over its memory: a third of torch.tensor's host time on a list (the layout is
+        # laid out between the count table's synchronization and the step's first launch, with the GPU idle)
+        flat = array.array("q", itertools.chain.from_iterable(sections.values()))
+        host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
         if device.type == "cuda":
-            host = host.pin_memory()
+            pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
+            host = pinned.copy_(host)
         every = host.to(device, non_blocking=True)
         copied, at = {}, 0
         for name, values in sections.items():
@@ -523,9 +525,6 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
         most = max(hi - lo for (_, _, lo, hi), st in zip(layout.chunks, staged) if st)
         stage = torch.empty(ahead, most, recv.shape[1], dtype=recv.dtype, device=device)
 
-    # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (OverlapConfig.gemm_pushes)
-    scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
-        else None
     streams = _Streams(device, knobs.copy_streams if copy_engine else 1)
     streams.start_after_current()
 
@@ -606,6 +605,10 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
 
     for c in range(ahead):
         pull(c)
+    # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (OverlapConfig.gemm_pushes); their
+    # table is built after the first pulls are issued, which do not read it (the GPU idles until the first launch)
+    scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
+        else None
     if not knobs.overlap:  # every pull before the first GEMM
         streams.wait(pulled[-1])
     results = []
