@@ -32,6 +32,14 @@ def _segment_rows(layout, sends, width):
     return recv
 
 
+def _check_returned(layout, rank, local_experts, backs, sends, seed):
+    """Every row this rank's experts received went back to where it came from in its source's buffer."""
+    first = rank * local_experts
+    for s in range(len(sends)):
+        mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
+        assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
+
+
 @pytest.mark.parametrize("world,local_experts,chunk,hot,empty_source", [
     (2, 4, 4, None, None),  # one chunk of four experts
     (4, 8, (2, 4, 2), 3, None),  # tapered chunks (OverlapConfig.taper)
@@ -69,11 +77,7 @@ def test_copy_engine_stage_matches_the_segments(world, local_experts, chunk, hot
                 for s, peer_row, row, n in layout.blocks[c]:  # the pushes of the results (here: the rows)
                     backs[s][peer_row:peer_row + n] = out[row:row + n]
             assert torch.equal(got, recv), (seed, rank)
-            # every row this rank's experts received went back to where it came from
-            first = rank * local_experts
-            for s in range(world):
-                mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
-                assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
+            _check_returned(layout, rank, local_experts, backs, sends, seed)
             one_expert = chunk == 1 or empty_source is not None and world == 2
             sizes = chunk if isinstance(chunk, tuple) else None
             if sizes:
@@ -110,10 +114,7 @@ def test_batched_copies_are_the_segments_in_bytes(world, local_experts, chunk, l
                 assert all(not (a & b) for i, a in enumerate(lane_sources) for b in lane_sources[i + 1:])
             expect = _segment_rows(layout, sends, width)
             assert (expect >= 0).all() and torch.equal(recv, expect), (seed, rank)
-            first = rank * local_experts
-            for s in range(world):
-                mine = slice(layout.send_start[s][first], layout.send_start[s][first + local_experts])
-                assert torch.equal(backs[s][mine], sends[s][mine]), (seed, rank, s)
+            _check_returned(layout, rank, local_experts, backs, sends, seed)
 
 
 def test_tapered_chunk_sizes():

@@ -186,7 +186,7 @@ class _Layer:
         self.config = config if config is not None else config_mod.current_config(
             self.num_slots, self.num_experts, self.hidden_size, self.inter, self.interpret, dtype=hidden.dtype,
             device=hidden.device)
-        self.block_e = max(16, 1 << (self.num_experts - 1).bit_length())
+        self.block_e = max(16, config_mod.next_pow2(self.num_experts))
         self._offsets_i32 = None
 
     def offsets_i32(self, offsets):

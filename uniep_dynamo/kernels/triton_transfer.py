@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import cdiv
+
 TABLE_COLUMNS = 5
 MAX_PEERS = 8
 
@@ -72,7 +74,7 @@ def segment_table(segments, width: int, block: int):
     table, end = [], 0
     for source, peer_row, local_row, rows in segments:
         numel = rows * width
-        end += -(-numel // block)
+        end += cdiv(numel, block)
         table.append((source, peer_row * width, local_row * width, numel, end))
     return table, end
 
