@@ -344,7 +344,7 @@ def main():
     parser.add_argument("--chunks", type=int, default=None,
                         help="pipeline chunks of the overlapped layer (default: the library's, OverlapConfig.chunks)")
     parser.add_argument("--copy-programs", type=int, default=None,
-                        help="programs of the transfer kernel (default: the library's, 32 per peer rank)")
+                        help="programs of the transfer kernel (default: the library's, 8 per peer rank)")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
     args = parser.parse_args()
     from uniep_dynamo.ep import free_port

@@ -26,7 +26,9 @@ def test_ep_candidates_default_first_distinct_and_pruned():
     assert len(set(_schedules(cands, 64))) == len(cands)
     kernels = [c for c in cands if c.copy_kernel and c.copy_engine is False]
     assert {c.copy_programs for c in kernels} == set(tuner.EP_SPACE["copy_programs"])
-    assert all(c.copy_programs == OverlapConfig().copy_programs for c in cands if not c.copy_kernel)
+    assert {c.copy_block for c in kernels} == set(tuner.EP_SPACE["copy_block"])
+    assert all((c.copy_programs, c.copy_block) == (OverlapConfig().copy_programs, OverlapConfig().copy_block)
+               for c in cands if not c.copy_kernel)
     # one local expert: every chunk count is one chunk, so chunks no longer multiply the candidates
     one = tuner.ep_candidates(local_experts=1, world=2)
     assert len({c.chunk_experts(1, 2) for c in one}) == 1 and len(one) < len(cands)

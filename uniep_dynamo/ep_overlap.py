@@ -67,9 +67,13 @@ class OverlapConfig:
     # on H200s the kernel won at 2 and 4 ranks (BENCHMARKS.md); past MAX_PEERS ranks the foreach path runs.
     copy_kernel: bool = True
     # programs of the transfer kernel beside the GEMMs (alone, it takes every SM); None: COPY_PROGRAMS_PER_PEER per
-    # peer rank (32 at 2 ranks, 96 at 4: at 4 ranks 32 programs bound the transfers, BENCHMARKS.md session 14)
+    # peer rank (8 at 2 ranks, 24 at 4)
     copy_programs: int | None = None
-    copy_block: int = 8192  # elements a transfer program moves at a time (a power of two)
+    # elements a transfer program moves at a time (a power of two): a program waits for each block's loads from
+    # the peer before it stores them, so the block sets how much of the link one program keeps busy. 32768 (64 KB
+    # of bf16) with 24 programs at 4 ranks beat 8192 with 96 there: fewer SMs taken from the GEMMs beside the
+    # transfers (BENCHMARKS.md session 20)
+    copy_block: int = 32768
     copy_warps: int = 8  # warps of a transfer program
     # The backward's weight-gradient GEMMs: per chunk, after its input-gradient GEMM (False), or one grouped GEMM
     # over every local expert after the last chunk's input gradients (True: two launches instead of two a chunk,
@@ -662,7 +666,7 @@ _SM_COUNTS: dict = {}
 LOOKAHEAD = 2  # chunks whose pulls are issued ahead of the GEMMs
 CHUNKS_COPY_ENGINE = 4  # OverlapConfig.chunks=None where the copy engines move the rows
 CHUNKS_SM = 2  # OverlapConfig.chunks=None where the SMs move them
-COPY_PROGRAMS_PER_PEER = 32  # OverlapConfig.copy_programs=None: the transfer kernel's programs per peer rank
+COPY_PROGRAMS_PER_PEER = 8  # OverlapConfig.copy_programs=None: the transfer kernel's programs per peer rank
 COPY_ENGINE_SEGMENTS = 8  # OverlapConfig.copy_engine=None: copy engines up to this many (expert, source) pairs a chunk
 
 

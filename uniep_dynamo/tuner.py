@@ -8,7 +8,7 @@ heuristic one (config.py's numerics contract), and the tuner checks it on every 
 shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
 a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. ``EP_SPACE`` holds the
 overlapped EP layer's knobs (ep_overlap.OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
-the transfer kernel's programs, its SMs for communication, whether the GEMMs push their results into the
+the transfer kernel's programs (its SMs for communication) and their block, whether the GEMMs push their results into the
 peers themselves, the copy engines' batched copies and tapered chunks); ``ep_candidates`` prunes repeats (more
 chunks than local experts, programs of a path without the kernel, the kernel past its rank limit). None of
 them changes numerics.
@@ -420,7 +420,8 @@ EP_SPACE = {
     "overlap": (True, False),
     # OverlapConfig.copy_engine (with batch_copies: copy_engine_batches) / copy_kernel
     "transfer": ("copy_engine", "copy_engine_batches", "foreach", "kernel"),
-    "copy_programs": (16, 32, 64, 132),  # the transfer kernel's programs beside the GEMMs
+    "copy_programs": (8, 24, 48, 96),  # the transfer kernel's programs beside the GEMMs
+    "copy_block": (32768, 8192),  # the elements each of its programs moves at a time
     "copy_streams": (1, 2, 4),  # the copy engines' streams a direction
     "weight_grads_last": (True, False),
     "push_in_gemm": (True, False),  # the chunks' last GEMMs store their results into the peers, or a transfer does
@@ -439,9 +440,10 @@ def ep_candidates(local_experts: int, world: int):
         knobs = dict(zip(EP_SPACE, values))
         transfer = knobs.pop("transfer")
         if transfer != "kernel":
-            if knobs["copy_programs"] != EP_SPACE["copy_programs"][0]:
-                continue  # only the kernel has programs
-            knobs["copy_programs"] = default.copy_programs
+            if (knobs["copy_programs"], knobs["copy_block"]) != (EP_SPACE["copy_programs"][0],
+                                                                 EP_SPACE["copy_block"][0]):
+                continue  # only the kernel has programs and blocks
+            knobs["copy_programs"], knobs["copy_block"] = default.copy_programs, default.copy_block
         elif world > MAX_PEERS:
             continue
         engine = transfer.startswith("copy_engine")
@@ -463,7 +465,7 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     candidate)."""
     chunk, block, engine, batched = cfg.layout_knobs(local_experts, world)
     kernel = block is not None
-    return (chunk, cfg.overlap, engine, kernel, cfg.programs(world) if kernel else None,
+    return (chunk, cfg.overlap, engine, kernel, (cfg.programs(world), block) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
             cfg.gemm_pushes(local_experts, world), batched)
 
