@@ -19,16 +19,17 @@ pytestmark = [
 ]
 
 # OverlapConfig's (chunks, overlap, copy_engine, copy_kernel, copy_programs[, copy_block, copy_warps,
-# weight_grads_last, copy_streams, push_in_gemm, timing, batch_copies]). The two cases that run them have two
-# experts a rank, so: the default (one chunk of both, by the copy engines through the stage), the copy engines over
-# chunks of one expert (no stage) with overlap on and off, torch._foreach_copy_, the transfer kernel with one program
-# walking every segment of two chunks and with three over one chunk, the copy engines through the stage over three
+# weight_grads_last, copy_streams, push_in_gemm, timing, batch_copies, taper, push_in_gemm_from]). The two cases that
+# run them have two experts a rank, so: the default (one chunk of both, by the copy engines through the stage), the
+# copy engines over chunks of one expert (no stage) with overlap on and off, torch._foreach_copy_, the transfer kernel
+# with one program walking every segment of two chunks (pushing the first chunk's results itself, the second chunk's
+# GEMM storing its own into the peers) and with three over one chunk, the copy engines through the stage over three
 # streams with overlap off, the transfer kernel pushing the results itself instead of the GEMMs storing them into
 # the peers, and the copy engines' batches of (expert, source) runs (no stage) over one chunk of both experts and
 # two streams, then over chunks of one expert without overlap. Where the SMs move the rows with overlap on, the GEMMs
 # store them by default (push_in_gemm).
 KNOBS = [(1, True, None), (2, True, True), (2, False, True), (2, True, False, False),
-         (2, True, False, True, 1, 8192, 8, False), (1, True, False, True, 3),
+         (2, True, False, True, 1, 8192, 8, False, 1, True, "", False, False, -1), (1, True, False, True, 3),
          (1, False, True, True, None, 8192, 8, True, 3), (2, True, False, True, 1, 8192, 8, True, 1, False),
          (1, True, True, True, None, 8192, 8, True, 2, True, "", True),
          (2, False, True, True, None, 8192, 8, False, 1, True, "", True)]

@@ -27,6 +27,8 @@ def test_ep_candidates_default_first_distinct_and_pruned():
     kernels = [c for c in cands if c.copy_kernel and c.copy_engine is False]
     assert {c.copy_programs for c in kernels} == set(tuner.EP_SPACE["copy_programs"])
     assert {c.copy_block for c in kernels} == set(tuner.EP_SPACE["copy_block"])
+    assert {c.push_in_gemm_from for c in kernels} == set(tuner.EP_SPACE["push_in_gemm_from"])
+    assert all(c.push_in_gemm_from == 0 for c in cands if c.copy_engine or not c.push_in_gemm)
     assert all((c.copy_programs, c.copy_block) == (OverlapConfig().copy_programs, OverlapConfig().copy_block)
                for c in cands if not c.copy_kernel)
     # one local expert: every chunk count is one chunk, so chunks no longer multiply the candidates

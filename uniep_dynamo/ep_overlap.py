@@ -96,6 +96,11 @@ class OverlapConfig:
     # Chunk sizes: even (False), or tapered (True): the first chunk (whose pull no GEMM hides) and, past two chunks,
     # the last (whose push none hides) take half the experts of the others. Same rows and GEMMs per expert.
     taper: bool = False
+    # With push_in_gemm, the chunks whose last GEMM stores into the peers: from chunk push_in_gemm_from on (a
+    # negative value counts from the end: -1, the last chunk only). The earlier chunks' last GEMMs store into this
+    # rank's buffer (torch._grouped_mm where the config asks) and the transfer kernel pushes their rows beside the
+    # next chunk's GEMMs; the last chunk's push, which no GEMM would hide, stays in its GEMM. Same values.
+    push_in_gemm_from: int = 0
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
@@ -162,6 +167,11 @@ class OverlapConfig:
 
         return (self.push_in_gemm and self.overlap and not self.engine(local_experts, world)
                 and world <= MAX_PEERS and self.timing == "")
+
+    def first_gemm_push(self, chunks: int) -> int:
+        """Of ``chunks`` pipeline chunks, the first whose last GEMM stores into the peers (where gemm_pushes)."""
+        f = self.push_in_gemm_from
+        return max(0, chunks + f) if f < 0 else min(f, chunks)
 
     def programs(self, world: int) -> int:
         """The transfer kernel's programs beside the GEMMs at this EP size."""
@@ -613,6 +623,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
     # table is built after the first pulls are issued, which do not read it (the GPU idles until the first launch)
     scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
         else None
+    first_scatter = knobs.first_gemm_push(num_chunks)
     if not knobs.overlap:  # every pull before the first GEMM
         streams.wait(pulled[-1])
     results = []
@@ -622,7 +633,7 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
         if staged[c]:  # the stage, ordered by source, into the receive order
             torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
             freed[c % ahead] = streams.record()
-        result = compute(c, scatter)
+        result = compute(c, scatter if c >= first_scatter else None)
         if result is not None:
             if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
                 result = torch.index_select(result, 0, inv[lo:hi])

@@ -426,6 +426,7 @@ EP_SPACE = {
     "weight_grads_last": (True, False),
     "push_in_gemm": (True, False),  # the chunks' last GEMMs store their results into the peers, or a transfer does
     "taper": (False, True),  # even chunks, or half-size first and last ones
+    "push_in_gemm_from": (0, -1),  # every chunk's GEMM pushes, or the last one's only (the transfer kernel the rest)
 }
 
 
@@ -447,6 +448,9 @@ def ep_candidates(local_experts: int, world: int):
         elif world > MAX_PEERS:
             continue
         engine = transfer.startswith("copy_engine")
+        if engine or not (knobs["push_in_gemm"] and knobs["overlap"]):
+            if knobs["push_in_gemm_from"] != EP_SPACE["push_in_gemm_from"][0]:
+                continue  # only the GEMMs' pushes start at a chunk
         if not engine:
             if knobs["copy_streams"] != EP_SPACE["copy_streams"][0]:
                 continue  # only the copy engines have streams
@@ -467,7 +471,8 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     kernel = block is not None
     return (chunk, cfg.overlap, engine, kernel, (cfg.programs(world), block) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
-            cfg.gemm_pushes(local_experts, world), batched)
+            cfg.gemm_pushes(local_experts, world), batched,
+            cfg.first_gemm_push(len(chunk)) if cfg.gemm_pushes(local_experts, world) else None)
 
 
 @dataclass
