@@ -2,8 +2,10 @@
 host time). On one GPU, with a routing plan that routes no rows (the kernels return at once, so the loop
 measures the host and not the GPU):
 
-  wrapper     megakernel._rows_gemm / _weight_grad (the op's own call: arguments, descriptors, Triton's launch)
+  wrapper     megakernel._rows_gemm / _weight_grad (the op's own call: arguments, descriptors, the launch by
+              kernels/launch.py); wrapper_triton_launch: the same through kernel[grid](...)
   jit         the same Triton kernel called as kernel[grid](...) with the arguments ready
+  launch      the same through kernels/launch.py's launch (Triton's binder, then the compiled kernel's launcher)
   bound       the compiled kernel's launcher called directly with the bound arguments Triton computed once
               (what a cached launch path could reach; skipped where this Triton's internals differ)
   grouped_mm  torch._grouped_mm on the same operands (the CUTLASS path's launch, for comparison)
@@ -85,7 +87,13 @@ def main():
     def jit():
         return rows_kernel[(grid,)](*pos, **kw)
 
-    results = {"wrapper_us": _per_call_us(wrapper, args.calls), "jit_us": _per_call_us(jit, args.calls)}
+    from uniep_dynamo.kernels import launch as launch_mod
+
+    results = {"wrapper_us": _per_call_us(wrapper, args.calls), "jit_us": _per_call_us(jit, args.calls),
+               "launch_us": _per_call_us(lambda: launch_mod.launch(rows_kernel, (grid,), *pos, **kw), args.calls)}
+    launch_mod.FAST = False  # uniep's wrapper through kernel[grid](...), as before kernels/launch.py
+    results["wrapper_triton_launch_us"] = _per_call_us(wrapper, args.calls)
+    launch_mod.FAST = True
 
     compiled = jit()
     try:

@@ -35,6 +35,7 @@ from torch._dynamo.utils import counters
 from . import config as config_mod
 from .config import cdiv as _cdiv
 from . import gate_program
+from .launch import launch
 
 log = logging.getLogger("uniep")
 _LOGGED: set = set()  # (op, reason) pairs already logged
@@ -296,7 +297,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     if row_order is None:  # read only to gather rows
         assert not gather
         row_order = offsets
-    kernel[(grid,)](
+    launch(kernel, (grid,),
         a, a.stride(0), a.stride(1), row_order, layer.top_k,
         b, b.stride(0), b.stride(1), b.stride(2),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0,
@@ -352,7 +353,7 @@ def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, 
     columns; ``tensors`` are its leading (tensor, row stride) arguments."""
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (_cdiv(max(layer.num_slots, 1), block_r), _cdiv(layer.inter, block_c))
-    kernel[grid](*(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter, up_shift,
+    launch(kernel, grid, *(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter, up_shift,
                  COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
                  act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
                  num_warps=4)
@@ -403,7 +404,7 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     if row_order is None:  # read only to gather rows
         assert not (p_gather or q_gather or q_scale)
         row_order = offsets
-    kernel[(grid,)](
+    launch(kernel, (grid,),
         p, p.stride(0), p.stride(1), q, q.stride(0), q.stride(1), row_order, w if w is not None else q, layer.top_k,
         offsets, layer.num_experts, m, n,
         grad, grad.stride(0), grad.stride(m_dim), grad.stride(n_dim),

@@ -21,6 +21,7 @@ import triton.language as tl
 from .config import cdiv as _cdiv
 from .config import interpreting
 from .config import next_pow2 as _next_pow2
+from .launch import launch
 from .router_reference import linear_backward, router_logits
 
 _MODES = {"softmax_topk": 0, "sigmoid_topk": 1, "topk_softmax": 2}
@@ -240,7 +241,7 @@ def router_forward(hidden, weight, bias, score_bias, spec):
     num_keys = plan_num_keys(spec.num_experts)
     hist = torch.empty(grid[0], num_keys, dtype=torch.int32, device=hidden.device) if spec.plan else ids
     k_pad = max(2, _next_pow2(spec.top_k))
-    _router_select[grid](
+    launch(_router_select, grid, 
         logits, score_bias if score_bias is not None else logits, weights, ids, hist, num_tokens, spec.num_experts,
         float(spec.scale), float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, K_PAD=k_pad, E_PAD=e_pad,
         N_GROUP=spec.n_group, TOPK_GROUP=spec.topk_group, HAS_SB=score_bias is not None,
@@ -262,7 +263,7 @@ def router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids
         e_pad, block_t, grid = _launch(num_tokens, spec.num_experts)
         gw = grad_weights.contiguous() if grad_weights is not None else logits
         gl = grad_logits.contiguous() if grad_logits is not None else logits
-        _router_grad[grid](logits, ids, gw, gl, d_logits, num_tokens, spec.num_experts, float(spec.scale),
+        launch(_router_grad, grid, logits, ids, gw, gl, d_logits, num_tokens, spec.num_experts, float(spec.scale),
                            float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, E_PAD=e_pad,
                            HAS_GW=grad_weights is not None, HAS_GL=grad_logits is not None, RENORM=spec.renorm,
                            BLOCK_T=block_t, num_warps=4)
