@@ -353,10 +353,10 @@ def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, 
     columns; ``tensors`` are its leading (tensor, row stride) arguments."""
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (_cdiv(max(layer.num_slots, 1), block_r), _cdiv(layer.inter, block_c))
-    launch(kernel, grid, *(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter, up_shift,
-                 COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
-                 act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
-                 num_warps=4)
+    launch(kernel, grid, *(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter,
+           up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
+           act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
+           num_warps=4)
 
 
 def _act_forward(layer: _Layer, *, up, act, **halves):

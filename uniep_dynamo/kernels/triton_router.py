@@ -241,7 +241,8 @@ def router_forward(hidden, weight, bias, score_bias, spec):
     num_keys = plan_num_keys(spec.num_experts)
     hist = torch.empty(grid[0], num_keys, dtype=torch.int32, device=hidden.device) if spec.plan else ids
     k_pad = max(2, _next_pow2(spec.top_k))
-    launch(_router_select, grid, 
+    launch(
+        _router_select, grid,
         logits, score_bias if score_bias is not None else logits, weights, ids, hist, num_tokens, spec.num_experts,
         float(spec.scale), float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, K_PAD=k_pad, E_PAD=e_pad,
         N_GROUP=spec.n_group, TOPK_GROUP=spec.topk_group, HAS_SB=score_bias is not None,
@@ -264,9 +265,9 @@ def router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids
         gw = grad_weights.contiguous() if grad_weights is not None else logits
         gl = grad_logits.contiguous() if grad_logits is not None else logits
         launch(_router_grad, grid, logits, ids, gw, gl, d_logits, num_tokens, spec.num_experts, float(spec.scale),
-                           float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, E_PAD=e_pad,
-                           HAS_GW=grad_weights is not None, HAS_GL=grad_logits is not None, RENORM=spec.renorm,
-                           BLOCK_T=block_t, num_warps=4)
+               float(spec.renorm_eps), MODE=_MODES[spec.mode], K=spec.top_k, E_PAD=e_pad,
+               HAS_GW=grad_weights is not None, HAS_GL=grad_logits is not None, RENORM=spec.renorm,
+               BLOCK_T=block_t, num_warps=4)
         from torch._dynamo.utils import counters
         counters["uniep_kernels"]["triton_router_backward"] += 1
     return linear_backward(d_logits, hidden, weight, bias, spec)

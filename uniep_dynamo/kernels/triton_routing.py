@@ -118,8 +118,7 @@ def plan_from_histogram(flat_ids, hist, slots_per_block: int, num_experts: int, 
     base = torch.empty_like(hist)
     launch(_plan_scan, (1,), hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
     launch(_plan_scatter, (num_blocks,), flat_ids, base, row_order, slot_row, flat_ids.numel(), num_experts,
-                                 slots_per_block, CLAMP=clamp, BLOCK=_next_pow2(slots_per_block),
-                                 NUM_KEYS=num_keys)
+           slots_per_block, CLAMP=clamp, BLOCK=_next_pow2(slots_per_block), NUM_KEYS=num_keys)
     return plan
 
 
@@ -134,7 +133,7 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     num_blocks = _cdiv(num_slots, PLAN_BLOCK)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
     launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
-                                   NUM_KEYS=num_keys)
+           NUM_KEYS=num_keys)
     return plan_from_histogram(flat, hist, PLAN_BLOCK, num_experts, clamp, plan)
 
 
@@ -165,8 +164,8 @@ def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_d
         return out
     weights_arg = weights.contiguous() if weights is not None else rows
     grid = (num_tokens, _cdiv(hidden, COMBINE_BLOCK_H))
-    launch(_combine, grid, rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), hidden, offsets.numel(),
-                   TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=COMBINE_BLOCK_H)
+    launch(_combine, grid, rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), hidden,
+           offsets.numel(), TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=COMBINE_BLOCK_H)
     return out
 
 
@@ -195,9 +194,9 @@ def routing_weight_grad(grad_out, rows, slot_row, offsets, num_tokens: int, top_
     if num_tokens == 0:
         return out
     grad_out = grad_out.contiguous()
-    launch(_routing_weight_grad, (num_tokens,), grad_out, grad_out.stride(0), rows, rows.stride(0), slot_row, offsets, out,
-                                        rows.shape[1], offsets.numel(), TOP_K=top_k,
-                                        BLOCK_K=max(2, _next_pow2(top_k)), BLOCK_H=GRAD_W_BLOCK_H)
+    launch(_routing_weight_grad, (num_tokens,), grad_out, grad_out.stride(0), rows, rows.stride(0), slot_row,
+           offsets, out, rows.shape[1], offsets.numel(), TOP_K=top_k, BLOCK_K=max(2, _next_pow2(top_k)),
+           BLOCK_H=GRAD_W_BLOCK_H)
     return out
 
 
@@ -233,7 +232,7 @@ def gather_rows(src, row_order, top_k: int, weights=None, out=None) -> torch.Ten
     if src.stride(1) != 1:
         src = src.contiguous()
     grid = (_cdiv(num_rows, GATHER_BLOCK_R), _cdiv(num_cols, GATHER_BLOCK_C))
-    launch(_gather_rows, grid, src, src.stride(0), row_order, weights if weights is not None else src, out, out.stride(0),
-                       num_rows, num_cols, top_k, SCALE=weights is not None, BLOCK_R=GATHER_BLOCK_R,
-                       BLOCK_C=GATHER_BLOCK_C)
+    launch(_gather_rows, grid, src, src.stride(0), row_order, weights if weights is not None else src, out,
+           out.stride(0), num_rows, num_cols, top_k, SCALE=weights is not None, BLOCK_R=GATHER_BLOCK_R,
+           BLOCK_C=GATHER_BLOCK_C)
     return out

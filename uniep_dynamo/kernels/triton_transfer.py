@@ -95,5 +95,5 @@ def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, pee
     vec = max(1, 16 // local.element_size()) if (width * local.element_size()) % 16 == 0 else 1
     ptrs = [p.view(bits) for p in peers]
     ptrs += [ptrs[0]] * (MAX_PEERS - len(ptrs))
-    launch(_copy_segments, (max(1, min(programs, num_blocks)),), table, num_blocks, local.view(bits), *ptrs, PUSH=push,
-                                                        VEC=vec, BLOCK=block, num_warps=warps)
+    launch(_copy_segments, (max(1, min(programs, num_blocks)),), table, num_blocks, local.view(bits), *ptrs,
+           PUSH=push, VEC=vec, BLOCK=block, num_warps=warps)
