@@ -18,6 +18,7 @@ that keeps them unchanged). ``UNIEP_TRITON_LAUNCH=triton`` turns the fast path o
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -55,6 +56,14 @@ def _runtime():
     return _RUNTIME
 
 
+def _disable(exc) -> None:
+    global FAST
+    FAST = False
+    counts["triton"] += 1
+    logging.getLogger("uniep").warning("uniep: Triton launches go through kernel[grid](...): this Triton's compiled "
+                                       "kernels take other launcher arguments (%s)", exc)
+
+
 def launch(fn, grid, *args, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)`` for a @triton.jit kernel ``fn`` and a grid tuple of 1 to 3 ints."""
     if FAST and getattr(fn, "device_caches", None) is not None:
@@ -66,9 +75,15 @@ def launch(fn, grid, *args, **kwargs) -> None:
             key = (fn, device, tuple(specialization), tuple(options.items()))
             kernel = _KERNELS.get(key)
             if kernel is not None:
+                try:
+                    kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                               stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                               *bound.values())
+                except TypeError as exc:  # a Triton whose launcher takes other arguments: its own path from now on
+                    _disable(exc)
+                    fn[grid](*args, **kwargs)
+                    return
                 counts["fast"] += 1
-                kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream(device),
-                           kernel.function, kernel.packed_metadata, None, None, None, *bound.values())
                 return
             kernel = fn[grid](*args, **kwargs)
             counts["triton"] += 1
