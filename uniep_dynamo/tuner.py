@@ -8,10 +8,10 @@ heuristic one (config.py's numerics contract), and the tuner checks it on every 
 shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
 a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. ``EP_SPACE`` holds the
 overlapped EP layer's knobs (ep_overlap.OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
-the transfer kernel's programs (its SMs for communication) and their block, whether the GEMMs push their results into the
-peers themselves, the copy engines' batched copies and tapered chunks); ``ep_candidates`` prunes repeats (more
-chunks than local experts, programs of a path without the kernel, the kernel past its rank limit). None of
-them changes numerics.
+the transfer kernel's programs (its SMs for communication) and their block, whether the GEMMs push their
+results into the peers themselves and from which chunk on, the copy engines' batched copies and tapered chunks);
+``ep_candidates`` prunes repeats (more chunks than local experts, programs of a path without the kernel, the
+kernel past its rank limit). None of them changes numerics.
 
 Tuner. ``tune_shape`` measures one layer shape (forward + backward of ``uniep.moe_experts`` on CUDA with the
 in-place backward the backend uses, CUDA events, the same seeded inputs for every candidate; a SwiGLU layer with [E, out, in] weights stands
@@ -468,11 +468,10 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     """What a config does for this many local experts at this EP size (configs with one schedule are one
     candidate)."""
     chunk, block, engine, batched = cfg.layout_knobs(local_experts, world)
-    kernel = block is not None
+    kernel, pushes = block is not None, cfg.gemm_pushes(local_experts, world)
     return (chunk, cfg.overlap, engine, kernel, (cfg.programs(world), block) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
-            cfg.gemm_pushes(local_experts, world), batched,
-            cfg.first_gemm_push(len(chunk)) if cfg.gemm_pushes(local_experts, world) else None)
+            pushes, batched, cfg.first_gemm_push(len(chunk)) if pushes else None)
 
 
 @dataclass

@@ -8,8 +8,9 @@ host time is about its GPU time (BENCHMARKS.md), so those microseconds count.
 ``launch`` keeps Triton's binder, so a kernel is looked up under exactly Triton's specialization (pointer
 alignment, integer divisibility, every constexpr, the launch options), and calls the launcher of the compiled
 kernel found under that key itself. A miss, or anything it does not handle (the interpreter, a launch hook,
-pre-run hooks, a Triton whose JITFunction lacks what it uses), goes through ``kernel[grid](...)``, which compiles
-the kernel or finds it in Triton's cache; the compiled kernel it returns is kept for the next call.
+pre-run hooks, a Triton whose JITFunction or launcher differs from what it uses), goes through
+``kernel[grid](...)``, which compiles the kernel or finds it in Triton's cache; the compiled kernel it returns is
+kept for the next call.
 
 What it skips, and why that is safe here: the check that the kernel's global values have not changed since it
 was compiled (uniep's kernels read no mutable globals), and Triton's ``debug`` and instrumentation knobs at each
@@ -29,10 +30,10 @@ FAST = os.environ.get("UNIEP_TRITON_LAUNCH", "") != "triton"
 counts = {"fast": 0, "triton": 0}  # launches by each path (tests read them)
 
 
-def _binder(fn, device):
-    """Triton's binder of fn on device, or None where this Triton's JITFunction does not have the layout used."""
-    caches = getattr(fn, "device_caches", None)
-    if caches is None or getattr(fn, "pre_run_hooks", None):
+def _binder(fn, caches, device):
+    """Triton's binder of fn on device (from its device_caches), or None where fn has pre-run hooks or this
+    Triton's JITFunction does not have the layout used."""
+    if getattr(fn, "pre_run_hooks", None):
         return None
     try:
         entry = caches[device]
@@ -66,10 +67,11 @@ def _disable(exc) -> None:
 
 def launch(fn, grid, *args, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)`` for a @triton.jit kernel ``fn`` and a grid tuple of 1 to 3 ints."""
-    if FAST and getattr(fn, "device_caches", None) is not None:
+    caches = getattr(fn, "device_caches", None) if FAST else None
+    if caches is not None:
         runtime, stream = _runtime()
         device = torch.cuda.current_device()
-        binder = _binder(fn, device)
+        binder = _binder(fn, caches, device)
         if binder is not None and not _hooked(runtime.launch_enter_hook) and not _hooked(runtime.launch_exit_hook):
             bound, specialization, options = binder(*args, **kwargs)
             key = (fn, device, tuple(specialization), tuple(options.items()))
