@@ -122,10 +122,9 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
     ref_out, ref_grads = single_process(*_case(*case_args))
     for i, knobs in enumerate(knobs_list):
         knob = f"OverlapConfig{knobs}"
-        # a step takes four barriers (rows in ``send``, results in ``back``; the same in the backward); from the
-        # second call on, the forward's rows go into the cached window before the count table's all-gather, which
-        # orders them: three
-        assert [r[i]["barriers"] for r in ranks] == [4 if i == 0 else 3] * world, knob
+        # a step takes four barriers: rows in ``send``, results in ``back``; the same in the backward (from the
+        # second call on, the forward's rows go into the cached window while the host waits for the count table)
+        assert [r[i]["barriers"] for r in ranks] == [4] * world, knob
         # the GEMMs stored the results into the peers themselves exactly where the SMs move the rows with overlap on
         cfg = OverlapConfig(*knobs)
         scattered = sum(r[i]["scattered"] for r in ranks)

@@ -506,14 +506,18 @@ class _On:
         torch.cuda.set_stream(self.back)
 
 
-def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor, compute,
-              knobs: OverlapConfig, device, after=None):
-    """The pipeline of one phase: pull every chunk's rows out of the peers' ``send`` of win_out into recv,
-    run compute(chunk, scatter) -> the chunk's result rows ([chunk rows, H], or None), push those rows into the
-    sources' ``back`` of win_in; then after() (work that no transfer waits for, beside the last pushes). Ends
-    with a barrier: every rank's ``back`` is complete and no one reads a ``send`` any more. ``scatter``: None, or
-    (the layout's destinations, the sources' ``back``) for a compute that stores its results there itself
-    (OverlapConfig.push_in_gemm) and returns None.
+def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _Window, recv: torch.Tensor,
+                    knobs: OverlapConfig, device):
+    """The pipeline of one phase, started: issues the first chunks' pulls (out of the peers' ``send`` of win_out
+    into recv) and returns run(compute, after=None), which does the rest. The caller does the host work that the
+    first pulls need not wait for (the GEMMs' set-up) between the two: right after the count table's
+    synchronization the GPU idles until the first pull is issued.
+
+    run pulls every further chunk, runs compute(chunk, scatter) -> the chunk's result rows ([chunk rows, H], or
+    None), pushes those rows into the sources' ``back`` of win_in; then after() (work that no transfer waits
+    for, beside the last pushes). It ends with a barrier: every rank's ``back`` is complete and no one reads a
+    ``send`` any more. ``scatter``: None, or (the layout's destinations, the sources' ``back``) for a compute that
+    stores its results there itself (OverlapConfig.push_in_gemm) and returns None.
 
     The host issues chunk c + LOOKAHEAD's pulls after chunk c's GEMMs, so the first GEMMs start before
     every copy has been issued. ``table``: the layout's transfer table on the device."""
@@ -619,36 +623,39 @@ def _exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_in: _W
 
     for c in range(ahead):
         pull(c)
-    # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (OverlapConfig.gemm_pushes); their
-    # table is built after the first pulls are issued, which do not read it (the GPU idles until the first launch)
-    scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
-        else None
-    first_scatter = knobs.first_gemm_push(num_chunks)
-    if not knobs.overlap:  # every pull before the first GEMM
-        streams.wait(pulled[-1])
-    results = []
-    for c in range(num_chunks):
-        _, _, lo, hi = layout.chunks[c]
-        streams.wait(pulled[c])
-        if staged[c]:  # the stage, ordered by source, into the receive order
-            torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
-            freed[c % ahead] = streams.record()
-        result = compute(c, scatter if c >= first_scatter else None)
-        if result is not None:
-            if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
-                result = torch.index_select(result, 0, inv[lo:hi])
-            results.append((c, result, streams.record()))
-        if knobs.overlap or c == num_chunks - 1:  # without overlap: every GEMM before the first push
-            for done in results:
-                push(*done)
-            results = []
-        if c + ahead < num_chunks:
-            pull(c + ahead)
-    if after is not None:
-        after()
-    streams.join()
-    pushed.clear()
-    win_out.barrier()
+
+    def run(compute, after=None):
+        # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (OverlapConfig.gemm_pushes);
+        # their table is built after the first pulls are issued, which do not read it
+        scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
+            else None
+        first_scatter = knobs.first_gemm_push(num_chunks)
+        if not knobs.overlap:  # every pull before the first GEMM
+            streams.wait(pulled[-1])
+        results = []
+        for c in range(num_chunks):
+            _, _, lo, hi = layout.chunks[c]
+            streams.wait(pulled[c])
+            if staged[c]:  # the stage, ordered by source, into the receive order
+                torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
+                freed[c % ahead] = streams.record()
+            result = compute(c, scatter if c >= first_scatter else None)
+            if result is not None:
+                if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
+                    result = torch.index_select(result, 0, inv[lo:hi])
+                results.append((c, result, streams.record()))
+            if knobs.overlap or c == num_chunks - 1:  # without overlap: every GEMM before the first push
+                for done in results:
+                    push(*done)
+                results = []
+            if c + ahead < num_chunks:
+                pull(c + ahead)
+        if after is not None:
+            after()
+        streams.join()
+        pushed.clear()
+        win_out.barrier()
+    return run
 
 
 def _segment_copies(segments, local, peers, push: bool) -> None:
@@ -840,59 +847,79 @@ def _plan(ids, num_experts: int, spec):
     return routing_plan(ids, num_experts, clamp=spec.out_of_range == "clamp")
 
 
-def _table(offsets: torch.Tensor, num_tokens: int, group):
-    """All ranks' per-expert counts and token counts, on the host."""
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    mine = torch.cat([counts, counts.new_tensor([num_tokens])])
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts).tolist()
+def _table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
+    """All ranks' per-expert counts and token counts, on the host: one all-gather and one copy to the host, the
+    layer's one synchronization. beside() (work of the current stream) is issued after that copy and before the
+    host waits for it: the GPU runs it while the host lays out the step. No other host copy or synchronization:
+    a host tensor copied to the device would wait for the stream's earlier work first."""
+    experts = offsets.numel()
+    mine = offsets.new_empty(experts + 1)
+    if experts:
+        mine[:1].copy_(offsets[:1])
+        torch.sub(offsets[1:], offsets[:-1], out=mine[1:experts])
+    mine[experts:].fill_(num_tokens)
+    world = dist.get_world_size(group)
+    every = offsets.new_empty(world * (experts + 1))  # flat: gloo takes no [W, n] output
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(world, experts + 1)
+    copied = None
+    if every.is_cuda:
+        host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+        host.copy_(every, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    else:
+        host = every
+    if beside is not None:
+        beside()
+    if copied is not None:
+        copied.synchronize()
+    table = host.tolist()
     return [row[:-1] for row in table], [row[-1] for row in table]
 
 
-def _forward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, fill) -> _Window:
-    """The forward's transfers and GEMMs: fill(window) writes this rank's rows into the window's ``send``, then
-    every chunk is pulled into ``x``, runs its up and down GEMMs (``up`` keeps the up projection) and is pushed
-    back. Returns the window whose ``back`` holds this rank's result rows, in its send order.
-
-    fill returns whether the peers must wait for its rows in a barrier. It returns False where every rank wrote
-    them before the all-gather of the count table: a rank's all-gather ends after every peer's has started, that
-    is after the work each peer queued before it (its rows, and its last reads of this window). That holds on
-    every rank or on none: the window is the cached one, too small for no rank's rows."""
+def _forward_phase(layout: _Layout, table, group, knobs: OverlapConfig, x, out_dtype, fill, setup):
+    """The forward's transfers and GEMMs: fill(window) writes this rank's rows into the window's ``send`` (or
+    found them there) and the peers wait for them in a barrier, then every chunk is pulled into ``x``, runs its up
+    and down GEMMs and is pushed back. setup() -> (the _Chunks, the [rows, up_width] buffer that keeps the up
+    projection) runs once the first pulls are issued (_start_exchange). Returns the window whose ``back`` holds
+    this rank's result rows ([*, H] of out_dtype, in its send order), the chunks and the up projection."""
     size, device = x.shape[1], x.device
     win_x = _window(group, layout.capacity, size, x.dtype, device)
-    win_y = _window(group, layout.capacity, size, chunks.w_down.dtype, device)
-    if fill(win_x):
-        win_x.barrier()
-    scratch = {"act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)}
-    _exchange(layout, table, win_x, win_y, x, lambda c, scatter: chunks.forward(c, x, up, scratch["act"], scatter),
-              knobs, device)
-    scratch.clear()  # after _exchange joined the streams that read them
-    return win_y
+    win_y = _window(group, layout.capacity, size, out_dtype, device)
+    fill(win_x)
+    win_x.barrier()
+    run = _start_exchange(layout, table, win_x, win_y, x, knobs, device)
+    chunks, up = setup()
+    act = torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)
+    run(lambda c, scatter: chunks.forward(c, x, up, act, scatter))
+    return win_y, chunks, up
 
 
-def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, dy_dtype, fill):
+def _backward_phase(layout: _Layout, table, chunks: _Chunks, group, knobs: OverlapConfig, x, up, dy_dtype, fill,
+                    beside=None):
     """The backward's transfers and GEMMs: fill(window) writes this rank's output-gradient rows into the
     window's ``send``; every chunk's rows are pulled, run the input- and weight-gradient GEMMs and the
-    input-gradient rows are pushed back. Returns the window whose ``back`` holds this rank's input-gradient
-    rows, in its send order, and [d_w_up, d_w_down, d_b_up, d_b_down] (None for a missing bias)."""
+    input-gradient rows are pushed back. beside() (work of the current stream that reads no row of the phase)
+    runs once the first pulls are issued, beside them. Returns the window whose ``back`` holds this rank's
+    input-gradient rows, in its send order, [d_w_up, d_w_down, d_b_up, d_b_down] (None for a missing bias) and
+    what beside returned (None without it)."""
     size, device = x.shape[1], x.device
     win_dy = _window(group, layout.capacity, size, dy_dtype, device)
     win_dx = _window(group, layout.capacity, size, chunks.w_up.dtype, device)
     fill(win_dy)
     win_dy.barrier()
-    scratch = {"dy": _receive_buffer("dy", layout.rows, size, dy_dtype, device, knobs),
-               "act": torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device),
-               "d_up": torch.empty_like(up)}
+    dy = _receive_buffer("dy", layout.rows, size, dy_dtype, device, knobs)
+    run = _start_exchange(layout, table, win_dy, win_dx, dy, knobs, device)
+    extra = beside() if beside is not None else None
+    act = torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)
+    d_up = torch.empty_like(up)
     last = knobs.weight_grads_last
     grads = _new_grads(chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down, weights=not last)
-    _exchange(layout, table, win_dy, win_dx, scratch["dy"],
-              lambda c, scatter: chunks.backward(c, x, up, grads=grads, weight_grads=not last, scatter=scatter,
-                                                 **scratch), knobs, device,
-              after=(lambda: chunks.weight_grads(x, scratch["dy"], scratch["act"], scratch["d_up"], grads))
-              if last else None)
-    scratch.clear()
-    return win_dx, grads
+    run(lambda c, scatter: chunks.backward(c, x, up, dy, act, d_up, grads=grads, weight_grads=not last,
+                                           scatter=scatter),
+        after=(lambda: chunks.weight_grads(x, dy, act, d_up, grads)) if last else None)
+    return win_dx, grads, extra
 
 
 class _OverlapEP(torch.autograd.Function):
@@ -909,36 +936,39 @@ class _OverlapEP(torch.autograd.Function):
         row_order, slot_row, offsets = _plan(ids, num_experts, spec)
         size = hidden.shape[1]
         slots = num_tokens * top_k
-        # the rows go into this rank's ``send`` before the host waits for the count table, when the cached
-        # window takes them (no peer reads it since the last phase's closing barrier)
+        # the rows go into this rank's ``send`` while the host waits for the count table and lays out the step,
+        # when the cached window takes them (no peer reads it since the last phase's closing barrier; the peers
+        # wait for them in _forward_phase's barrier)
         early = _WINDOWS.get(_window_key(group, hidden.dtype, size, device))
-        if early is not None and early.capacity >= slots and slots:
-            gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
-        counts, tokens = _table(offsets, num_tokens, group)
+        early = early if early is not None and early.capacity >= slots and slots else None
+        counts, tokens = _table(offsets, num_tokens, group, beside=None if early is None else lambda: gather_rows(
+            hidden, row_order, top_k, out=early.send(rank)[:slots]))
         chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
         layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched)
         offsets_dev, table = layout.to_device(device)
-        chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
-                         skip_gemms=knobs.timing == "comm")
-        ctx.layout, ctx.chunks, ctx.table, ctx.spec, ctx.group, ctx.knobs = layout, chunks, table, spec, group, knobs
+        ctx.layout, ctx.table, ctx.spec, ctx.group, ctx.knobs = layout, table, spec, group, knobs
         ctx.shape = (num_tokens, top_k)
+
+        def setup():  # the GEMMs' set-up, which the first pulls do not wait for (_forward_phase)
+            chunks = _Chunks(layout, offsets_dev, w_up, w_down, b_up, b_down, spec, hidden,
+                             skip_gemms=knobs.timing == "comm")
+            return chunks, torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
         if layout.capacity == 0:  # no rank has a token
+            ctx.chunks = setup()[0]
             ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, None, None, None)
             return hidden.new_zeros(num_tokens, size, dtype=spec.out_dtype)
         x = _receive_buffer("x", layout.rows, size, hidden.dtype, device, knobs)
-        up = torch.empty(layout.rows, chunks.up_width, dtype=w_up.dtype, device=device)
 
-        def fill(win):  # whether the peers wait for the rows in a barrier (see _forward_phase)
-            if win is early:
-                return False
-            if slots:  # not gathered above: no window, or one too small for some rank, which _window replaced
+        def fill(win):
+            if win is not early and slots:  # not gathered above: no window, or one too small for some rank (replaced)
                 gather_rows(hidden, row_order, top_k, out=win.send(rank)[:slots])
-            return True
-        win_y = _forward_phase(layout, table, chunks, group, knobs, x, up, fill)
+        win_y, ctx.chunks, up = _forward_phase(layout, table, group, knobs, x, w_down.dtype, fill, setup)
         rows = win_y.back(rank)[:slots]
-        out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype)
-        routed = layout.send_start[rank][-1]
-        y = rows[:routed].clone()  # the back buffer is reused by the next call
+        # the combine copies the result rows it reads into y, which the backward reads (the window's ``back`` is
+        # reused by the next call)
+        y = torch.empty(layout.send_start[rank][-1], size, dtype=rows.dtype, device=device)
+        out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype,
+                      copy=y)
         ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, x, up, y)
         return out
 
@@ -956,11 +986,12 @@ class _OverlapEP(torch.autograd.Function):
         rank = layout.rank
         slots = num_tokens * top_k
         grad_out = grad_out.contiguous()
-        d_weights = routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype)
-        win_dx, grads = _backward_phase(
+        # the routing weights' gradient reads no row of the phase: beside its first pulls
+        win_dx, grads, d_weights = _backward_phase(
             layout, ctx.table, chunks, group, knobs, x, up, grad_out.dtype,
             lambda win: gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(),
-                                    out=win.send(rank)[:slots]))
+                                    out=win.send(rank)[:slots]),
+            beside=lambda: routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype))
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
         return (d_hidden, d_weights, *grads, None, None, None, None)
 
@@ -1114,8 +1145,9 @@ def _exchange_claims(send, recv_counts, send_sizes, recv_sizes, ok: bool) -> tor
     """What a rank all-gathers, [3W + 2] on the device: its send sizes, whether it takes the overlapped path, and
     for the ranks' common size check its receive sizes, its rows, and the per-source sums of its received
     counts."""
-    host = torch.tensor(list(send_sizes) + [int(ok)] + list(recv_sizes) + [send.shape[0]], dtype=torch.int64)
-    return torch.cat([host.to(send.device), recv_counts.sum(1).to(torch.int64)])
+    host = torch.tensor(list(send_sizes) + [int(ok)] + list(recv_sizes) + [send.shape[0]], dtype=torch.int64,
+                        pin_memory=send.is_cuda)  # pinned: the copy does not wait for the stream's earlier work
+    return torch.cat([host.to(send.device, non_blocking=True), recv_counts.sum(1).to(torch.int64)])
 
 
 def _exchange_host(table: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
@@ -1246,16 +1278,18 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     knobs = knobs or _cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = _exchange_layout(rows, counts, rank, local_experts, knobs, size)
     offsets, transfers = layout.to_device(device)
-    chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, send, config_shape=(layout.rows, local_experts))
     x = _receive_buffer("x", layout.rows, size, send.dtype, device, knobs)
-    up = torch.empty(layout.rows, up_width, dtype=w_up.dtype, device=device)
-    if layout.capacity == 0:  # no rank sends a row
-        return send.new_empty(0, size), x, up, table
 
-    def fill(win):  # the rows go in after the count table: the peers wait for them in a barrier
+    def setup():  # the GEMMs' set-up, which the first pulls do not wait for (_forward_phase)
+        chunks = _Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, send,
+                         config_shape=(layout.rows, local_experts))
+        return chunks, torch.empty(layout.rows, up_width, dtype=w_up.dtype, device=device)
+    if layout.capacity == 0:  # no rank sends a row
+        return send.new_empty(0, size), x, setup()[1], table
+
+    def fill(win):
         win.send(rank)[:send.shape[0]].copy_(send)
-        return True
-    win_y = _forward_phase(layout, transfers, chunks, group, knobs, x, up, fill)
+    win_y, _, up = _forward_phase(layout, transfers, group, knobs, x, w_down.dtype, fill, setup)
     return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
 
 
@@ -1286,6 +1320,6 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
                      config_shape=(layout.rows, local_experts))
     if layout.capacity == 0:
         return (grad_back.new_zeros(0, size), *_zero(_new_grads(w_up, w_down, b_up, b_down)))
-    win_dx, grads = _backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype,
-                             lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
+    win_dx, grads, _ = _backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype,
+                                       lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
     return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)

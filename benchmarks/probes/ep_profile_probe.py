@@ -98,7 +98,7 @@ HOST_FUNCTIONS = [
     ("uniep_dynamo.ep_overlap._Layout", "destinations"), ("uniep_dynamo.ep_overlap", "_window"),
     ("uniep_dynamo.ep_overlap._Chunks", "__init__"), ("uniep_dynamo.ep_overlap._Chunks", "layer"),
     ("uniep_dynamo.ep_overlap", "_forward_phase"), ("uniep_dynamo.ep_overlap", "_backward_phase"),
-    ("uniep_dynamo.ep_overlap", "_exchange"), ("uniep_dynamo.ep_overlap._Chunks", "forward"),
+    ("uniep_dynamo.ep_overlap", "_start_exchange"), ("uniep_dynamo.ep_overlap._Chunks", "forward"),
     ("uniep_dynamo.ep_overlap._Chunks", "backward"), ("uniep_dynamo.ep_overlap._Chunks", "weight_grads"),
     ("uniep_dynamo.ep_overlap._Window", "barrier"), ("uniep_dynamo.ep_overlap._Streams", "__init__"),
     ("uniep_dynamo.ep_overlap._Streams", "record"), ("uniep_dynamo.ep_overlap._Streams", "wait"),
@@ -131,6 +131,8 @@ class _host_clock:
             except ImportError:
                 mod, _, cls = path.rpartition(".")
                 owner = getattr(importlib.import_module(mod), cls)
+            if not hasattr(owner, attr):  # a tree without it (the probe times other commits' trees too)
+                continue
             plain = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
             name = f"{path.rsplit('.', 1)[-1]}.{attr}"
             self.totals.setdefault(name, [0.0, 0])

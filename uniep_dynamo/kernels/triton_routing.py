@@ -138,8 +138,9 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
 
 
 @triton.jit
-def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_ptr, out_stride, hidden,
-             num_experts, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_ptr, out_stride, copy_ptr, copy_stride,
+             hidden, num_experts, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, COPY: tl.constexpr,
+             BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < hidden
@@ -149,23 +150,31 @@ def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_
         row = tl.load(slot_row_ptr + t * TOP_K + k)
         # Broadcast before the compare: a dropped slot's row (>= routed_rows) reads nothing.
         routed = (row + tl.zeros([BLOCK_H], dtype=row.dtype)) < routed_rows
-        term = tl.load(rows_ptr + row * rows_stride + cols, mask=col_mask & routed, other=0.0).to(tl.float32)
+        term = tl.load(rows_ptr + row * rows_stride + cols, mask=col_mask & routed, other=0.0)
+        if COPY:  # every routed row is one slot's: each is copied once
+            tl.store(copy_ptr + row * copy_stride + cols, term, mask=col_mask & routed)
+        term = term.to(tl.float32)
         if HAS_WEIGHTS:
             term = term * tl.load(weights_ptr + t * TOP_K + k).to(tl.float32)
         acc += term
     tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_dtype) -> torch.Tensor:
-    """[T, H] in out_dtype: sum over k (in order, fp32) of the (weighted) expert-sorted rows of each token."""
+def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_dtype, copy=None) -> torch.Tensor:
+    """[T, H] in out_dtype: sum over k (in order, fp32) of the (weighted) expert-sorted rows of each token.
+    ``copy`` ([routed rows, H] of rows' dtype, or None) gets a copy of every routed row it reads."""
     hidden = rows.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=rows.device)
     if num_tokens == 0 or hidden == 0:
         return out
+    if copy is not None and (copy.dtype != rows.dtype or copy.shape[1] != hidden or copy.stride(1) != 1):
+        raise ValueError(f"uniep: combine copies [*, {hidden}] rows of {rows.dtype} into rows of their own dtype")
     weights_arg = weights.contiguous() if weights is not None else rows
+    copy_arg = copy if copy is not None and copy.numel() else rows
     grid = (num_tokens, _cdiv(hidden, COMBINE_BLOCK_H))
-    launch(_combine, grid, rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), hidden,
-           offsets.numel(), TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_H=COMBINE_BLOCK_H)
+    launch(_combine, grid, rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), copy_arg,
+           copy_arg.stride(0), hidden, offsets.numel(), TOP_K=top_k, HAS_WEIGHTS=weights is not None,
+           COPY=copy is not None and copy.numel() > 0, BLOCK_H=COMBINE_BLOCK_H)
     return out
 
 
