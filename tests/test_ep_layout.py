@@ -131,3 +131,30 @@ def test_tapered_chunk_sizes():
             sizes = OverlapConfig(chunks=chunks, taper=True).chunk_sizes(local, 4)
             assert sum(sizes) == local and min(sizes) >= 1 and len(sizes) == len(
                 OverlapConfig(chunks=chunks).chunk_sizes(local, 4)), (chunks, local, sizes)
+
+
+@pytest.mark.parametrize("world,local_experts,chunk,hot,empty_source", [
+    (2, 4, 2, None, None),
+    (4, 3, 2, 5, None),  # uneven chunks, a hot expert
+    (4, 4, 1, None, 1),  # a source that sends nothing
+])
+def test_destinations_are_the_segments_rows(world, local_experts, chunk, hot, empty_source, monkeypatch):
+    """The scattering GEMMs' table: receive row i goes back to row (peer row) of source s as (peer row) * 8 + s,
+    from the Triton kernel (the interpreter here, as on the GPU) and from the torch ops of the plain CPU path."""
+    for seed in range(3):
+        counts = _counts(world, local_experts, seed, hot, empty_source)
+        tokens = [sum(row) for row in counts]
+        for rank in range(world):
+            want = []
+            layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
+            for c, (_, _, lo, hi) in enumerate(layout.chunks):
+                rows = torch.full((hi - lo,), -1, dtype=torch.int64)
+                for s, peer_row, row, n in layout.segments[c]:
+                    rows[row:row + n] = torch.arange(peer_row, peer_row + n) * 8 + s
+                want.append(rows)
+            want = torch.cat(want) if want else torch.empty(0, dtype=torch.int64)
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            assert torch.equal(layout.destinations(torch.device("cpu")), want), (seed, rank)
+            fresh = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+            assert torch.equal(fresh.destinations(torch.device("cpu")), want), (seed, rank)

@@ -325,11 +325,17 @@ class _Layout:
         return self._on_device[key]
 
     def _expand(self, device, name: str, scale: int = 1):
-        """[rows] int64: row i * scale + the delta of the run (of the ``name`` runs, in row order) that holds row i."""
-        copied = self._copied(device)
+        """[rows] int64: row i * scale + the delta of the run (of the ``name`` runs, in row order) that holds row i.
+        One Triton launch on the GPU (and in the interpreter), torch ops on the CPU otherwise."""
+        from .kernels.config import interpreting
+        from .kernels.triton_transfer import expand_runs
+
+        runs = self._copied(device)[name + "_runs"]
+        if device.type == "cuda" or interpreting():
+            return expand_runs(runs, self.rows, scale)
         rows = torch.arange(self.rows, device=device)
-        return (rows * scale if scale != 1 else rows) + torch.repeat_interleave(
-            copied[name + "_deltas"], copied[name + "_rows"], output_size=self.rows)
+        return (rows * scale if scale != 1 else rows) + torch.repeat_interleave(runs[:, 1], runs[:, 2],
+                                                                                output_size=self.rows)
 
     def _copied(self, device):
         key = str(device)
@@ -344,10 +350,8 @@ class _Layout:
         rel = []
         for e0, e1, lo, _ in self.chunks:
             rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-        sections = {"rel": rel, "ends": self.expert_end,
-                    "dest_deltas": self._dest_runs[0], "dest_rows": self._dest_runs[1],
-                    "perm_deltas": self._perm_runs[0], "perm_rows": self._perm_runs[1],
-                    "inv_deltas": self._inv_runs[0], "inv_rows": self._inv_runs[1],
+        sections = {"rel": rel, "ends": self.expert_end, "dest_runs": _runs(*self._dest_runs),
+                    "perm_runs": _runs(*self._perm_runs), "inv_runs": _runs(*self._inv_runs),
                     "table": list(itertools.chain.from_iterable(self.table))}
         # an int64 array and a tensor over its memory: a third of torch.tensor's host time on a list (the layout is
         # laid out between the count table's synchronization and the step's first launch, with the GPU idle)
@@ -362,7 +366,18 @@ class _Layout:
             copied[name] = every[at:at + len(values)]
             at += len(values)
         copied["table"] = copied["table"].view(-1, TABLE_COLUMNS)
+        for name in ("dest_runs", "perm_runs", "inv_runs"):
+            copied[name] = copied[name].view(-1, 3)
         return copied
+
+
+def _runs(deltas, rows) -> list:
+    """Runs of (delta, rows) in row order, flat as (first row, delta, rows) triples (kernels.expand_runs)."""
+    flat, at = [], 0
+    for delta, n in zip(deltas, rows):
+        flat += (at, delta, n)
+        at += n
+    return flat
 
 
 class _Window:

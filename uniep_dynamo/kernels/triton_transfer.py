@@ -97,3 +97,29 @@ def copy_segments(table: torch.Tensor, num_blocks: int, local: torch.Tensor, pee
     ptrs += [ptrs[0]] * (MAX_PEERS - len(ptrs))
     launch(_copy_segments, (max(1, min(programs, num_blocks)),), table, num_blocks, local.view(bits), *ptrs,
            PUSH=push, VEC=vec, BLOCK=block, num_warps=warps)
+
+
+@triton.jit
+def _expand_runs(runs_ptr, out_ptr, scale, BLOCK: tl.constexpr):
+    run = runs_ptr + tl.program_id(0) * 3
+    start = tl.load(run)
+    delta = tl.load(run + 1)
+    rows = tl.load(run + 2)
+    for r0 in range(0, rows, BLOCK):
+        i = r0 + tl.arange(0, BLOCK)
+        row = start + i
+        tl.store(out_ptr + row, row * scale + delta, mask=i < rows)
+
+
+EXPAND_BLOCK = 1024
+
+
+def expand_runs(runs: torch.Tensor, total: int, scale: int = 1) -> torch.Tensor:
+    """[total] int64: row i * scale + the delta of the run that holds row i. ``runs``: [n, 3] int64 on the device,
+    (first row, delta, rows) per run, the runs covering rows 0 .. total - 1 in order. One launch (the torch ops
+    that do the same take seven): the layout's tables are made between the count table's synchronization and the
+    GEMMs' first launch."""
+    out = torch.empty(total, dtype=torch.int64, device=runs.device)
+    if runs.shape[0] and total:
+        launch(_expand_runs, (runs.shape[0],), runs, out, scale, BLOCK=EXPAND_BLOCK)
+    return out
