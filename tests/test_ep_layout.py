@@ -158,3 +158,49 @@ def test_destinations_are_the_segments_rows(world, local_experts, chunk, hot, em
             fresh = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
             monkeypatch.setenv("TRITON_INTERPRET", "0")
             assert torch.equal(fresh.destinations(torch.device("cpu")), want), (seed, rank)
+            on_device = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64,
+                                device_counts=torch.tensor([row + [t] for row, t in zip(counts, tokens)]))
+            monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tables by kernels.layout_tables
+            assert torch.equal(on_device.destinations(torch.device("cpu")), want), (seed, rank)
+
+
+@pytest.mark.parametrize("world,local_experts,sizes,dtype", [
+    (1, 3, (3,), torch.int64),
+    (2, 8, (3, 5), torch.int32),
+    (3, 5, (1, 1, 2, 1), torch.int64),
+    (4, 9, (1, 1, 1, 1, 1, 1, 1, 2), torch.int64),  # MAX_CHUNKS chunks
+    (8, 2, (2,), torch.int32),
+])
+def test_device_tables_are_the_host_tables(world, local_experts, sizes, dtype):
+    """kernels.layout_tables (the interpreter here, as on the GPU) lays out from the device's count table what the
+    host lays out from its integers: the GEMMs' offsets, the destinations' runs and the transfer table, whose rows
+    with rows are the segments, in order, with the blocks' running sums of the chunk."""
+    from uniep_dynamo.kernels.triton_transfer import TABLE_COLUMNS, segment_table
+
+    width, block = 24, 64
+    for seed in range(4):
+        counts = _counts(world, local_experts, seed, hot=seed % 3, empty_source=world - 1 if seed == 3 else None)
+        counts[0][-1] = 0  # a pair without rows
+        tokens = [sum(row) + 1 for row in counts]
+        device_counts = torch.tensor([row + [t] for row, t in zip(counts, tokens)], dtype=dtype)
+        for rank in range(world):
+            host = _Layout(counts, tokens, 1, rank, world, local_experts, sizes, width, block)
+            dev = _Layout(counts, tokens, 1, rank, world, local_experts, sizes, width, block,
+                          device_counts=device_counts)
+            cpu = torch.device("cpu")
+            want, got = host._copy_to(cpu), dev._copy_to(cpu)
+            assert want["table"].shape == (world * local_experts, TABLE_COLUMNS)
+            for name in ("rel", "ends", "dest_runs", "table"):
+                assert torch.equal(got[name], want[name]), (name, seed, rank)
+            for c, (first, rows) in enumerate(host.table_chunks):
+                table = got["table"][first:first + rows]
+                flat, blocks = segment_table(host.segments[c], width, block)
+                assert table[table[:, 3] > 0].reshape(-1).tolist() == flat, (seed, rank, c)
+                assert int(table[-1, 4]) == blocks
+
+
+def test_device_tables_refuse_more_chunks():
+    from uniep_dynamo.kernels.triton_transfer import MAX_CHUNKS, layout_tables
+
+    with pytest.raises(ValueError, match="chunks"):
+        layout_tables(torch.zeros(2, 20, dtype=torch.int64), 0, MAX_CHUNKS + 1, list(range(MAX_CHUNKS + 1)), 8, 64)

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -191,60 +193,42 @@ class _Layout:
     of a row (every transfer of the layer moves [*, hidden] rows); block: the transfer kernel's block, None
     when the call does not use the kernel (no table then); engine: whether the copy engines move the rows
     (the per-(chunk, source) blocks and the stage permutations then, unless ``batched``: their copies are then the
-    (expert, source) segments themselves, in batches, and no chunk is staged)."""
+    (expert, source) segments themselves, in batches, and no chunk is staged). device_counts: the same table on the
+    device ([W, >= E] integers, the counts in its first E columns), or None: with it, to_device makes the device
+    tables by one Triton launch (kernels.layout_tables) where it can, instead of laying them out on the host.
+
+    The layout is made between the count table's synchronization and the step's first pull, with the GPU idle:
+    the constructor keeps to what every call needs (the chunks' rows); the host tables (segments, the transfer
+    table, the destinations' runs) are made when asked for."""
 
     def __init__(self, counts, tokens, top_k: int, rank: int, world: int, local_experts: int, chunk: int | tuple,
-                 width: int, block: int | None, engine: bool = False, batched: bool = False):
-        from .kernels.triton_transfer import MAX_PEERS, segment_table
-
+                 width: int, block: int | None, engine: bool = False, batched: bool = False, device_counts=None):
         self.rank, self.world, self.block, self.engine = rank, world, block, engine
+        self.local_experts, self.width = local_experts, width
         self.batched = engine and batched
+        self._counts, self._device_counts = counts, device_counts
         self._batches = {}  # batches(): per (chunk, streams, row bytes)
         self._on_device = {}  # to_device's tensors, per device
-        # where source s's rows for expert g start in s's plan order (= its send and back buffers)
-        self.send_start = [[0, *itertools.accumulate(row)] for row in counts]
-        first = rank * local_experts
-        # expert-major receive layout: expert e's rows from source s start at recv_start[e][s]
-        self.recv_start, self.expert_end = [], []
-        # where the SMs move the rows, each receive row's destination as runs in receive order, (delta, rows): receive
-        # row i goes back to row i + delta // 8 of source delta % 8 (destinations(); the scattering GEMMs' table)
-        self._dest_runs = ([], [])
-        at = 0
-        for e in range(local_experts):
-            starts = []
-            for s in range(world):
-                starts.append(at)
-                n = counts[s][first + e]
-                if n and not engine and world <= MAX_PEERS:
-                    self._dest_runs[0].append((self.send_start[s][first + e] - at) * 8 + s)
-                    self._dest_runs[1].append(n)
-                at += n
-            self.recv_start.append(starts)
-            self.expert_end.append(at)
-        self.rows = at
+        first, end = rank * local_experts, (rank + 1) * local_experts
+        # this rank's (expert, source) pairs in receive order (expert-major), pair i = e * world + s: its rows, and
+        # (at[i]) where they start in the receive buffer
+        self._mine = [n for pairs in zip(*(row[first:end] for row in counts)) for n in pairs]
+        self._at = at = [0, *itertools.accumulate(self._mine)]
+        self.expert_end = at[world::world]  # each local expert's end row
+        self.rows = at[-1]
         self.capacity = max(t * top_k for t in tokens)
         self.total_rows = sum(t * top_k for t in tokens)
         self.chunks = []  # (first local expert, end, first row, end row)
-        # per chunk: (source, row in the source's buffer, row in the chunk, rows) for each (expert, source) with
-        # rows, this rank's own rows first; every transfer of the call (both directions, forward and backward). A
-        # chunk's rows are a slice of the receive buffer (pulls) or a [chunk rows, H] tensor of its own (pushes).
-        self.segments = []
-        # with a block: the transfer kernel's table, and per chunk (first table row, rows, blocks)
-        self.table, self.table_chunks = [], []
-        order = [(rank + j) % world for j in range(world)]
         sizes = chunk if isinstance(chunk, tuple) else _even_chunks(local_experts, chunk)
         if sum(sizes) != local_experts or min(sizes, default=1) < 1:
             raise ValueError(f"uniep: chunks of {sizes} experts do not cut {local_experts} local experts")
         for e0, e1 in zip((0,) + tuple(itertools.accumulate(sizes)), itertools.accumulate(sizes)):
-            lo = self.recv_start[e0][0]
-            self.chunks.append((e0, e1, lo, self.expert_end[e1 - 1]))
-            segments = [(s, self.send_start[s][first + e], self.recv_start[e][s] - lo, counts[s][first + e])
-                        for s in order for e in range(e0, e1) if counts[s][first + e]]
-            self.segments.append(segments)
-            if block is not None:
-                rows, blocks = segment_table(segments, width, block)
-                self.table_chunks.append((len(self.table), len(rows), blocks))
-                self.table.extend(rows)
+            self.chunks.append((e0, e1, at[e0 * world], self.expert_end[e1 - 1]))
+        # with a block, the transfer kernel's table (to_device): a row per (expert, source) pair, rows of none
+        # included, chunk by chunk, in each chunk source by source (this rank first), then expert by expert; per
+        # chunk (its first table row, its table rows)
+        self.table_chunks = [(world * e0, world * (e1 - e0)) for e0, e1, _, _ in self.chunks] \
+            if block is not None else []
         # The copy engines move a chunk as one copy per source: source s's rows for the chunk's experts are one run
         # of its buffer (plan order is expert-major). On this rank they land in a stage ordered by source, then
         # expert (stage row: source s's block start + the row's place in the run), and one row gather puts them
@@ -255,6 +239,7 @@ class _Layout:
         # the permutations, as runs of (delta, rows): receive row i -> its row in the chunk's stage, i + delta; stage
         # row j of a chunk whose first row is lo -> its row counted from lo in the receive order, lo + j + delta
         self._perm_runs, self._inv_runs = ([], []), ([], [])
+        order = [(rank + j) % world for j in range(world)]
         for e0, e1, lo, _ in self.chunks if engine and not self.batched else ():
             per_source = [sum(counts[s][first + e0:first + e1]) for s in range(world)]
             stage_start = [sum(per_source[:s]) for s in range(world)]
@@ -275,6 +260,59 @@ class _Layout:
                 self._inv_runs[1].append(counts[s][first + e])
         if self.batched:
             self.staged = [False] * len(self.chunks)
+
+    @functools.cached_property
+    def send_start(self):
+        """send_start[s][g]: where source s's rows for global expert g start in its plan order (= its ``send`` and
+        ``back`` buffers); send_start[s][-1]: its rows."""
+        return [[0, *itertools.accumulate(row)] for row in self._counts]
+
+    @functools.cached_property
+    def recv_start(self):
+        """recv_start[e][s]: where local expert e's rows from source s start in the receive buffer."""
+        return [self._at[i:i + self.world] for i in range(0, len(self._mine), self.world)]
+
+    @functools.cached_property
+    def _peer(self):
+        """Per (expert, source) pair in receive order: where its rows start in the source's buffer."""
+        first, end = self.rank * self.local_experts, (self.rank + 1) * self.local_experts
+        return [p for pairs in zip(*(row[first:end] for row in self.send_start)) for p in pairs]
+
+    def _pairs(self, c: int):
+        """Chunk c's (source, row in its buffer, row in the chunk, rows) per (expert, source) pair, pairs without
+        rows included, in the transfer table's order."""
+        e0, e1, lo, _ = self.chunks[c]
+        world, peer, at, mine = self.world, self._peer, self._at, self._mine
+        return [(s, peer[i], at[i] - lo, mine[i]) for s in ((self.rank + j) % world for j in range(world))
+                for i in range(e0 * world + s, e1 * world, world)]
+
+    @functools.cached_property
+    def segments(self):
+        """Per chunk: (source, row in the source's buffer, row in the chunk, rows) for each (expert, source) with
+        rows, this rank's own rows first; every transfer of the call (both directions, forward and backward). A
+        chunk's rows are a slice of the receive buffer (pulls) or a [chunk rows, H] tensor of its own (pushes)."""
+        return [[pair for pair in self._pairs(c) if pair[3]] for c in range(len(self.chunks))]
+
+    def _dest_runs(self) -> list:
+        """Where the SMs move the rows (at most MAX_PEERS ranks), each receive row's destination as runs in receive
+        order, one a pair, flat (first row, delta, rows) triples: receive row i goes back to row i + delta // 8 of
+        source delta % 8 (destinations(); the scattering GEMMs' table). Else none."""
+        from .kernels.triton_transfer import MAX_PEERS
+
+        if self.engine or self.world > MAX_PEERS:
+            return []
+        at, world = self._at, self.world
+        return [v for i, (p, n) in enumerate(zip(self._peer, self._mine))
+                for v in (at[i], (p - at[i]) * 8 + i % world, n)]
+
+    def _table(self) -> list:
+        """The transfer kernel's table on the host, flat (kernels.segment_table), chunk after chunk."""
+        from .kernels.triton_transfer import segment_table
+
+        table = []
+        for c in range(len(self.chunks)):
+            table += segment_table(self._pairs(c), self.width, self.block)[0]
+        return table
 
     def batches(self, c: int, lanes: int, row_bytes: int):
         """Chunk c's segments as byte offsets, for the batched copies (``lanes`` streams; a source's runs stay on
@@ -344,23 +382,30 @@ class _Layout:
         return self._on_device[key]
 
     def _copy_to(self, device):
-        """Every host table of the layout in one host-to-device copy: {name: its int64 tensor on the device}."""
-        from .kernels.triton_transfer import TABLE_COLUMNS
+        """Every table of the layout on the device: {name: its int64 tensor}. From the device's count table by one
+        launch where the transfer kernel moves the rows (kernels.layout_tables), else from the host tables in one
+        host-to-device copy."""
+        from .kernels.config import interpreting
+        from .kernels.triton_transfer import MAX_CHUNKS, MAX_PEERS, TABLE_COLUMNS, layout_tables
 
-        rel = []
-        for e0, e1, lo, _ in self.chunks:
-            rel.extend(self.expert_end[e] - lo for e in range(e0, e1))
-        sections = {"rel": rel, "ends": self.expert_end, "dest_runs": _runs(*self._dest_runs),
+        counts = self._device_counts
+        if (counts is not None and counts.device == device and self.block is not None and self.world <= MAX_PEERS
+                and len(self.chunks) <= MAX_CHUNKS and (device.type == "cuda" or interpreting())):
+            rel, ends, dest, table = layout_tables(counts, self.rank, self.local_experts,
+                                                   [e0 for e0, _, _, _ in self.chunks], self.width, self.block)
+            none = ends[:0].view(-1, 3)
+            return {"rel": rel, "ends": ends, "dest_runs": dest, "perm_runs": none, "inv_runs": none, "table": table}
+        rel = [end - lo for e0, e1, lo, _ in self.chunks for end in self.expert_end[e0:e1]]
+        sections = {"rel": rel, "ends": self.expert_end, "dest_runs": self._dest_runs(),
                     "perm_runs": _runs(*self._perm_runs), "inv_runs": _runs(*self._inv_runs),
-                    "table": list(itertools.chain.from_iterable(self.table))}
-        # an int64 array and a tensor over its memory: a third of torch.tensor's host time on a list (the layout is
-        # laid out between the count table's synchronization and the step's first launch, with the GPU idle)
-        flat = array.array("q", itertools.chain.from_iterable(sections.values()))
-        host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-        if device.type == "cuda":
-            pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
-            host = pinned.copy_(host)
-        every = host.to(device, non_blocking=True)
+                    "table": self._table() if self.block is not None else []}
+        # one int64 array of every section, copied into pinned memory by one memmove (torch.tensor on a list takes
+        # three times as long)
+        flat = array.array("q", [v for values in sections.values() for v in values])
+        every = torch.empty(len(flat), dtype=torch.int64, pin_memory=device.type == "cuda")
+        if flat:
+            ctypes.memmove(every.data_ptr(), flat.buffer_info()[0], len(flat) * flat.itemsize)
+        every = every.to(device, non_blocking=True)
         copied, at = {}, 0
         for name, values in sections.items():
             copied[name] = every[at:at + len(values)]
@@ -570,11 +615,11 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
             return
         if not kernel:
             _segment_copies(layout.segments[c], local, peers, push)
-        else:
-            first, rows, blocks = layout.table_chunks[c]
+        elif layout.chunks[c][3] > layout.chunks[c][2]:  # the chunk has rows
+            first, rows = layout.table_chunks[c]
             solo = not knobs.overlap or c == (num_chunks - 1 if push else 0)
-            copy_segments(table[first:first + rows], blocks, local, peers, push,
-                          solo_programs if solo else programs, knobs.copy_block, knobs.copy_warps)
+            copy_segments(table[first:first + rows], local, peers, push, solo_programs if solo else programs,
+                          knobs.copy_block, knobs.copy_warps)
 
     def engine_copies(c, local, peers, push, after):
         """The copy engines' copies of chunk c, one per source (or its batches of (expert, source) runs), spread
@@ -642,7 +687,7 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
     def run(compute, after=None):
         # the last GEMM of a chunk stores its rows into the sources' ``back`` itself (OverlapConfig.gemm_pushes);
         # their table is built after the first pulls are issued, which do not read it
-        scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(len(layout.recv_start), layout.world) \
+        scatter = (layout.destinations(device), backs) if knobs.gemm_pushes(layout.local_experts, layout.world) \
             else None
         first_scatter = knobs.first_gemm_push(num_chunks)
         if not knobs.overlap:  # every pull before the first GEMM
@@ -890,7 +935,7 @@ def _table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
     if copied is not None:
         copied.synchronize()
     table = host.tolist()
-    return [row[:-1] for row in table], [row[-1] for row in table]
+    return [row[:-1] for row in table], [row[-1] for row in table], every
 
 
 def _forward_phase(layout: _Layout, table, group, knobs: OverlapConfig, x, out_dtype, fill, setup):
@@ -956,10 +1001,11 @@ class _OverlapEP(torch.autograd.Function):
         # wait for them in _forward_phase's barrier)
         early = _WINDOWS.get(_window_key(group, hidden.dtype, size, device))
         early = early if early is not None and early.capacity >= slots and slots else None
-        counts, tokens = _table(offsets, num_tokens, group, beside=None if early is None else lambda: gather_rows(
+        counts, tokens, every = _table(offsets, num_tokens, group, beside=None if early is None else lambda: gather_rows(
             hidden, row_order, top_k, out=early.send(rank)[:slots]))
         chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
-        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched)
+        layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched,
+                         device_counts=every)
         offsets_dev, table = layout.to_device(device)
         ctx.layout, ctx.table, ctx.spec, ctx.group, ctx.knobs = layout, table, spec, group, knobs
         ctx.shape = (num_tokens, top_k)

@@ -105,7 +105,7 @@ HOST_FUNCTIONS = [
     ("uniep_dynamo.kernels.triton_routing", "routing_plan"), ("uniep_dynamo.kernels.triton_routing", "combine"),
     ("uniep_dynamo.kernels.triton_routing", "gather_rows"),
     ("uniep_dynamo.kernels.triton_routing", "routing_weight_grad"),
-    ("uniep_dynamo.kernels.triton_transfer", "copy_segments"),
+    ("uniep_dynamo.kernels.triton_transfer", "copy_segments"), ("uniep_dynamo.kernels.triton_transfer", "layout_tables"),
     ("uniep_dynamo.kernels.megakernel._Layer", "__init__"), ("uniep_dynamo.kernels.megakernel", "_rows_gemm"),
     ("uniep_dynamo.kernels.megakernel", "_weight_grad"), ("uniep_dynamo.kernels.megakernel", "_act_forward"),
     ("uniep_dynamo.kernels.megakernel", "_act_backward"),
