@@ -939,16 +939,17 @@ def _table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
 
 
 def _forward_phase(layout: _Layout, table, group, knobs: OverlapConfig, x, out_dtype, fill, setup):
-    """The forward's transfers and GEMMs: fill(window) writes this rank's rows into the window's ``send`` (or
-    found them there) and the peers wait for them in a barrier, then every chunk is pulled into ``x``, runs its up
-    and down GEMMs and is pushed back. setup() -> (the _Chunks, the [rows, up_width] buffer that keeps the up
+    """The forward's transfers and GEMMs: fill(window) writes this rank's rows into the window's ``send`` and
+    returns True, and the peers wait for them in a barrier (or returns False: the rows and that barrier went
+    before, every rank's alike), then every chunk is pulled into ``x``, runs its up and down GEMMs and is pushed
+    back. setup() -> (the _Chunks, the [rows, up_width] buffer that keeps the up
     projection) runs once the first pulls are issued (_start_exchange). Returns the window whose ``back`` holds
     this rank's result rows ([*, H] of out_dtype, in its send order), the chunks and the up projection."""
     size, device = x.shape[1], x.device
     win_x = _window(group, layout.capacity, size, x.dtype, device)
     win_y = _window(group, layout.capacity, size, out_dtype, device)
-    fill(win_x)
-    win_x.barrier()
+    if fill(win_x):
+        win_x.barrier()
     run = _start_exchange(layout, table, win_x, win_y, x, knobs, device)
     chunks, up = setup()
     act = torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)
@@ -997,12 +998,17 @@ class _OverlapEP(torch.autograd.Function):
         size = hidden.shape[1]
         slots = num_tokens * top_k
         # the rows go into this rank's ``send`` while the host waits for the count table and lays out the step,
-        # when the cached window takes them (no peer reads it since the last phase's closing barrier; the peers
-        # wait for them in _forward_phase's barrier)
+        # when the cached window takes them (no peer reads it since the last phase's closing barrier), and the
+        # barrier that tells the peers so is passed there too. Every rank has the same cached windows (they are made
+        # together), so all of them take that barrier or none; if some rank's rows do not fit, the window is
+        # replaced on every rank (_window, from the all-gathered table) and _forward_phase fills the new one.
         early = _WINDOWS.get(_window_key(group, hidden.dtype, size, device))
-        early = early if early is not None and early.capacity >= slots and slots else None
-        counts, tokens, every = _table(offsets, num_tokens, group, beside=None if early is None else lambda: gather_rows(
-            hidden, row_order, top_k, out=early.send(rank)[:slots]))
+
+        def beside():
+            if 0 < slots <= early.capacity:
+                gather_rows(hidden, row_order, top_k, out=early.send(rank)[:slots])
+            early.barrier()
+        counts, tokens, every = _table(offsets, num_tokens, group, beside=None if early is None else beside)
         chunk, block, engine, batched = knobs.layout_knobs(local_experts, world)
         layout = _Layout(counts, tokens, top_k, rank, world, local_experts, chunk, size, block, engine, batched,
                          device_counts=every)
@@ -1020,9 +1026,12 @@ class _OverlapEP(torch.autograd.Function):
             return hidden.new_zeros(num_tokens, size, dtype=spec.out_dtype)
         x = _receive_buffer("x", layout.rows, size, hidden.dtype, device, knobs)
 
-        def fill(win):
-            if win is not early and slots:  # not gathered above: no window, or one too small for some rank (replaced)
+        def fill(win):  # not the window found above (none, or one too small for some rank): the rows, the barrier
+            if win is early:
+                return False
+            if slots:
                 gather_rows(hidden, row_order, top_k, out=win.send(rank)[:slots])
+            return True
         win_y, ctx.chunks, up = _forward_phase(layout, table, group, knobs, x, w_down.dtype, fill, setup)
         rows = win_y.back(rank)[:slots]
         # the combine copies the result rows it reads into y, which the backward reads (the window's ``back`` is
@@ -1350,6 +1359,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
 
     def fill(win):
         win.send(rank)[:send.shape[0]].copy_(send)
+        return True
     win_y, _, up = _forward_phase(layout, transfers, group, knobs, x, w_down.dtype, fill, setup)
     return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
 
