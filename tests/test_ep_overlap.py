@@ -62,7 +62,7 @@ def _case(routing, tokens, experts, top_k, gate, bias, split):
     return hidden, ids, weights, w_up, w_down, b_up, b_down, spec
 
 
-def _worker(rank, world, port, case_args, knobs_list, out_dir):
+def _worker(rank, world, port, case_args, knobs_list, frozen, out_dir):
     with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo import ep_overlap
@@ -90,6 +90,14 @@ def _worker(rank, world, port, case_args, knobs_list, out_dir):
             results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves],
                             "barriers": len(barriers) - before,
                             "scattered": counters["uniep_kernels"]["scattered_gemms"] - scattered})
+        if frozen:  # routing weights that need no gradient: no result rows kept for one, the rest the same
+            leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+            leaves[1].requires_grad_(False)
+            out = ep_experts_overlapped(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
+                                        knobs=OverlapConfig(*knobs_list[0]))
+            grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
+            out.backward(grad)
+            results.append({"out": out.detach(), "grads": [t.grad if t is not None else None for t in leaves]})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -118,8 +126,15 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
 
     from uniep_dynamo.ep_overlap import OverlapConfig
 
-    ranks = run_workers(_worker, world, (case_args, knobs_list), tmp_path)
+    frozen = knobs_list is KNOBS
+    ranks = run_workers(_worker, world, (case_args, knobs_list, frozen), tmp_path)
     ref_out, ref_grads = single_process(*_case(*case_args))
+    if frozen:
+        last = [r.pop() for r in ranks]
+        assert torch.equal(torch.cat([r["out"] for r in last]), ref_out), "frozen routing weights"
+        assert all(r["grads"][1] is None for r in last), "frozen routing weights got a gradient"
+        for j in (0, 2, 3):
+            assert torch.equal(torch.cat([r["grads"][j] for r in last]), ref_grads[j]), f"frozen routing weights {j}"
     for i, knobs in enumerate(knobs_list):
         knob = f"OverlapConfig{knobs}"
         # a step takes four barriers: rows in ``send``, results in ``back``; the same in the backward (from the

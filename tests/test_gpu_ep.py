@@ -86,7 +86,8 @@ def _worker(rank, world, port, case, out_dir):
 # weight_grads_last, copy_streams, push_in_gemm, timing, batch_copies, taper, push_in_gemm_from]) for the overlapped
 # layer; the first twice (run to run); then the copy engines' batched driver copies (kernels/batch_copy.py) on one and
 # three streams, tapered chunks (half-size first and last) on the transfer kernel and on the copy engines' batches,
-# and the transfer kernel pushing every chunk's results but the last's, which its GEMM stores into the peers
+# and the transfer kernel pushing every chunk's results but the last's, which its GEMM stores into the peers; then the
+# combine copying the result rows itself (copy_back_beside=False)
 OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (4, True, False, False),
                  (8, True, False, True, 7), (4, False, False, True, 132), (4, True, None, True, 32, 8192, 8, False),
                  (2, True, True, True, None, 8192, 8, True, 3), (4, True, False, True, None, 8192, 8, True, 1, False),
@@ -94,7 +95,8 @@ OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, T
                  (4, False, True, True, None, 8192, 8, False, 3, True, "", True),
                  (3, True, False, True, None, 8192, 8, True, 1, True, "", False, True),
                  (3, True, True, True, None, 8192, 8, True, 3, True, "", True, True),
-                 (4, True, False, True, None, 32768, 8, True, 1, True, "", False, False, -1)]
+                 (4, True, False, True, None, 32768, 8, True, 1, True, "", False, False, -1),
+                 (2, True, None, True, None, 32768, 8, True, 1, True, "", False, False, 0, False)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -122,6 +124,62 @@ def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
             for name, a, s in zip(names, run, result["single"]):
                 assert torch.equal(a, s), f"rank {rank}, {label}: {name} differs from the single-GPU op " \
                                           f"(max diff {(a.float() - s.float()).abs().max():.3g})"
+
+
+def _stacked_worker(rank, world, port, out_dir):
+    from uniep_dynamo.ep import local_rank
+
+    with local_rank(rank, world, port) as device:
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.kernels.config import use_config
+
+        tokens, experts, top_k = 1024, 16, 8
+        per_rank, e_local = tokens // world, experts // world
+        mine, local = slice(rank * per_rank, (rank + 1) * per_rank), slice(rank * e_local, (rank + 1) * e_local)
+        spec = _spec()
+        layers = [[t.cuda() for t in _inputs(tokens, experts, top_k, "random", seed=seed)] for seed in (1, 2)]
+        # the copy of each layer's result rows out of the window (ep_overlap._copy_back) starts some 50 ms late:
+        # the second layer's forward must not push its rows into the window's ``back`` before it is done
+        late = ep_overlap._COPY_BACK.setdefault(str(device), torch.cuda.Stream(device))
+
+        def step(delay: bool):
+            leaves, outs = [], []
+            for hidden, ids, weights, w_up, w_down, grad in layers:
+                leaves.append([t.clone().requires_grad_() for t in (hidden[mine], weights[mine], w_up[local],
+                                                                    w_down[local])])
+                if delay:
+                    late.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(late):
+                        torch.cuda._sleep(100_000_000)
+                outs.append(ep_overlap.ep_experts_overlapped(leaves[-1][0], ids[mine], *leaves[-1][1:], None, None,
+                                                             spec))
+            torch.autograd.backward(outs, [layer[5][mine] for layer in layers])
+            return outs, leaves
+        with use_config(_config(tokens, experts, top_k)):
+            step(False)  # the kernels compiled and the window made, so that the delayed step's host runs ahead
+            outs, leaves = step(True)
+            single = [_run(*layer, lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [],
+                                                                                       spec)[0])
+                      for layer in layers]
+        torch.save({"layers": [[o.detach().cpu()] + [t.grad.cpu() for t in lv] for o, lv in zip(outs, leaves)],
+                    "single": [[s[0][mine].cpu(), s[1][mine].cpu(), s[2][mine].cpu(), s[3][local].cpu(),
+                                s[4][local].cpu()] for s in single]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stacked_layers_keep_their_result_rows(world, tmp_path):
+    """Two overlapped layers' forwards, then one backward, with the copies of the result rows (which the routing
+    weights' gradient reads) held back on their stream: each layer bitwise equal to the single-GPU op."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
+    from test_ep import run_workers
+    names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
+    for rank, result in enumerate(run_workers(_stacked_worker, world, (), tmp_path)):
+        for layer, (got, want) in enumerate(zip(result["layers"], result["single"])):
+            for name, a, b in zip(names, got, want):
+                assert torch.equal(a, b), f"rank {rank}, layer {layer}: {name} differs from the single-GPU op"
 
 
 def _hf_gpu_worker(rank, world, port, model_dir, out_dir):

@@ -103,6 +103,10 @@ class OverlapConfig:
     # rank's buffer (torch._grouped_mm where the config asks) and the transfer kernel pushes their rows beside the
     # next chunk's GEMMs; the last chunk's push, which no GEMM would hide, stays in its GEMM. Same values.
     push_in_gemm_from: int = 0
+    # The routing weights' gradient reads the forward's result rows, which the next call's pushes overwrite in the
+    # window: a copy of them on a stream of its own, beside the work after the forward's combine (True, on CUDA;
+    # every window barrier waits for it first), or by the combine as it reads them (False). Same rows either way.
+    copy_back_beside: bool = True
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
@@ -463,10 +467,41 @@ class _Window:
         return self._views[rank][1]
 
     def barrier(self) -> None:
+        _wait_reads()  # no peer writes a ``back`` before this barrier: the copies out of them come first
         self._barrier()
 
 
 _WINDOWS: dict = {}
+# (event, rows): copies out of a window's ``back`` on a stream of their own (_copy_back), which no barrier may pass
+_READS: list = []
+
+
+def _wait_reads() -> None:
+    for event, _ in _READS:
+        torch.cuda.current_stream().wait_event(event)
+    _READS.clear()
+
+
+def _copy_back(rows: torch.Tensor, out: torch.Tensor):
+    """out <- rows (rows of a window's ``back``) on the device's copy-back stream, after the current stream's
+    work, beside the work that follows; returns the event that a reader of ``out`` waits for. The next barrier
+    of any window waits for it first (_Window.barrier): the peers write ``back`` only after a phase's first
+    barrier, so the rows stay put until they are copied."""
+    current = torch.cuda.current_stream(rows.device)
+    stream = _COPY_BACK.get(str(rows.device))
+    if stream is None:
+        stream = _COPY_BACK[str(rows.device)] = torch.cuda.Stream(rows.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        out.copy_(rows)
+    out.record_stream(stream)
+    done = torch.cuda.Event()
+    done.record(stream)
+    _READS.append((done, rows))
+    return done
+
+
+_COPY_BACK: dict = {}
 
 
 def _window_key(group, dtype, hidden: int, device):
@@ -479,6 +514,8 @@ def _window(group, capacity: int, hidden: int, dtype, device) -> _Window:
     key = _window_key(group, dtype, hidden, device)
     win = _WINDOWS.get(key)
     if win is None or win.capacity < capacity:
+        for event, _ in _READS:  # the old window's memory goes once no copy reads it
+            event.synchronize()
         win = _Window(group, 1 << max(capacity - 1, 0).bit_length(), hidden, dtype, device)
         _WINDOWS[key] = win
     return win
@@ -1034,11 +1071,17 @@ class _OverlapEP(torch.autograd.Function):
             return True
         win_y, ctx.chunks, up = _forward_phase(layout, table, group, knobs, x, w_down.dtype, fill, setup)
         rows = win_y.back(rank)[:slots]
-        # the combine copies the result rows it reads into y, which the backward reads (the window's ``back`` is
-        # reused by the next call)
-        y = torch.empty(layout.send_start[rank][-1], size, dtype=rows.dtype, device=device)
+        # the routing weights' gradient reads the result rows (y): a copy of them, since the window's ``back`` is
+        # reused by the next call. On CUDA the copy runs beside the work after the combine (_copy_back;
+        # OverlapConfig.copy_back_beside), else the combine copies the rows it reads.
+        y, ctx.y_ready = None, None
+        if ctx.needs_input_grad[1]:
+            y = torch.empty(layout.send_start[rank][-1], size, dtype=rows.dtype, device=device)
+        side = y is not None and device.type == "cuda" and knobs.copy_back_beside
         out = combine(rows, slot_row, weights.reshape(num_tokens, top_k), offsets, num_tokens, top_k, spec.out_dtype,
-                      copy=y)
+                      copy=None if side else y)
+        if side:
+            ctx.y_ready = _copy_back(rows, y)
         ctx.save_for_backward(hidden, weights, row_order, slot_row, offsets, x, up, y)
         return out
 
@@ -1057,11 +1100,15 @@ class _OverlapEP(torch.autograd.Function):
         slots = num_tokens * top_k
         grad_out = grad_out.contiguous()
         # the routing weights' gradient reads no row of the phase: beside its first pulls
+        def weight_grad():
+            if ctx.y_ready is not None:
+                torch.cuda.current_stream(y.device).wait_event(ctx.y_ready)
+            return routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype)
         win_dx, grads, d_weights = _backward_phase(
             layout, ctx.table, chunks, group, knobs, x, up, grad_out.dtype,
             lambda win: gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(),
                                     out=win.send(rank)[:slots]),
-            beside=lambda: routing_weight_grad(grad_out, y, slot_row, offsets, num_tokens, top_k, weights.dtype))
+            beside=None if y is None else weight_grad)
         d_hidden = combine(win_dx.back(rank)[:slots], slot_row, None, offsets, num_tokens, top_k, hidden.dtype)
         return (d_hidden, d_weights, *grads, None, None, None, None)
 

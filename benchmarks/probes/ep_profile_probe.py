@@ -42,7 +42,8 @@ def _variant(name):
     knobs = dict(KINDS[kind])
     for pair in pairs:
         key, value = pair.split("=")
-        flags = ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last", "batch_copies", "taper")
+        flags = ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last", "batch_copies", "taper",
+                 "copy_back_beside")
         knobs[key] = bool(int(value)) if key in flags else int(value)
     return knobs
 
