@@ -416,8 +416,8 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
 # ---- the EP space and tuner ---------------------------------------------------------------------
 
 # OverlapConfig's knobs that the search leaves at their defaults: copy_warps, and copy_back_beside (the copy of the
-# forward's result rows beside the work after it: faster in both interleaved runs of BENCHMARKS.md session 23, and
-# searching it would double the candidates); timing is for benchmarks only.
+# forward's result rows beside the work after it: faster in the three interleaved runs of BENCHMARKS.md session
+# 23, and searching it would double the candidates); timing is for benchmarks only.
 EP_SPACE = {
     "chunks": (1, 2, 4, 8),
     "overlap": (True, False),
