@@ -213,10 +213,10 @@ class _Layout:
         self._counts, self._device_counts = counts, device_counts
         self._batches = {}  # batches(): per (chunk, streams, row bytes)
         self._on_device = {}  # to_device's tensors, per device
-        first, end = rank * local_experts, (rank + 1) * local_experts
-        # this rank's (expert, source) pairs in receive order (expert-major), pair i = e * world + s: its rows, and
-        # (at[i]) where they start in the receive buffer
-        self._mine = [n for pairs in zip(*(row[first:end] for row in counts)) for n in pairs]
+        first = rank * local_experts
+        # this rank's (expert, source) pairs in receive order: their rows, and (at[i]) where they start in the
+        # receive buffer
+        self._mine = self._by_pair(counts)
         self._at = at = [0, *itertools.accumulate(self._mine)]
         self.expert_end = at[world::world]  # each local expert's end row
         self.rows = at[-1]
@@ -276,11 +276,16 @@ class _Layout:
         """recv_start[e][s]: where local expert e's rows from source s start in the receive buffer."""
         return [self._at[i:i + self.world] for i in range(0, len(self._mine), self.world)]
 
+    def _by_pair(self, table) -> list:
+        """table[s][g] (a row per source over the global experts) for each of this rank's (expert, source) pairs in
+        receive order (expert-major): pair i = e * world + s."""
+        first = self.rank * self.local_experts
+        return [v for pairs in zip(*(row[first:first + self.local_experts] for row in table)) for v in pairs]
+
     @functools.cached_property
     def _peer(self):
         """Per (expert, source) pair in receive order: where its rows start in the source's buffer."""
-        first, end = self.rank * self.local_experts, (self.rank + 1) * self.local_experts
-        return [p for pairs in zip(*(row[first:end] for row in self.send_start)) for p in pairs]
+        return self._by_pair(self.send_start)
 
     def _pairs(self, c: int):
         """Chunk c's (source, row in its buffer, row in the chunk, rows) per (expert, source) pair, pairs without
