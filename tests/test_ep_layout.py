@@ -204,3 +204,42 @@ def test_device_tables_refuse_more_chunks():
 
     with pytest.raises(ValueError, match="chunks"):
         layout_tables(torch.zeros(2, 20, dtype=torch.int64), 0, MAX_CHUNKS + 1, list(range(MAX_CHUNKS + 1)), 8, 64)
+
+
+def test_transfers_beside_the_chunks_gemms():
+    from uniep_dynamo.ep_overlap import _transfers_beside
+
+    # (chunks, first chunk whose GEMM stores into the peers) -> transfer launches beside chunk c's GEMMs, c = 0..chunks
+    # (the last entry: the work after the last chunk's GEMMs)
+    cases = {(1, 0): [0, 0], (1, 1): [0, 1],  # one chunk: its pull goes alone, its push (if any) beside the after work
+             (2, 0): [1, 0, 0], (2, 1): [1, 1, 0], (2, 2): [1, 1, 1],
+             (4, 0): [1, 1, 1, 0, 0], (4, 3): [1, 2, 2, 1, 0], (4, 4): [1, 2, 2, 1, 1]}
+    for (chunks, first_scatter), beside in cases.items():
+        got = [_transfers_beside(c, chunks, first_scatter) for c in range(chunks + 1)]
+        assert got == beside, f"{chunks} chunks, GEMM pushes from {first_scatter}: {got}"
+
+
+def test_sm_carveout_is_set_within_and_restored(monkeypatch):
+    from uniep_dynamo import ep_overlap
+
+    monkeypatch.setattr(ep_overlap, "_sm_count", lambda device: 132)
+    device = torch.device("cuda", 0)  # only its SM count is read (patched above)
+    get = torch._C._get_sm_carveout_experimental
+    before = get()
+    with ep_overlap._sm_carveout(0, device):
+        assert get() == before
+    try:
+        with ep_overlap._sm_carveout(8, device):
+            assert get() == (before or 0) + 8
+            with ep_overlap._sm_carveout(16, device):
+                assert get() == (before or 0) + 24
+            assert get() == (before or 0) + 8
+            with ep_overlap._sm_carveout(500, device):
+                assert get() == 131  # one SM is always left
+            with pytest.raises(RuntimeError):
+                with ep_overlap._sm_carveout(8, device):
+                    raise RuntimeError("a GEMM failed")
+            assert get() == (before or 0) + 8
+        assert get() == before
+    finally:
+        torch._C._set_sm_carveout_experimental(before)

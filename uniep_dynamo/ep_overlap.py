@@ -107,6 +107,11 @@ class OverlapConfig:
     # window: a copy of them on a stream of its own, beside the work after the forward's combine (True, on CUDA;
     # every window barrier waits for it first), or by the combine as it reads them (False). Same rows either way.
     copy_back_beside: bool = True
+    # Where the transfer kernel's programs hold SMs beside a chunk's GEMMs (a later chunk's pull, an earlier one's
+    # push), torch._grouped_mm (CUTLASS's persistent grouped GEMM, one CTA an SM) is told to leave that many SMs
+    # out (torch's SM carve-out; True): else the CTAs meant for the held SMs wait for them, and their tiles finish
+    # last. Each tile is the same CTA's work over K in order either way: same bits.
+    gemm_carveout: bool = True
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):
@@ -734,6 +739,8 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
         first_scatter = knobs.first_gemm_push(num_chunks)
         if not knobs.overlap:  # every pull before the first GEMM
             streams.wait(pulled[-1])
+        # SMs that the transfer kernel's programs hold beside the GEMMs, which torch._grouped_mm leaves out
+        carve = programs if kernel and transfer and knobs.overlap and knobs.gemm_carveout and streams.cuda else 0
         results = []
         for c in range(num_chunks):
             _, _, lo, hi = layout.chunks[c]
@@ -741,7 +748,9 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
             if staged[c]:  # the stage, ordered by source, into the receive order
                 torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
                 freed[c % ahead] = streams.record()
-            result = compute(c, scatter if c >= first_scatter else None)
+            with _sm_carveout(carve * _transfers_beside(c, num_chunks, first_scatter if scatter else num_chunks),
+                              device):
+                result = compute(c, scatter if c >= first_scatter else None)
             if result is not None:
                 if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
                     result = torch.index_select(result, 0, inv[lo:hi])
@@ -753,7 +762,9 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
             if c + ahead < num_chunks:
                 pull(c + ahead)
         if after is not None:
-            after()
+            with _sm_carveout(carve * _transfers_beside(num_chunks, num_chunks,
+                                                        first_scatter if scatter else num_chunks), device):
+                after()
         streams.join()
         pushed.clear()
         win_out.barrier()
@@ -769,6 +780,29 @@ def _segment_copies(segments, local, peers, push: bool) -> None:
     if pairs:
         dsts, srcs = zip(*pairs)
         torch._foreach_copy_(list(dsts), list(srcs))
+
+
+def _transfers_beside(c: int, chunks: int, first_scatter: int) -> int:
+    """How many of the transfer kernel's launches run beside chunk c's GEMMs in an overlapped phase of ``chunks``
+    chunks (c = chunks: the work after the last chunk's), where the chunks from ``first_scatter`` on store their
+    results into the peers in their GEMMs: the next chunk's pull (issued before the GEMMs; the first pull goes alone)
+    and the previous chunk's push, unless its GEMM stored the rows itself."""
+    return int(c + 1 < chunks) + int(0 < c <= chunks and c - 1 < first_scatter)
+
+
+@contextlib.contextmanager
+def _sm_carveout(sms: int, device):
+    """Within it, torch._grouped_mm leaves ``sms`` more of the device's SMs out (torch's experimental SM carve-out,
+    which its CUTLASS grouped GEMM reads at launch); 0: nothing changes. At most all SMs but one are left out."""
+    if sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(min((before or 0) + sms, _sm_count(device) - 1))
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 def _sm_count(device) -> int:

@@ -43,7 +43,7 @@ def _variant(name):
     for pair in pairs:
         key, value = pair.split("=")
         flags = ("copy_engine", "copy_kernel", "overlap", "push_in_gemm", "weight_grads_last", "batch_copies", "taper",
-                 "copy_back_beside")
+                 "copy_back_beside", "gemm_carveout")
         knobs[key] = bool(int(value)) if key in flags else int(value)
     return knobs
 
