@@ -88,7 +88,7 @@ def _worker(rank, world, port, case, out_dir):
 # (kernels/batch_copy.py) on one and three streams, tapered chunks (half-size first and last) on the transfer kernel
 # and on the copy engines' batches, and the transfer kernel pushing every chunk's results but the last's, which its
 # GEMM stores into the peers; then the combine copying the result rows itself (copy_back_beside=False); then the
-# transfer kernel with torch._grouped_mm on every SM beside it (gemm_carveout=False; the defaults leave its SMs out)
+# transfer kernel with torch._grouped_mm leaving its SMs out (gemm_carveout=True; the defaults use every SM)
 OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, True), (4, True, False, False),
                  (8, True, False, True, 7), (4, False, False, True, 132), (4, True, None, True, 32, 8192, 8, False),
                  (2, True, True, True, None, 8192, 8, True, 3), (4, True, False, True, None, 8192, 8, True, 1, False),
@@ -98,7 +98,7 @@ OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, T
                  (3, True, True, True, None, 8192, 8, True, 3, True, "", True, True),
                  (4, True, False, True, None, 32768, 8, True, 1, True, "", False, False, -1),
                  (2, True, None, True, None, 32768, 8, True, 1, True, "", False, False, 0, False),
-                 (2, True, False, True, None, 32768, 8, True, 1, True, "", False, False, 0, True, False)]
+                 (2, True, False, True, None, 32768, 8, True, 1, True, "", False, False, 0, True, True)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -107,11 +107,12 @@ class OverlapConfig:
     # window: a copy of them on a stream of its own, beside the work after the forward's combine (True, on CUDA;
     # every window barrier waits for it first), or by the combine as it reads them (False). Same rows either way.
     copy_back_beside: bool = True
-    # Where the transfer kernel's programs hold SMs beside a chunk's GEMMs (a later chunk's pull, an earlier one's
-    # push), torch._grouped_mm (CUTLASS's persistent grouped GEMM, one CTA an SM) is told to leave that many SMs
-    # out (torch's SM carve-out; True): else the CTAs meant for the held SMs wait for them, and their tiles finish
-    # last. Each tile is the same CTA's work over K in order either way: same bits.
-    gemm_carveout: bool = True
+    # The SMs for communication: where the transfer kernel's programs hold SMs beside a chunk's GEMMs (a later
+    # chunk's pull, an earlier one's push), torch._grouped_mm (CUTLASS's persistent grouped GEMM, one CTA an SM) is
+    # told to leave that many SMs out (torch's SM carve-out; True), so that no CTA of it waits for a held SM; or it
+    # launches a CTA for every SM (False). Each tile is the same CTA's work over K in order either way: same bits.
+    # Off by default: no difference above the noise at 2 ranks (BENCHMARKS.md session 24); the EP tuner searches it.
+    gemm_carveout: bool = False
 
     def __post_init__(self):
         if self.timing not in ("", "compute", "comm"):

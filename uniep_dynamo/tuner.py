@@ -430,6 +430,7 @@ EP_SPACE = {
     "push_in_gemm": (True, False),  # the chunks' last GEMMs store their results into the peers, or a transfer does
     "taper": (False, True),  # even chunks, or half-size first and last ones
     "push_in_gemm_from": (0, -1),  # every chunk's GEMM pushes, or the last one's only (the transfer kernel the rest)
+    "gemm_carveout": (False, True),  # torch._grouped_mm on every SM, or on those the transfer kernel leaves free
 }
 
 
@@ -474,7 +475,8 @@ def _ep_schedule(cfg, local_experts: int, world: int) -> tuple:
     kernel, pushes = block is not None, cfg.gemm_pushes(local_experts, world)
     return (chunk, cfg.overlap, engine, kernel, (cfg.programs(world), block) if kernel else None,
             min(cfg.copy_streams, world) if engine else None, cfg.weight_grads_last,
-            pushes, batched, cfg.first_gemm_push(len(chunk)) if pushes else None)
+            pushes, batched, cfg.first_gemm_push(len(chunk)) if pushes else None,
+            cfg.gemm_carveout and kernel and cfg.overlap)
 
 
 @dataclass
