@@ -794,12 +794,14 @@ def _transfers_beside(c: int, chunks: int, first_scatter: int) -> int:
 @contextlib.contextmanager
 def _sm_carveout(sms: int, device):
     """Within it, torch._grouped_mm leaves ``sms`` more of the device's SMs out (torch's experimental SM carve-out,
-    which its CUTLASS grouped GEMM reads at launch); 0: nothing changes. At most all SMs but one are left out."""
+    which its CUTLASS grouped GEMM reads at launch); 0: nothing changes. At most half the SMs are left out: the
+    transfer kernel's launches beside a GEMM may ask for more programs than there are SMs, and CUTLASS refuses a
+    grid of too few (a candidate of 4 chunks and 96 programs failed in the EP tuner with every SM but one left out)."""
     if sms <= 0 or not hasattr(torch._C, "_set_sm_carveout_experimental"):
         yield
         return
     before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(min((before or 0) + sms, _sm_count(device) - 1))
+    torch._C._set_sm_carveout_experimental(min((before or 0) + sms, _sm_count(device) // 2))
     try:
         yield
     finally:
