@@ -241,5 +241,9 @@ def test_sm_carveout_is_set_within_and_restored(monkeypatch):
                     raise RuntimeError("a GEMM failed")
             assert get() == (before or 0) + 8
         assert get() == before
+        torch._C._set_sm_carveout_experimental(100)  # the user's own carve-out, above the cap, is kept
+        with ep_overlap._sm_carveout(8, device):
+            assert get() == 100
+        assert get() == 100
     finally:
         torch._C._set_sm_carveout_experimental(before)

@@ -111,6 +111,7 @@ class OverlapConfig:
     # chunk's pull, an earlier one's push), torch._grouped_mm (CUTLASS's persistent grouped GEMM, one CTA an SM) is
     # told to leave that many SMs out (torch's SM carve-out; True), so that no CTA of it waits for a held SM; or it
     # launches a CTA for every SM (False). Each tile is the same CTA's work over K in order either way: same bits.
+    # The carve-out is torch's process-wide setting, set while the host issues the chunk's GEMMs and then restored.
     # Off by default: no difference above the noise at 2 ranks (BENCHMARKS.md session 24); the EP tuner searches it.
     gemm_carveout: bool = False
 
@@ -801,7 +802,7 @@ def _sm_carveout(sms: int, device):
         yield
         return
     before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(min((before or 0) + sms, _sm_count(device) // 2))
+    torch._C._set_sm_carveout_experimental(max(before or 0, min((before or 0) + sms, _sm_count(device) // 2)))
     try:
         yield
     finally:
