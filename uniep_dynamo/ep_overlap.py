@@ -743,6 +743,13 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
             streams.wait(pulled[-1])
         # SMs that the transfer kernel's programs hold beside the GEMMs, which torch._grouped_mm leaves out
         carve = programs if kernel and transfer and knobs.overlap and knobs.gemm_carveout and streams.cuda else 0
+        gemm_pushes_from = first_scatter if scatter is not None else num_chunks
+
+        def carved(c):  # around chunk c's GEMMs (c = num_chunks: the work after the last chunk's)
+            if not carve:
+                return contextlib.nullcontext()
+            return _sm_carveout(carve * _transfers_beside(c, num_chunks, gemm_pushes_from), device)
+
         results = []
         for c in range(num_chunks):
             _, _, lo, hi = layout.chunks[c]
@@ -750,8 +757,7 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
             if staged[c]:  # the stage, ordered by source, into the receive order
                 torch.index_select(stage[c % ahead][:hi - lo], 0, perm[lo:hi], out=recv[lo:hi])
                 freed[c % ahead] = streams.record()
-            with _sm_carveout(carve * _transfers_beside(c, num_chunks, first_scatter if scatter else num_chunks),
-                              device):
+            with carved(c):
                 result = compute(c, scatter if c >= first_scatter else None)
             if result is not None:
                 if staged[c]:  # the results, in the receive order, into the stage order of the sources' blocks
@@ -764,8 +770,7 @@ def _start_exchange(layout: _Layout, table: torch.Tensor, win_out: _Window, win_
             if c + ahead < num_chunks:
                 pull(c + ahead)
         if after is not None:
-            with _sm_carveout(carve * _transfers_beside(num_chunks, num_chunks,
-                                                        first_scatter if scatter else num_chunks), device):
+            with carved(num_chunks):
                 after()
         streams.join()
         pushed.clear()
