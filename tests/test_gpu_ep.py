@@ -33,9 +33,10 @@ def _spec():
     return ExpertsSpec("oi", "oi", SILU_GLU, torch.bfloat16).encode()
 
 
-def _config(tokens, experts, top_k):
+def _config(tokens, experts, top_k, per_expert_mm=False):
     from uniep_dynamo.kernels.config import heuristic_config
-    return heuristic_config(tokens * top_k, experts, H, I, interpret=False)
+    cfg = heuristic_config(tokens * top_k, experts, H, I, interpret=False)
+    return cfg.replace_gemms(per_expert_mm=True) if per_expert_mm else cfg
 
 
 def _run(hidden, ids, weights, w_up, w_down, grad, fn):
@@ -55,24 +56,26 @@ def _worker(rank, world, port, case, out_dir):
         from torch._dynamo.utils import counters
         from uniep_dynamo.kernels.config import use_config
 
-        tokens, experts, top_k, routing = case
+        tokens, experts, top_k, routing, *flags = case
         data = [t.cuda() for t in _inputs(tokens, experts, top_k, routing)]
         hidden, ids, weights, w_up, w_down, grad = data
         per_rank, e_local = tokens // world, experts // world
         mine, local = slice(rank * per_rank, (rank + 1) * per_rank), slice(rank * e_local, (rank + 1) * e_local)
         spec = _spec()
-        with use_config(_config(tokens, experts, top_k)):
+        with use_config(_config(tokens, experts, top_k, per_expert_mm="per_expert_mm" in flags)):
             runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
                          lambda x, i, w, a, b: ep_experts(x, i, w, a, b, None, None, spec)) for _ in range(2)]
             grouped_mm = []  # torch._grouped_mm calls of each overlapped run (the chunks' GEMMs with outputs of their own)
             scattered = []  # GEMMs of each overlapped run that stored their rows into the peers
+            # per_expert_mm: cuBLAS matmuls per expert instead of torch._grouped_mm (it takes precedence)
+            gemm_counter = "per_expert_mm_gemms" if "per_expert_mm" in flags else "grouped_mm_gemms"
             for knobs in OVERLAP_KNOBS:
-                before = counters["uniep_kernels"]["grouped_mm_gemms"]
+                before = counters["uniep_kernels"][gemm_counter]
                 pushes = counters["uniep_kernels"]["scattered_gemms"]
                 runs.append(_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
                                  lambda x, i, w, a, b: ep_experts_overlapped(x, i, w, a, b, None, None, spec,
                                                                              knobs=OverlapConfig(*knobs))))
-                grouped_mm.append(counters["uniep_kernels"]["grouped_mm_gemms"] - before)
+                grouped_mm.append(counters["uniep_kernels"][gemm_counter] - before)
                 scattered.append(counters["uniep_kernels"]["scattered_gemms"] - pushes)
             single = _run(hidden, ids, weights, w_up, w_down, grad,
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
@@ -102,8 +105,9 @@ OVERLAP_KNOBS = [(4, True, None), (4, True, None), (1, True, True), (2, False, T
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("case", [(2048, 8, 2, "random"), (1024, 16, 8, "random"), (512, 8, 2, "rank0_only")],
-                         ids=["mixtral_like", "qwen_like", "lower_half_of_experts_only"])
+@pytest.mark.parametrize("case", [(2048, 8, 2, "random"), (1024, 16, 8, "random"), (512, 8, 2, "rank0_only"),
+                                  (2048, 8, 2, "random", "per_expert_mm")],
+                         ids=["mixtral_like", "qwen_like", "lower_half_of_experts_only", "per_expert_mm"])
 def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
@@ -111,11 +115,12 @@ def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
     names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
     labels = ["sequential", "sequential again"] + [f"overlapped OverlapConfig{k}" for k in OVERLAP_KNOBS]
     results = run_workers(_worker, world, (case,), tmp_path)
-    if torch.cuda.get_device_capability(0)[0] == 9:
+    if torch.cuda.get_device_capability(0)[0] == 9 or "per_expert_mm" in case:
         # the heuristic config asks for torch._grouped_mm, which keeps the Triton GEMMs' bits there (a rank that
-        # receives no rows runs no GEMM)
+        # receives no rows runs no GEMM); the per_expert_mm case, for a cuBLAS matmul per expert (with the row
+        # bounds from the host's layout), whose bits the GEMMs that store into the peers (Triton) must give too
         calls = [sum(r["grouped_mm"][i] for r in results) for i in range(len(OVERLAP_KNOBS))]
-        assert all(calls), f"torch._grouped_mm calls per overlapped run, over the ranks: {calls}"
+        assert all(calls), f"torch._grouped_mm or per-expert GEMMs per overlapped run, over the ranks: {calls}"
     from uniep_dynamo.ep_overlap import OverlapConfig
 
     scattered = [sum(r["scattered"][i] for r in results) for i in range(len(OVERLAP_KNOBS))]

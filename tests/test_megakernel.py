@@ -332,3 +332,70 @@ def test_grouped_mm_knob_runs_cutlass_gemms(case, reuse_saved, calls, monkeypatc
     with kconfig.use_config(cfg):
         run(args, "triton", monkeypatch, spec=spec)
     assert not seen
+
+
+@pytest.mark.parametrize("case, reuse_saved, calls", [
+    # (T, H, I, E, K, gate, layout, bias); expected per-expert GEMMs of forward + backward
+    ((37, 40, 24, 8, 2, SILU_GLU, "oi", False), True, 6),   # in place: the input-gradient rows into a saved buffer
+    ((23, 32, 16, 8, 3, SILU_INTERLEAVED, "io", False), False, 6),  # interleaved gate, [E, in, out] weights
+    ((21, 32, 24, 4, 2, RELU2, "oi", False), False, 6),     # no gate
+    ((17, 32, 16, 4, 2, GPT_OSS, "io", True), False, 2),    # biases: only grad_act and grad_input qualify
+    ((12, 32, 16, 64, 8, SILU_GLU, "oi", False), False, 6),  # most experts get no token (zeroed weight gradients)
+], ids=["silu_oi_in_place", "interleaved_io", "relu2", "gpt_oss_bias", "idle_experts"])
+def test_per_expert_mm_knob_runs_one_matmul_per_expert(case, reuse_saved, calls, monkeypatch):
+    """GemmConfig.per_expert_mm: the GEMMs that qualify run as one torch.mm per expert with rows (into the
+    expert's rows of the output, or its slice of a weight gradient; zeros for an expert without rows), from row
+    bounds read on the host once per op call; the layer matches the reference. (On CPU this checks the
+    plumbing; the GPU tests check the bits.)"""
+    from uniep_dynamo.kernels import megakernel
+
+    T, H, I, E, K, gate, layout, bias = case
+    args = make(T, H, I, E, K, gate, layout, bias)
+    if gate == GPT_OSS:
+        args = (args[0] * 20,) + args[1:]
+    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    monkeypatch.setattr(megakernel, "PER_EXPERT_MM_INTERPRETED", True)
+    mm_calls, reads = [], []
+    inner_mm, inner_bounds = torch.mm, megakernel._Layer.host_bounds
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: mm_calls.append(1) or inner_mm(*a, **k))
+
+    def counted_bounds(layer, offsets):
+        fresh = layer._host_bounds is None or layer._host_bounds[0] is not offsets
+        reads.append(fresh)
+        return inner_bounds(layer, offsets)
+
+    monkeypatch.setattr(megakernel._Layer, "host_bounds", counted_bounds)
+    # grouped_mm stays on too: per_expert_mm takes precedence where both apply
+    cfg = kconfig.heuristic_config(T * K, E, H, I, interpret=True).replace_gemms(per_expert_mm=True, grouped_mm=True)
+    counters.clear()
+    with kconfig.use_config(cfg):
+        fused = run(args, "triton", monkeypatch, spec=spec)
+    assert counters["uniep_kernels"]["per_expert_mm_gemms"] == calls
+    assert counters["uniep_kernels"]["grouped_mm_gemms"] == 0
+    routed = int(torch.bincount(args[1].reshape(-1), minlength=E).gt(0).sum())
+    # a matmul per expert with rows in each GEMM that qualifies
+    assert len(mm_calls) == calls * routed
+    # one host read in each op call with a GEMM that qualifies (the biased forward has none)
+    assert reads.count(True) == (1 if bias else 2), reads
+    monkeypatch.setattr(torch, "mm", inner_mm)
+    assert_close(fused, run(args, "reference", monkeypatch), torch.float32)
+    # without the flag the interpreter keeps its own GEMMs
+    monkeypatch.setattr(megakernel, "PER_EXPERT_MM_INTERPRETED", False)
+    counters.clear()
+    with kconfig.use_config(cfg.replace_gemms(grouped_mm=False)):
+        run(args, "triton", monkeypatch, spec=spec)
+    assert counters["uniep_kernels"]["per_expert_mm_gemms"] == 0
+
+
+def test_per_expert_mm_is_a_numerics_knob_and_the_heuristics_pick_it_for_few_large_experts():
+    """The knob is part of numerics_key (a tuned config may not flip it), and the GPU heuristics turn it on for
+    the Mixtral-8x7B shape's GEMMs but the up projection, and for none of the many-expert shapes."""
+    base = kconfig.heuristic_config(16384, 8, 4096, 14336)
+    assert [getattr(base, g).per_expert_mm for g in kconfig.GEMMS] == [False, True, True, True, True, True]
+    assert base.numerics_key() != base.replace_gemms(per_expert_mm=False).numerics_key()
+    for rows, experts, hidden, inter in ((65536, 128, 2048, 768), (65536, 64, 2048, 1024), (65536, 256, 7168, 2048),
+                                         (64, 8, 4096, 14336)):
+        cfg = kconfig.heuristic_config(rows, experts, hidden, inter)
+        assert not any(getattr(cfg, g).per_expert_mm for g in kconfig.GEMMS), (rows, experts)
+    assert not any(getattr(kconfig.heuristic_config(16384, 8, 64, 64, interpret=True), g).per_expert_mm
+                   for g in kconfig.GEMMS)

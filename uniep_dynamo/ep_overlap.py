@@ -837,8 +837,9 @@ class _Chunks:
     """The grouped GEMMs of one rank's local experts, chunk by chunk (the single-GPU MegaKernel's launches
     over a chunk's rows and experts). A GEMM whose output is the chunk's own (the down projection, the
     activation and input gradients, the weight gradients after every chunk) runs as torch._grouped_mm where
-    the tile config asks, as in the single-GPU op (same bits: config.py); the up projection writes the saved
-    [rows, up_width] buffer and the activation in its epilogue, by Triton."""
+    the tile config asks, as in the single-GPU op (same bits: config.py), or as one cuBLAS matmul per expert
+    (per_expert_mm, with the row bounds from the host's layout); the up projection writes the saved
+    [rows, up_width] buffer and the activation in its epilogue, by Triton (or per_expert_mm)."""
 
     def __init__(self, layout: _Layout, offsets: torch.Tensor, w_up, w_down, b_up, b_down, spec, probe: torch.Tensor,
                  skip_gemms: bool = False, config_shape: tuple | None = None):
@@ -866,7 +867,10 @@ class _Chunks:
             e0, e1, lo, hi = self.layout.chunks[c]
             layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec,
                                       self.config)
-            self._layers[c] = layer, self.offsets[e0:e1], slice(lo, hi), slice(e0, e1)
+            offs = self.offsets[e0:e1]
+            # the per_expert_mm GEMMs' row bounds from the host's layout (no host synchronization)
+            layer.set_host_bounds(offs, [end - lo for end in self.layout.expert_end[e0:e1]])
+            self._layers[c] = layer, offs, slice(lo, hi), slice(e0, e1)
         return self._layers[c]
 
     def forward(self, c, x, up, act, scatter=None):
@@ -939,7 +943,9 @@ class _Chunks:
             _zero(grads[2:])  # the bias gradients' buffers
             return
         layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
-        self._weight_grads(layer, self.layout.ends(x.device), rows, experts, x, dy, act, d_up, grads)
+        ends = self.layout.ends(x.device)
+        layer.set_host_bounds(ends, self.layout.expert_end)
+        self._weight_grads(layer, ends, rows, experts, x, dy, act, d_up, grads)
 
     def _weight_grads(self, layer, offs, rows, experts, x, dy, act, d_up, grads):
         """The weight and bias gradients of the given experts over the given rows: into grads[0] and grads[1]'s

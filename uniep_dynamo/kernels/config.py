@@ -28,6 +28,14 @@ Numerics contract (what a tuner may change freely):
   (fp16, whose ``torch._grouped_mm`` loops on the host; other GPUs; a bias; a fused gather; an epilogue
   beyond a plain store) the GEMM runs Triton. In Triton's interpreter (CPU tests) ``torch._grouped_mm``
   rounds differently from numpy, so it is used there only when a test asks (``megakernel.GROUPED_MM_INTERPRETED``).
+- ``per_expert_mm`` runs a GEMM as one cuBLAS matmul per expert (``torch.mm`` into the expert's rows of the output,
+  or into its slice of a weight gradient), which needs each expert's row count on the host: one host
+  synchronization per op call (none in the EP layer, whose counts are on the host already). It is a numerics knob:
+  cuBLAS picks its own kernel, and one that splits K (split-K, stream-K) would round differently. On an H200 the
+  six GEMMs of the Mixtral-8x7B shape came out bitwise equal to torch._grouped_mm's
+  (benchmarks/probes/cublas_loop_probe.py), 9% faster in all. Where the counts cannot be read (a CUDA graph
+  being captured) or the GEMM does not qualify (a fused gather, a bias, an epilogue beyond a plain store, a GEMM
+  that stores into EP peers), the GEMM takes the other knobs' path.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue")
+NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue", "per_expert_mm")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
                     "warp_specialize", "grouped_mm")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
@@ -63,6 +71,9 @@ class GemmConfig:
     # Run this GEMM as torch._grouped_mm (CUTLASS) where it gives the Triton kernel's bits (see the module
     # docstring); the tile knobs above then apply only where it falls back to Triton.
     grouped_mm: bool = False
+    # Run this GEMM as one cuBLAS matmul per expert (a numerics knob: see the module docstring); it takes
+    # precedence over grouped_mm where it applies.
+    per_expert_mm: bool = False
 
     def validate(self, interpret: bool = False) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -111,7 +122,8 @@ class MegaKernelConfig:
 
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
-        return tuple(getattr(self, g).block_k for g in GEMMS) + (self.act_grad_in_epilogue,)
+        return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS) + \
+            (self.act_grad_in_epilogue,)
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments; the configs are frozen
@@ -150,7 +162,14 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     cutlass = {g for g in GEMMS if not (triton_row_bwd and g in ("grad_act", "grad_input"))}
     gemms = dict(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=dataclasses.replace(wgrad, num_stages=4),
                  wgrad_down=wgrad)
-    return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass) for g, c in gemms.items()}, tma=tma)
+    # One cuBLAS matmul per expert (per_expert_mm) where the experts are few and large: on an H200 (bf16, the
+    # Mixtral-8x7B shape at T=8192, 2048 rows an expert) 1.02-1.21x torch._grouped_mm on each GEMM but the up
+    # projection (0.99x), 1.09x over the six, bitwise equal; with 64 experts of 1024 rows (OLMoE) 0.39-0.85x, with
+    # 128 of 512 (Qwen3-30B-A3B) 0.19-0.41x (benchmarks/probes/cublas_loop_probe.py).
+    per_expert = {"down", "grad_act", "grad_input", "wgrad_up", "wgrad_down"} \
+        if num_experts <= 16 and num_rows >= 1024 * num_experts else set()
+    return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert)
+                               for g, c in gemms.items()}, tma=tma)
 
 
 _OVERRIDE: list[MegaKernelConfig] = []

@@ -189,6 +189,22 @@ class _Layer:
             device=hidden.device)
         self.block_e = max(16, config_mod.next_pow2(self.num_experts))
         self._offsets_i32 = None
+        self._host_bounds = None  # (offsets, [0, each expert's end row]) for the per_expert_mm GEMMs
+
+    def host_bounds(self, offsets):
+        """[0, expert 0's end row, ..., expert E-1's end row] of ``offsets`` on the host, for the GEMMs that run one
+        matmul per expert: read once a call (the op's one host synchronization), or given by set_host_bounds.
+        None while the current stream is being captured into a CUDA graph (no synchronization possible)."""
+        if self._host_bounds is not None and self._host_bounds[0] is offsets:
+            return self._host_bounds[1]
+        if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        self._host_bounds = (offsets, [0, *offsets.tolist()])
+        return self._host_bounds[1]
+
+    def set_host_bounds(self, offsets, ends):
+        """The host's copy of ``offsets`` (each expert's end row), where the caller has it (the EP layout)."""
+        self._host_bounds = (offsets, [0, *ends])
 
     def offsets_i32(self, offsets):
         """``offsets`` (each expert's end row) as torch._grouped_mm takes them: int32, converted once a call."""
@@ -238,6 +254,27 @@ def _use_grouped_mm(layer: _Layer, cfg, out_cols: int, *operands) -> bool:
             and all(_grouped_mm_operand(t) for t in operands))
 
 
+# Triton's interpreter (CPU tests) keeps its own GEMMs unless a test asks for the per-expert torch.mm path (whose
+# CPU rounding differs from the interpreter's numpy dots), as for GROUPED_MM_INTERPRETED.
+PER_EXPERT_MM_INTERPRETED = False
+
+
+def _per_expert_bounds(layer: _Layer, cfg, offsets, *operands):
+    """The host row bounds to run this GEMM as one torch.mm per expert (``cfg.per_expert_mm``; see config.py), or
+    None where it does not apply: the knob off, no rows, another dtype, the interpreter, a graph being captured."""
+    if not cfg.per_expert_mm or layer.num_slots == 0:
+        return None
+    a = operands[0]
+    if a.device.type == "cuda":
+        if a.dtype not in FUSED_DTYPES_GPU:
+            return None
+    elif not (layer.interpret and PER_EXPERT_MM_INTERPRETED):
+        return None
+    if any(t.dtype != a.dtype or t.device != a.device for t in operands):
+        return None
+    return layer.host_bounds(offsets)
+
+
 def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, h=None, w=None,
                a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
@@ -260,8 +297,21 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
                              f"for 1 to {MAX_PEERS} peers")
         c = peers[0]
         counters["uniep_kernels"]["scattered_gemms"] += 1
-    if (c is None and epilogue != GLU_BWD and not gather and not a_scale and bias is None
-            and _use_grouped_mm(layer, cfg, width, a, b)):
+    plain = epilogue in (STORE, GLU_FWD) and not gather and not a_scale and bias is None
+    bounds = _per_expert_bounds(layer, cfg, offsets, a, b) if plain and scatter is None else None
+    if bounds is not None:  # one cuBLAS matmul per expert, into its rows of c
+        counters["uniep_kernels"]["per_expert_mm_gemms"] += 1
+        if c is None:
+            c = torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
+        for e in range(layer.num_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if hi > lo:
+                torch.mm(a[lo:hi], b[e], out=c[lo:hi])
+        if epilogue == GLU_FWD:
+            _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
+                         up_shift=up_shift)
+        return c
+    if c is None and plain and _use_grouped_mm(layer, cfg, width, a, b):
         counters["uniep_kernels"]["grouped_mm_gemms"] += 1
         c = torch._grouped_mm(a, b, offs=layer.offsets_i32(offsets))
         if epilogue == GLU_FWD:
@@ -379,11 +429,24 @@ def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_o
     where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient)."""
     from .triton_gemm import _weight_grad_gemm as kernel
 
+    # [E, M, N] = per expert P^T Q over its rows, or [E, N, M] = Q^T P: the same products summed over the
+    # same rows in the same order
+    a, b = (p, q) if m_dim == 1 else (q, p)
+    bounds = _per_expert_bounds(layer, cfg, offsets, p, q) \
+        if not (p_gather or q_gather or q_scale) and bias_grad is None else None
+    if bounds is not None:  # one cuBLAS matmul per expert, into its slice of the gradient
+        counters["uniep_kernels"]["per_expert_mm_gemms"] += 1
+        if not isinstance(grad, torch.Tensor):
+            grad = torch.empty(tuple(grad), dtype=p.dtype, device=p.device)
+        for e in range(layer.num_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if hi > lo:  # grad[e]: [a's columns, b's columns] (grad's dims m_dim, n_dim name P's and Q's)
+                torch.mm(a[lo:hi].t(), b[lo:hi], out=grad[e])
+            else:  # an expert without rows
+                grad[e].zero_()
+        return grad
     if not isinstance(grad, torch.Tensor):
         shape = tuple(grad)
-        # [E, M, N] = per expert P^T Q over its rows, or [E, N, M] = Q^T P: the same products summed over the
-        # same rows in the same order
-        a, b = (p, q) if m_dim == 1 else (q, p)
         if not (p_gather or q_gather or q_scale) and bias_grad is None and \
                 _use_grouped_mm(layer, cfg, shape[2], a.t(), b):
             counters["uniep_kernels"]["grouped_mm_gemms"] += 1

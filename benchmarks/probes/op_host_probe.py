@@ -1,0 +1,134 @@
+"""Host time of the experts op's forward and its pieces, on one GPU (issue 3: in a synchronized step the GPU waits
+for the host until the op's first launch). Median µs a call over --calls calls, the GPU synchronized between calls
+(outside the timed region), Qwen3-30B-A3B's shape by default:
+
+  op               torch.ops.uniep.moe_experts (the dispatcher, the custom op's checks, the implementation)
+  impl             the op's Python implementation called directly
+  experts_forward  megakernel.experts_forward
+  use_megakernel   the checks that pick the fused kernels
+  layer            megakernel._Layer (weight views, the config lookup)
+  current_config   the config lookup alone
+  routing_plan     the routing plan's buffers and three launches
+  up_gemm          the up projection (torch._grouped_mm and the activation pass), down_gemm, combine
+  to_first_launch  from the op call to its first Triton launch
+
+    python benchmarks/probes/op_host_probe.py [--shape qwen3-30b-a3b] [--calls 200]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def median_us(fn, calls):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    times.sort()
+    return round(times[len(times) // 2] * 1e6, 1)
+
+
+def main():
+    import bench_moe_layer as bench
+
+    from uniep_dynamo import ops
+    from uniep_dynamo.kernels import config as config_mod
+    from uniep_dynamo.kernels import launch as launch_mod
+    from uniep_dynamo.kernels import megakernel, triton_routing
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
+    from uniep_dynamo.kernels.triton_gemm import GLU_FWD, STORE
+    from uniep_dynamo.spec import ExpertsSpec, decode_spec
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "op_host_probe.json"))
+    args = parser.parse_args()
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    H, I, E, K = bench.SHAPES[args.shape]
+    x, ids, w, _ = bench.make_inputs(H, I, E, K, args.tokens, dtype, "cuda")
+    w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
+    w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
+    text = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
+    spec = decode_spec(text)
+    impl = getattr(ops.moe_experts, "_init_fn", None)
+    layer = megakernel._Layer(x, ids, w_up, w_down, spec)
+    plan = triton_routing.routing_plan(ids, E, False)
+    row_order, slot_row, offsets = plan
+    act = torch.empty(ids.numel(), I, dtype=dtype, device=dev)
+    down_in = torch.randn(ids.numel(), I, dtype=dtype, device=dev)
+    down_rows = torch.randn(ids.numel(), H, dtype=dtype, device=dev)
+    xs = triton_routing.gather_rows(x, row_order, K)
+
+    first = {}
+    real_launch = launch_mod.launch
+
+    def timed_launch(*a, **kw):
+        first.setdefault("t", time.perf_counter())
+        return real_launch(*a, **kw)
+
+    def to_first_launch():
+        first.clear()
+        t0 = time.perf_counter()
+        torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text)
+        return first["t"] - t0
+
+    pieces = {
+        "op": lambda: torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text),
+        "experts_forward": lambda: megakernel.experts_forward(x, ids, w, w_up, w_down, None, None, spec),
+        "use_megakernel": lambda: megakernel.use_megakernel(x, ids, w_up, w_down, None, None, [], spec),
+        "layer": lambda: megakernel._Layer(x, ids, w_up, w_down, spec),
+        "current_config": lambda: config_mod.current_config(ids.numel(), E, H, I, False, dtype=dtype, device=dev),
+        "routing_plan": lambda: triton_routing.routing_plan(ids, E, False),
+        "offsets_i32": lambda: offsets.to(torch.int32),
+        "up_gemm": lambda: megakernel._rows_gemm(
+            layer, layer.config.up, a=xs, gather=False, row_order=row_order, b=layer.up_eff, n=I, k=H,
+            epilogue=GLU_FWD, d=act, offsets=offsets, two_halves=True, col_mult=1, up_shift=I),
+        "down_gemm": lambda: megakernel._rows_gemm(
+            layer, layer.config.down, a=down_in, gather=False, row_order=row_order, b=layer.down_eff, n=H, k=I,
+            epilogue=STORE, offsets=offsets),
+        "combine": lambda: triton_routing.combine(down_rows, slot_row, w, offsets, args.tokens, K, dtype),
+        "gather_rows": lambda: triton_routing.gather_rows(x, row_order, K),
+        "empty": lambda: torch.empty(ids.numel(), I, dtype=dtype, device=dev),
+    }
+    if impl is not None:
+        pieces["impl"] = lambda: impl(x, ids, w, w_up, w_down, None, None, [], text)
+    results = {name: median_us(fn, args.calls) for name, fn in pieces.items()}
+    # every module that imported launch by name gets the timed one for this measurement
+    patched = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("uniep_dynamo") and getattr(m, "launch", None) is real_launch]
+    for m in patched:
+        m.launch = timed_launch
+    try:
+        times = []
+        for _ in range(args.calls):
+            times.append(to_first_launch())
+            torch.cuda.synchronize()
+        times.sort()
+        results["to_first_launch"] = round(times[len(times) // 2] * 1e6, 1)
+    finally:
+        for m in patched:
+            m.launch = real_launch
+    print(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(0), "us": results}, indent=1))
+    with open(args.out, "w") as f:
+        json.dump({"shape": args.shape, "us": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
