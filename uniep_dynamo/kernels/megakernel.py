@@ -283,7 +283,7 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
 
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
     dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most MAX_PEERS), by Triton; returns None."""
-    from .triton_gemm import GLU_BWD, GLU_FWD, STORE
+    from .triton_gemm import GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
     width = b.shape[2] if epilogue == GLU_FWD else n
