@@ -281,6 +281,9 @@ def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c
     a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
     ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
 
+    Where ``cfg.per_expert_mm`` asks and the GEMM qualifies (a plain or activation epilogue, materialized rows, no
+    bias, no scatter; ``c`` may be given), it runs as one torch.mm per expert instead, before either of those.
+
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
     dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most MAX_PEERS), by Triton; returns None."""
     from .triton_gemm import GLU_FWD, STORE
