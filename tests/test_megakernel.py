@@ -297,6 +297,14 @@ def test_every_top_k_from_1_to_8(top_k, monkeypatch):
     assert_close(run(args, "triton", monkeypatch), run(args, "reference", monkeypatch), torch.float32)
 
 
+def _knob_case(case, reuse_saved):
+    """The layer inputs and spec of a GEMM-knob test case (GPT-OSS's hidden states past its clamp limit)."""
+    args = make(*case)
+    if case[5] == GPT_OSS:
+        args = (args[0] * 20,) + args[1:]
+    return args, dataclasses.replace(args[7], reuse_saved=reuse_saved)
+
+
 @pytest.mark.parametrize("case, reuse_saved, calls", [
     # (T, H, I, E, K, gate, layout, bias); expected torch._grouped_mm calls of forward + backward
     ((37, 40, 24, 8, 2, SILU_GLU, "oi", False), True, 5),   # in place: the input-gradient rows go to a saved buffer
@@ -312,10 +320,7 @@ def test_grouped_mm_knob_runs_cutlass_gemms(case, reuse_saved, calls, monkeypatc
     from uniep_dynamo.kernels import megakernel
 
     T, H, I, E, K, gate, layout, bias = case
-    args = make(T, H, I, E, K, gate, layout, bias)
-    if gate == GPT_OSS:
-        args = (args[0] * 20,) + args[1:]
-    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    args, spec = _knob_case(case, reuse_saved)
     monkeypatch.setattr(megakernel, "GROUPED_MM_INTERPRETED", True)
     seen = []
     inner = torch._grouped_mm
@@ -350,10 +355,7 @@ def test_per_expert_mm_knob_runs_one_matmul_per_expert(case, reuse_saved, calls,
     from uniep_dynamo.kernels import megakernel
 
     T, H, I, E, K, gate, layout, bias = case
-    args = make(T, H, I, E, K, gate, layout, bias)
-    if gate == GPT_OSS:
-        args = (args[0] * 20,) + args[1:]
-    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    args, spec = _knob_case(case, reuse_saved)
     monkeypatch.setattr(megakernel, "PER_EXPERT_MM_INTERPRETED", True)
     mm_calls, reads = [], []
     inner_mm, inner_bounds = torch.mm, megakernel._Layer.host_bounds

@@ -283,6 +283,11 @@ class _Layout:
         """recv_start[e][s]: where local expert e's rows from source s start in the receive buffer."""
         return [self._at[i:i + self.world] for i in range(0, len(self._mine), self.world)]
 
+    def chunk_ends(self, c: int) -> list:
+        """Chunk c's local experts' end rows, counted from the chunk's first row (its grouped GEMMs' offsets)."""
+        e0, e1, lo, _ = self.chunks[c]
+        return [end - lo for end in self.expert_end[e0:e1]]
+
     def _by_pair(self, table) -> list:
         """table[s][g] (a row per source over the global experts) for each of this rank's (expert, source) pairs in
         receive order (expert-major): pair i = e * world + s."""
@@ -411,7 +416,7 @@ class _Layout:
                                                    [e0 for e0, _, _, _ in self.chunks], self.width, self.block)
             none = ends[:0].view(-1, 3)
             return {"rel": rel, "ends": ends, "dest_runs": dest, "perm_runs": none, "inv_runs": none, "table": table}
-        rel = [end - lo for e0, e1, lo, _ in self.chunks for end in self.expert_end[e0:e1]]
+        rel = [end for c in range(len(self.chunks)) for end in self.chunk_ends(c)]
         sections = {"rel": rel, "ends": self.expert_end, "dest_runs": self._dest_runs(),
                     "perm_runs": _runs(*self._perm_runs), "inv_runs": _runs(*self._inv_runs),
                     "table": self._table() if self.block is not None else []}
@@ -869,7 +874,7 @@ class _Chunks:
                                       self.config)
             offs = self.offsets[e0:e1]
             # the per_expert_mm GEMMs' row bounds from the host's layout (no host synchronization)
-            layer.set_host_bounds(offs, [end - lo for end in self.layout.expert_end[e0:e1]])
+            layer.set_host_bounds(offs, self.layout.chunk_ends(c))
             self._layers[c] = layer, offs, slice(lo, hi), slice(e0, e1)
         return self._layers[c]
 

@@ -47,25 +47,25 @@ def main():
 
     x, w13, w2 = rnd(rows, H), rnd(E, 2 * I, H), rnd(E, H, I)
     act, dy, dh = rnd(rows, I), rnd(rows, H), rnd(rows, 2 * I)
-    # (name, flops, grouped call, per-expert call): the HF layouts, as the op runs them
+    spans = list(enumerate(zip(bounds, bounds[1:])))
+
+    def rows_loop(a, w):  # out rows of expert e = a's rows of e @ w[e]
+        return lambda out: [torch.mm(a[lo:hi], w[e], out=out[lo:hi]) for e, (lo, hi) in spans]
+
+    def wgrad_loop(p, q):  # out[e] = p's rows of e transposed @ q's rows of e
+        return lambda out: [torch.mm(p[lo:hi].t(), q[lo:hi], out=out[e]) for e, (lo, hi) in spans]
+
+    # name: (flops, grouped call, per-expert call, output shape): the HF layouts, as the op runs them
+    up_w, down_w = w13.transpose(-2, -1), w2.transpose(-2, -1)
     gemms = {
-        "up": (2 * rows * H * 2 * I, lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs),
-               lambda out: [torch.mm(x[a:b], w13[e].t(), out=out[a:b]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))],
-               (rows, 2 * I)),
-        "down": (2 * rows * I * H, lambda: torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs),
-                 lambda out: [torch.mm(act[a:b], w2[e].t(), out=out[a:b]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))],
-                 (rows, H)),
-        "grad_act": (2 * rows * H * I, lambda: torch._grouped_mm(dy, w2, offs=offs),
-                     lambda out: [torch.mm(dy[a:b], w2[e], out=out[a:b]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))],
-                     (rows, I)),
-        "grad_input": (2 * rows * 2 * I * H, lambda: torch._grouped_mm(dh, w13, offs=offs),
-                       lambda out: [torch.mm(dh[a:b], w13[e], out=out[a:b]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))],
+        "up": (2 * rows * H * 2 * I, lambda: torch._grouped_mm(x, up_w, offs=offs), rows_loop(x, up_w), (rows, 2 * I)),
+        "down": (2 * rows * I * H, lambda: torch._grouped_mm(act, down_w, offs=offs), rows_loop(act, down_w), (rows, H)),
+        "grad_act": (2 * rows * H * I, lambda: torch._grouped_mm(dy, w2, offs=offs), rows_loop(dy, w2), (rows, I)),
+        "grad_input": (2 * rows * 2 * I * H, lambda: torch._grouped_mm(dh, w13, offs=offs), rows_loop(dh, w13),
                        (rows, H)),
-        "wgrad_up": (2 * rows * 2 * I * H, lambda: torch._grouped_mm(dh.t(), x, offs=offs),
-                     lambda out: [torch.mm(dh[a:b].t(), x[a:b], out=out[e]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))],
+        "wgrad_up": (2 * rows * 2 * I * H, lambda: torch._grouped_mm(dh.t(), x, offs=offs), wgrad_loop(dh, x),
                      (E, 2 * I, H)),
-        "wgrad_down": (2 * rows * H * I, lambda: torch._grouped_mm(dy.t(), act, offs=offs),
-                       lambda out: [torch.mm(dy[a:b].t(), act[a:b], out=out[e]) for e, (a, b) in enumerate(zip(bounds, bounds[1:]))],
+        "wgrad_down": (2 * rows * H * I, lambda: torch._grouped_mm(dy.t(), act, offs=offs), wgrad_loop(dy, act),
                        (E, H, I)),
     }
     result = {"shape": args.shape, "tokens": args.tokens, "gpu": torch.cuda.get_device_name(0),
