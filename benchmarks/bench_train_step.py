@@ -6,8 +6,8 @@ same model (dynamo is reset between backends). Prints a table and writes JSON.
 
     python benchmarks/bench_train_step.py --out train_step.json
 
---profile-experts: after timing uniep, one profiled step: the GPU time of the kernels launched inside the uniep
-experts ops (forward, backward) against the rest of the step's kernels.
+--time-experts: after timing uniep, one more step with CUDA events around the experts ops' work: their GPU time
+against the whole step's (what a faster experts layer could take off the step).
 """
 from __future__ import annotations
 
@@ -35,39 +35,43 @@ def build(layers: int, seq: int, dtype):
     return model
 
 
-EXPERTS_OPS = ("uniep::moe_experts", "uniep::moe_experts_backward", "uniep::moe_experts_backward_",
-               "uniep::moe_experts_backward_combine")
-
-
 def experts_share(step) -> dict:
-    """One profiled step: ms of GPU kernels under the uniep experts ops (outermost calls only) and in all."""
-    from torch.profiler import ProfilerActivity, profile
+    """One more step, with CUDA events around each call of the MegaKernel's experts forward, backward and input-row
+    combine (the uniep experts ops' work; ops.py calls them through the megakernel module): the GPU time from each
+    call's first work to its last, summed, against the whole step's."""
+    from uniep_dynamo.kernels import megakernel
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+    spans = []
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            spans.append((start, end))
+            return out
+        return wrapper
+
+    names = ("experts_forward", "experts_backward", "combine_input_rows")
+    saved = {n: getattr(megakernel, n) for n in names}
+    try:
+        for n in names:
+            setattr(megakernel, n, timed(saved[n]))
         torch.cuda.synchronize()
-    events = prof.events()
-    experts_us = calls = 0
-    for e in events:
-        if e.name in EXPERTS_OPS and not _has_ancestor(e, EXPERTS_OPS):
-            experts_us += e.device_time_total
-            calls += 1
-    kernels_us = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"experts_op_calls": calls, "experts_kernels_ms": round(experts_us / 1e3, 2),
-            "all_kernels_ms": round(kernels_us / 1e3, 2)}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+    finally:
+        for n in names:
+            setattr(megakernel, n, saved[n])
+    return {"experts_calls": len(spans), "experts_ms": round(sum(s.elapsed_time(e) for s, e in spans), 2),
+            "events_step_ms": round(start.elapsed_time(end), 2)}
 
 
-def _has_ancestor(event, names) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name in names:
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
-def time_backend(model, backend, input_ids, iters, warmup, profile_experts=False):
+def time_backend(model, backend, input_ids, iters, warmup, time_experts=False):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -91,7 +95,7 @@ def time_backend(model, backend, input_ids, iters, warmup, profile_experts=False
     row = {"ms": round(ms, 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "uniep_rewrites": counters["uniep"]["moe_experts"]}
-    if profile_experts and backend == "uniep":
+    if time_experts and backend == "uniep":
         row.update(experts_share(step))
     return row
 
@@ -104,8 +108,8 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backends", default="inductor,uniep")
-    parser.add_argument("--profile-experts", action="store_true",
-                        help="profile one uniep step: GPU time inside the experts ops against the whole step's")
+    parser.add_argument("--time-experts", action="store_true",
+                        help="one more uniep step: GPU time of the experts ops' work against the whole step's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_train_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -120,7 +124,7 @@ def main():
     rows = {}
     for backend in args.backends.split(","):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        rows[backend] = time_backend(model, backend, input_ids, args.iters, args.warmup, args.profile_experts)
+        rows[backend] = time_backend(model, backend, input_ids, args.iters, args.warmup, args.time_experts)
         model.load_state_dict(state)  # every backend starts from the same weights
         del state
         print(json.dumps({backend: rows[backend]}), flush=True)
