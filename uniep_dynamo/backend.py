@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 from . import report
 from .lowering import lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_router, share_routing_plan
 from .patterns import find_ep_regions, find_experts_regions, find_router_regions
+from .patterns.bodies import walk
 
 log = logging.getLogger("uniep")
 
@@ -68,15 +69,32 @@ class UniepOptions:
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
-    """Rewrite every proven experts, router and expert-parallel region of `gm` in place. Returns
-    (matches, near_misses); matches hold the experts matches first, then the router, then the EP ones."""
+    """Rewrite every proven experts, router and expert-parallel region of `gm` in place, and of the bodies of
+    its higher-order ops (activation checkpointing and the like, patterns/bodies.py). Returns
+    (matches, near_misses); per graph, matches hold the experts matches first, then the router, then the EP ones."""
     opts = opts or UniepOptions()
-    before = report.snapshot(gm.graph) if report.active() else None
+    recording = report.active()
+    before = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)] \
+        if recording else None
+    lowered, matches, misses = [], [], []
+    for module, where, kind in walk(gm):
+        _rewrite_one(module, opts, where, kind, lowered, matches, misses)
+    if before is not None:
+        after = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)]
+        gm.meta["uniep_record"] = report.record_graph(before, after, gm, lowered, misses)
+    return matches, [miss for _, miss in misses]
+
+
+def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind: str, lowered: list, found: list,
+                 near_misses: list) -> None:
+    """Rewrite the regions of one graph (the Dynamo graph, or a body `where` of the given kind), appending
+    (match, names of the nodes it replaced, names of the nodes added, where) to `lowered`, the matches to
+    `found` and (pattern, near miss) to `near_misses`."""
+    inside = f" in {where} ({kind})" if where else ""
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
     routers, router_misses = find_router_regions(gm.graph) if opts.rewrite_router else ([], [])
     taken = {n for m in matches for n in m.nodes}
     routers = [r for r in routers if taken.isdisjoint(r.nodes) and taken.isdisjoint(r.kept)]  # one rewrite per node
-    lowered = []  # (match, names of the nodes it replaced, names of the nodes added)
     experts_calls = []
     # Experts first: their calls read the router's ids and weights nodes, which the router lowering
     # then rewires to its own outputs.
@@ -84,18 +102,18 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
         replaced = [n.name for n in match.nodes]
         call = lower_experts(gm, match, reuse_saved=opts.reuse_saved_buffers)
         experts_calls.append(call)
-        lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
         counters["uniep"]["moe_experts"] += 1
-        log.info("uniep: rewrote %s (%s spelling, %d nodes) into uniep.moe_experts [%s]",
-                 match.module, match.spelling, len(match.nodes), match.spec.describe())
+        log.info("uniep: rewrote %s (%s spelling, %d nodes)%s into uniep.moe_experts [%s]",
+                 match.module, match.spelling, len(match.nodes), inside, match.spec.describe())
     for match in routers:
         replaced = [n.name for n in match.nodes]
         call = lower_router(gm, match)
         if opts.share_routing_plan and share_routing_plan(gm, call, experts_calls) is not None:
             match.spec = dataclasses.replace(match.spec, plan=True)
-        lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
         counters["uniep"]["moe_router"] += 1
-        log.info("uniep: rewrote %s (%d nodes) into uniep.moe_router [%s]", match.module, len(match.nodes),
+        log.info("uniep: rewrote %s (%d nodes)%s into uniep.moe_router [%s]", match.module, len(match.nodes), inside,
                  match.spec.describe())
     ep_matches, ep_misses = find_ep_regions(gm.graph, exchange=opts.overlap_ep) if opts.rewrite_ep else ([], [])
     # exchanges last: a combine's match holds the exchange's last node as its rows, which an exchange lowered
@@ -109,27 +127,24 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
             call = lower_dispatch(gm, match, gather_counts=opts.overlap_ep)
         else:
             call = lower_combine(gm, match)
-        lowered.append((match, replaced, [call.name] + [u.name for u in call.users]))
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
         counters["uniep"][match.op] += 1
-        log.info("uniep: rewrote %s (%d nodes) into uniep.%s [%s]", match.module, len(match.nodes), match.op,
-                 match.spec.describe())
-    for miss in misses:
-        counters["uniep"]["unfused"] += 1
-        log.warning("uniep: %s runs unfused: %s", miss.module, miss.reason)
-    for miss in router_misses:
-        counters["uniep"]["router_unfused"] += 1
-        log.warning("uniep: router %s runs unfused: %s", miss.module, miss.reason)
-    for miss in ep_misses:
-        counters["uniep"]["ep_unfused"] += 1
-        log.warning("uniep: expert-parallel step in %s runs unfused: %s", miss.module, miss.reason)
-    if before is not None:
-        gm.meta["uniep_record"] = report.record_graph(before, gm, lowered, misses, router_misses, ep_misses)
+        log.info("uniep: rewrote %s (%d nodes)%s into uniep.%s [%s]", match.module, len(match.nodes), inside,
+                 match.op, match.spec.describe())
+    for pattern, found_misses, counter, what in (("experts", misses, "unfused", "%s"),
+                                                 ("router", router_misses, "router_unfused", "router %s"),
+                                                 ("ep", ep_misses, "ep_unfused", "expert-parallel step in %s")):
+        for miss in found_misses:
+            miss.graph = where
+            counters["uniep"][counter] += 1
+            log.warning("uniep: " + what + "%s runs unfused: %s", miss.module, inside, miss.reason)
+            near_misses.append((pattern, miss))
+    found.extend(matches + routers + ep_matches)
     if matches or routers or ep_matches:
         # No graph-wide eliminate_dead_code here: Dynamo graphs hold in-place ops without users
         # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
         gm.graph.lint()
         gm.recompile()
-    return matches + routers + ep_matches, misses + router_misses + ep_misses
 
 
 def _needs_grad(gm, example_inputs) -> bool:

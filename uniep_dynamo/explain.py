@@ -100,13 +100,14 @@ class Report:
             lines.append(f"graph {g['compile_id']}: {len(g['before'])} -> {len(g['after'])} nodes")
             groups: dict = {}
             for r in g["rewrites"]:
-                key = (r["op"], r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]))
+                key = (r["op"], r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]), r.get("graph", ""))
                 groups.setdefault(key, []).append(r["module"])
-            for (op, spelling, spec, removed, added), modules in groups.items():
+            for (op, spelling, spec, removed, added, body), modules in groups.items():
                 same = " (same match)" if len(modules) > 1 else ""
                 what = f"router ({spelling})" if spelling in ROUTER_MODES else \
                     f"uniep.{op} ({spelling})" if op.startswith("ep_") else f"{spelling} spelling"
-                lines.append(f"  rewrote {collapse_modules(modules)}{same}: {what}, "
+                inside = f" in {body}" if body else ""
+                lines.append(f"  rewrote {collapse_modules(modules)}{same}{inside}: {what}, "
                              f"-{removed}/+{added} nodes each [{spec}]")
             if g["aot_graphs"] is not None:
                 lines.append("  " + "; ".join(f"{kind} graph: " + (", ".join(f"{n} uniep.{op}" for op, n in ops.items())
@@ -177,7 +178,8 @@ def render_html(data: dict) -> str:
                 after_titles[node_id] = f"{r['module']}: replaces {', '.join(r['replaced'])}"
             first = html.escape(r["replaced"][0]) if r["replaced"] else ""
             legend.append(f'<li><span class="swatch" style="background:{colour}"></span>'
-                          f'<a href="#n-{first}">{html.escape(r["module"])}</a>: '
+                          f'<a href="#n-{first}">{html.escape(r["module"])}</a>'
+                          f'{" in " + html.escape(r["graph"]) if r.get("graph") else ""}: '
                           f'{html.escape(r["spelling"])} spelling, {len(r["replaced"])} nodes &rarr; '
                           f'{len(r["added"])} <code>{html.escape(r["spec"])}</code></li>')
         misses = []

@@ -17,6 +17,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .patterns import graph_utils as gu
+from .patterns.bodies import walk
 
 UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_experts_backward_combine", "moe_router", "moe_router_backward",
              "ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward", "ep_exchange",
@@ -46,6 +47,7 @@ class Rewrite:
     spec: str
     replaced: list  # ids of the nodes the op call replaced
     added: list  # ids of the nodes added
+    graph: str = ""  # the higher-order op body it lives in (wrap_body_0 under activation checkpointing); "" top level
 
 
 @dataclass
@@ -58,6 +60,7 @@ class NearMissRecord:
     actual: str | None = None
     matched_nodes: int = 0  # how far matching got: nodes of the module read as part of the pattern
     rejections: list = field(default_factory=list)  # every failed check in the module, in graph order
+    graph: str = ""  # the higher-order op body it lies in; "" top level
 
 
 @dataclass
@@ -114,10 +117,15 @@ def _source(node: Node) -> str:
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 
-def snapshot(graph: Graph) -> list[NodeRecord]:
-    return [NodeRecord(n.name, n.op, _target_name(n), [_arg_text(a) for a in n.args] +
+def snapshot(graph: Graph, where: str = "") -> list[NodeRecord]:
+    """The graph's nodes; those of a higher-order op's body `where` get ids prefixed by it (``wrap_body_0.mm``)."""
+    return [NodeRecord(node_id(n.name, where), n.op, _target_name(n), [_arg_text(a) for a in n.args] +
                        [f"{k}={_arg_text(v)}" for k, v in n.kwargs.items()], gu.module_path(n), _source(n))
             for n in graph.nodes]
+
+
+def node_id(name: str, where: str = "") -> str:
+    return f"{where}.{name}" if where else name
 
 
 class Recorder:
@@ -173,22 +181,27 @@ def _compile_id() -> str:
         return "?"
 
 
-def record_graph(before: list, gm, lowered: list, misses, router_misses=(), ep_misses=()) -> GraphRecord:
-    """Called by the backend after a rewrite while recording is active; `lowered` holds
-    (match, names of the replaced nodes, names of the added nodes) per rewrite."""
-    record = GraphRecord(_compile_id(), before, snapshot(gm.graph))
-    for match, replaced, added in lowered:
+def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> GraphRecord:
+    """Called by the backend after a rewrite while recording is active, with the snapshots of the graph and its
+    bodies; `lowered` holds (match, names of the replaced nodes, names of the added nodes, body) per rewrite,
+    `misses` (pattern, near miss) pairs."""
+    record = GraphRecord(_compile_id(), before, after)
+    for match, replaced, added, where in lowered:
         op = getattr(match, "op", None) or ("moe_router" if hasattr(match, "ids") else "moe_experts")
-        record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(), replaced, added))
-    for pattern, found in (("experts", misses), ("router", router_misses), ("ep", ep_misses)):
-        for miss in found:
-            record.near_misses.append(NearMissRecord(miss.module, miss.node.name, miss.reason, pattern, miss.expected,
-                                                     miss.actual, miss.matched_nodes, list(miss.rejections)))
-    for node in gm.graph.nodes:  # patterns that do not exist yet: every anchor of theirs is a near miss
-        name = gu.op_name(node)
-        if name in _UNSUPPORTED_ANCHORS:
-            pattern, reason = _UNSUPPORTED_ANCHORS[name]
-            record.near_misses.append(NearMissRecord(gu.module_path(node), node.name, reason, pattern))
+        record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(),
+                                       [node_id(n, where) for n in replaced], [node_id(n, where) for n in added],
+                                       where))
+    for pattern, miss in misses:
+        record.near_misses.append(NearMissRecord(miss.module, node_id(miss.node.name, miss.graph), miss.reason,
+                                                 pattern, miss.expected, miss.actual, miss.matched_nodes,
+                                                 list(miss.rejections), miss.graph))
+    for module, where, _ in walk(gm):  # patterns that do not exist yet: every anchor of theirs is a near miss
+        for node in module.graph.nodes:
+            name = gu.op_name(node)
+            if name in _UNSUPPORTED_ANCHORS:
+                pattern, reason = _UNSUPPORTED_ANCHORS[name]
+                record.near_misses.append(NearMissRecord(gu.module_path(node), node_id(node.name, where), reason,
+                                                         pattern, graph=where))
     for recorder in _ACTIVE:
         recorder.graphs.append(record)
     _emit_trace_artifact(record)

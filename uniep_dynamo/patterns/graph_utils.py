@@ -155,11 +155,19 @@ def is_dim(value, want: int, ndim: int) -> bool:
     return value % ndim == want
 
 
+# Placeholder meta key: for an input of a higher-order op's body (an activation-checkpoint body, say), the
+# outer graph's arguments that its calls pass in (set by the backend before it matches inside the body).
+OUTER_ARGS = "uniep_outer_args"
+
+
 def parameter_of(node) -> torch.nn.Parameter | None:
     """The nn.Parameter a graph input stands for, or None for activations, buffers and constants."""
     if not isinstance(node, Node):
         return None
     if node.op == "placeholder":
+        if OUTER_ARGS in node.meta:  # an input of a higher-order op's body: what every call passes in
+            found = [parameter_of(arg) for arg in node.meta[OUTER_ARGS]]
+            return found[0] if found and all(p is not None for p in found) else None
         grapharg = node.meta.get("grapharg")
         real = getattr(grapharg, "example", None) if grapharg is not None else None
         if isinstance(real, torch.nn.Parameter):

@@ -151,6 +151,7 @@ class NearMiss:
     actual: str | None = None
     matched_nodes: int = 0  # how far matching got: nodes of the module already read as MoE values
     rejections: list = field(default_factory=list)  # every failed check in the module, in graph order
+    graph: str = ""  # the higher-order op body it lies in (patterns/bodies.py); "" for the Dynamo graph itself
 
 
 @dataclass

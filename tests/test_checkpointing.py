@@ -1,0 +1,129 @@
+"""Rewrites inside higher-order-op bodies: activation checkpointing (HF's and torch.utils.checkpoint, reentrant
+or not, selective policies) and nested compile regions. Each case asserts that the rewrite fired in the body,
+that the op is recomputed in the backward rather than its outputs saved, and that loss and every gradient
+match eager with the same checkpointing."""
+import functools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import uniep_dynamo  # noqa: F401
+from conftest import TOLERANCE, max_rel_err
+from hf_models import build_model
+from test_models import loss_and_grads
+from uniep_dynamo import report
+
+
+def _compare(model, ids, compiled):
+    loss, logits, grads = loss_and_grads(model, ids)
+    c_loss, c_logits, c_grads = loss_and_grads(model, ids, compiled)
+    assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
+    assert max_rel_err(c_logits, logits) <= TOLERANCE[torch.float32]
+    assert c_grads.keys() == grads.keys()
+    for name in grads:
+        assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name
+    return c_loss, c_grads
+
+
+@pytest.mark.parametrize("family,reentrant", [
+    ("qwen3_moe", False),  # HF's default: non-reentrant torch.utils.checkpoint per decoder layer
+    ("qwen3_moe", True),  # reentrant: Dynamo turns it into the same tag_activation_checkpoint body
+    ("mixtral", False),
+])
+def test_hf_gradient_checkpointing_rewrites_inside_the_body(family, reentrant):
+    model = build_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.config.use_cache = False
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})
+    with report.recording() as rec:
+        c_loss, c_grads = _compare(model, ids, compiled)
+    assert counters["uniep"]["moe_experts"] == 2 and counters["uniep"]["moe_router"] == 2
+    assert counters["uniep"]["unfused"] == 0 and counters["uniep"]["router_unfused"] == 0
+    rewrites = [r for g in rec.graphs for r in g.rewrites]
+    assert len(rewrites) == 4 and all(r.graph.startswith("wrap_body_") for r in rewrites), rewrites
+    graph = next(g for g in rec.graphs if g.rewrites)
+    # Each layer's op sits in its checkpoint body: the forward runs it, and the backward recomputes it
+    # (the partitioner saves the layer's inputs, not the op's projections) before running its backward.
+    assert graph.aot_graphs["forward"].get("moe_experts") == 2
+    assert graph.aot_graphs["backward"].get("moe_experts") == 2
+    assert graph.aot_graphs["backward"].get("moe_experts_backward") == 2
+    assert not graph.coverage_gaps()
+    # the recomputed forward gives the same bits: a second step is bitwise the first
+    again = loss_and_grads(model, ids, compiled)
+    assert torch.equal(again[0], c_loss)
+    for name in c_grads:
+        assert torch.equal(again[2][name], c_grads[name]), name
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "selective_checkpoint", "nested_compile_region"])
+def test_block_under_checkpoint_or_nested_region(wrap):
+    """torch.utils.checkpoint around one MoE block, plain or with a selective policy (matmuls saved, the rest,
+    the uniep ops among it, recomputed), and torch.compiler.nested_compile_region (invoke_subgraph, one body
+    that two calls share)."""
+    model = build_model("qwen3_moe")
+    block = model.model.layers[0].mlp
+    if wrap == "nested_compile_region":
+        region = torch.compiler.nested_compile_region(lambda x: block(x))
+
+        def run(x):
+            return region(region(x))
+    else:
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls) \
+            if wrap == "selective_checkpoint" else None
+        kwargs = {"context_fn": context} if context is not None else {}
+
+        def run(x):
+            return checkpoint(block, x, use_reentrant=False, **kwargs)
+
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(run, backend="uniep", options={"inner_backend": "aot_eager"})
+    results = []
+    for fn in (run, compiled, compiled):
+        model.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        out = fn(xx)
+        out.square().sum().backward()
+        results.append((out.detach(), xx.grad, {n: p.grad for n, p in block.named_parameters()}))
+    eager, first, second = results
+    assert counters["uniep"]["moe_experts"] == 1 and counters["uniep"]["moe_router"] == 1
+    for i in (0, 1):
+        assert max_rel_err(first[i], eager[i]) <= TOLERANCE[torch.float32]
+        assert torch.equal(first[i], second[i])
+    for name in eager[2]:
+        assert max_rel_err(first[2][name], eager[2][name]) <= 1e-4, name
+        assert torch.equal(first[2][name], second[2][name]), name
+
+
+def test_weights_passed_into_a_body_must_be_parameters():
+    """Inside a body every input is a placeholder: an expert weight proves to be a parameter only through the
+    outer argument the call passes in. A plain tensor passed there stays unfused, and the near miss names the
+    body."""
+    model = build_model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+
+    def layer(x, ids, w, gate_up, down):
+        with torch.nn.utils.stateless._reparametrize_module(experts, {"gate_up_proj": gate_up, "down_proj": down}):
+            return experts(x, ids, w)
+
+    def run(x, ids, w):
+        return checkpoint(layer, x, ids, w, gate_up, down, use_reentrant=False)
+
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 4, (10, 2), generator=torch.Generator().manual_seed(5))
+    w = torch.rand(10, 2, generator=torch.Generator().manual_seed(6))
+    compiled = torch.compile(run, backend="uniep", options={"inner_backend": "eager"})
+    with report.recording() as rec:
+        out = compiled(x, ids, w)
+    assert max_rel_err(out, run(x, ids, w)) <= TOLERANCE[torch.float32]
+    assert counters["uniep"]["moe_experts"] == 0 and counters["uniep"]["unfused"] == 1
+    miss = next(m for g in rec.graphs for m in g.near_misses if m.pattern == "experts")
+    assert miss.graph.startswith("wrap_body_") and miss.anchor.startswith(miss.graph + ".")
+    assert "not a module parameter" in miss.reason
