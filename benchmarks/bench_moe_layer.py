@@ -6,8 +6,15 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   sort_grouped_mm_inductor the strongest PyTorch-native path: stable sort + torch._grouped_mm + gather combine,
                            under inductor
   liger_fused_moe          Liger-Kernel's Triton fused MoE (if liger_kernel is installed)
+  sonicmoe                 SonicMoE's CuTe-DSL MoE (if sonicmoe is installed; see sonicmoe_experts), run only after
+                           its output and gradients matched the reference provider's
   uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
+
+The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
+gradients are compared with it (max_rel: max |diff| / max |ref|; rel_err: ||diff|| / ||ref||). A provider named in
+VERIFY_BEFORE_TIMING is timed only if every rel_err is under VERIFY_REL_ERR; otherwise the run says so and no time
+is recorded for it.
 
 For each: median time of fwd+bwd over --iters runs (CUDA events, the GPU idle before each), the mean over
 --iters runs issued back to back (as a training loop issues them), TFLOP/s (fwd 2*T*K*3*H*I, bwd twice that,
@@ -92,6 +99,46 @@ def sort_grouped_mm(x, ids, w, w13, w2):
     return (y.float() * w.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
+def sonicmoe_experts(experts):
+    """SonicMoE (sonic-moe 0.1.2, its grouped GEMMs from QuACK's CuTe-DSL kernels) on the HF module's weights and the
+    benchmark's routing, through ``sonicmoe.functional.moe_general_routing_inputs``.
+
+    Weight layout: SonicMoE takes w1 as (2I, H, E) with stride order (2, 0, 1), i.e. [E, 2I, H] in memory, and w2 as
+    (H, I, E), i.e. [E, H, I] in memory. HF's ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] permuted by
+    (1, 2, 0) are exactly that: views, no copy, so its weight gradients land in the HF parameters' ``.grad``.
+    Gate/up order: HF's rows are [gate; up] halves (``chunk(2)``), which is SonicMoE's ``concat_layout=True`` (its
+    default is gate and up rows interleaved). Activation ``SWIGLU``: silu(gate) * up, as HF's Mixtral experts.
+    Routing: the benchmark's top-k as flat (token, expert, weight) triples in token-major order, so the token
+    indices are sorted ascending as the function requires; it casts the weights to fp32 itself, and their gradient
+    flows back to the bf16 routing weights. (Its fixed-top-k path is reachable only through its own router, which
+    would time a different router, so the general-routing path is the one timed.) Its first call JIT-compiles and
+    autotunes its GEMMs per shape (QUACK_COMPILE_WORKERS sets the compile processes).
+    Raises ImportError (the caller prints it) where sonicmoe or its CuTe-DSL stack does not import.
+    """
+    from sonicmoe import moe_general_routing_inputs
+    from sonicmoe.enums import ActivationType
+
+    w1 = lambda: experts.gate_up_proj.permute(1, 2, 0)  # noqa: E731 (a view, taken per call so autograd sees it)
+    w2 = lambda: experts.down_proj.permute(1, 2, 0)  # noqa: E731
+    token_indices = {}  # T -> arange(T) repeated K times: a constant of the shape, built once
+
+    def sonicmoe(x, ids, w):
+        T, K = ids.shape
+        if (T, K) not in token_indices:
+            token_indices[T, K] = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K)
+        out, _ = moe_general_routing_inputs(
+            x, w.reshape(-1), token_indices[T, K], ids.reshape(-1).to(torch.int32), w1(), None, w2(), None,
+            experts.gate_up_proj.shape[0], torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
+            concat_layout=True)
+        return out
+
+    return sonicmoe
+
+
+VERIFY_BEFORE_TIMING = ("sonicmoe",)
+VERIFY_REL_ERR = 2e-2  # ||diff|| / ||ref|| per output and gradient; bf16 operands land between 1e-3 and 1e-2
+
+
 def providers(experts):
     out = {}
     out["hf_grouped_mm"] = lambda x, ids, w: experts(x, ids, w)
@@ -119,6 +166,10 @@ def providers(experts):
             os.environ.pop("UNIEP_KERNELS")
 
     out["uniep_reference"] = uniep_reference
+    try:
+        out["sonicmoe"] = sonicmoe_experts(experts)
+    except Exception as exc:  # noqa: BLE001
+        print(f"# sonicmoe unavailable: {exc!r}", file=sys.stderr)
     return out
 
 
@@ -139,13 +190,43 @@ def step(fn, experts, x, ids, w, grad_out):
     return run
 
 
+GRADIENT_NAMES = ("out", "grad_x", "grad_routing_weights", "grad_gate_up_proj", "grad_down_proj")
+
+
+def to_host(tensors):
+    """Copies of a step's output and gradients in host memory: DeepSeek-V3's weight gradients are 22 GB, and a
+    reference plus a second copy held on an 80 GB GPU beside the weights and their gradients would not fit."""
+    return [t.detach().to("cpu") for t in tensors]
+
+
+def slices(actual, expected):
+    """(actual, expected) one leading slice at a time, both on actual's device (expected may be in host memory)."""
+    for a, e in zip(actual.reshape(actual.shape[0], -1), expected.reshape(expected.shape[0], -1)):
+        yield a.float(), e.to(a.device, non_blocking=False).float()
+
+
 def max_rel(actual, expected) -> float:
     """max |a - e| / max |e|, one leading slice at a time (DeepSeek-V3's weight gradients are 14 GB)."""
     diff = scale = 0.0
-    for a, e in zip(actual.reshape(actual.shape[0], -1), expected.reshape(expected.shape[0], -1)):
-        diff = max(diff, (a.float() - e.float()).abs().max().item())
-        scale = max(scale, e.float().abs().max().item())
+    for a, e in slices(actual, expected):
+        diff = max(diff, (a - e).abs().max().item())
+        scale = max(scale, e.abs().max().item())
     return diff / max(scale, 1e-12)
+
+
+def rel_err(actual, expected) -> float:
+    """||a - e|| / ||e|| (Frobenius), one leading slice at a time; NaN anywhere gives NaN."""
+    diff = scale = 0.0
+    for a, e in slices(actual, expected):
+        diff += (a - e).square().sum().item()
+        scale += e.square().sum().item()
+    return (diff / max(scale, 1e-30)) ** 0.5
+
+
+def bitwise_equal(actual, expected) -> bool:
+    """torch.equal one leading slice at a time, expected possibly in host memory."""
+    return all(torch.equal(a, e.to(a.device)) for a, e in zip(actual.reshape(actual.shape[0], -1),
+                                                              expected.reshape(expected.shape[0], -1)))
 
 
 def profile(run, label, rows=25):
@@ -157,6 +238,24 @@ def profile(run, label, rows=25):
         torch.cuda.synchronize()
     print(f"# {label}: top CUDA kernels")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def time_provider(row, pname, run, iters, warmup, flops, peak_tflops):
+    """Time ``run`` (one fwd+bwd step) into ``row``: median ms, back-to-back ms, TFLOP/s, peak memory, bitwise."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = time_cuda(run, iters, warmup)
+    row[f"{pname}_peak_mb"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    # the same steps issued back to back, as a training loop runs them (no GPU idle while the host
+    # issues a step's first kernels)
+    row[f"{pname}_back_to_back_ms"] = round(time_cuda_back_to_back(run, iters), 3)
+    a = to_host(run())
+    row[f"{pname}_bitwise"] = all(bitwise_equal(p, q) for p, q in zip(run(), a))
+    row[f"{pname}_ms"] = round(ms, 3)
+    row[f"{pname}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+    if peak_tflops:
+        row[f"{pname}_pct_peak"] = round(100 * row[f"{pname}_tflops"] / peak_tflops, 1)
 
 
 def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None):
@@ -176,33 +275,34 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
         try:
             run = step(fn, experts, x, ids, w, grad_out)
             t0 = time.time()
-            run()  # compile
+            first = run()  # compile
             row[f"{pname}_first_call_s"] = round(time.time() - t0, 2)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            ms = time_cuda(run, iters, warmup)
-            row[f"{pname}_peak_mb"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-            # the same steps issued back to back, as a training loop runs them (no GPU idle while the host
-            # issues a step's first kernels)
-            row[f"{pname}_back_to_back_ms"] = round(time_cuda_back_to_back(run, iters), 3)
-            a = [t.detach().clone() for t in run()]
-            b = [t.detach().clone() for t in run()]
-            row[f"{pname}_ms"] = round(ms, 3)
-            row[f"{pname}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
-            if peak_tflops:
-                row[f"{pname}_pct_peak"] = round(100 * row[f"{pname}_tflops"] / peak_tflops, 1)
-            row[f"{pname}_bitwise"] = all(torch.equal(p, q) for p, q in zip(a, b))
-            if pname == "uniep":
-                row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
-            if pname in profile_providers:
-                profile(run, f"{name} {pname}")
             if reference is None:
-                reference = a
+                reference = to_host(first)
+                row["reference"] = pname
             else:
-                row[f"{pname}_max_rel_vs_hf"] = round(max(max_rel(p, q) for p, q in zip(a, reference)), 4)
+                errs = [rel_err(p, q) for p, q in zip(first, reference)]
+                row[f"{pname}_rel_err"] = dict(zip(GRADIENT_NAMES, (round(e, 5) for e in errs)))
+                row[f"{pname}_max_rel_vs_hf"] = round(max(max_rel(p, q) for p, q in zip(first, reference)), 4)
+                if pname in VERIFY_BEFORE_TIMING:
+                    row[f"{pname}_verified"] = all(e < VERIFY_REL_ERR for e in errs)  # False on NaN too
+                    print(f"# {row['shape']} {pname} against {row['reference']}: rel_err "
+                          f"{row[f'{pname}_rel_err']}, max_rel {row[f'{pname}_max_rel_vs_hf']} -> "
+                          f"{'verified' if row[f'{pname}_verified'] else 'FAILED verification, not timed'}",
+                          flush=True)
+            verified = row.get(f"{pname}_verified", True)
+            del first
+            if verified:
+                time_provider(row, pname, run, iters, warmup, flops, peak_tflops)
+                if pname == "uniep":
+                    row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
+                if pname in profile_providers:
+                    profile(run, f"{name} {pname}")
         except Exception as exc:  # noqa: BLE001
             row[pname] = "ERR " + repr(exc)[:300]
+            print(f"# {row['shape']} {pname}: {row[pname]}", flush=True)
+        for p in experts.parameters():
+            p.grad = None
         torch.cuda.empty_cache()
     return row
 
@@ -237,12 +337,14 @@ def main():
     peak_ms = time_cuda(lambda: a @ a, 10, 3)
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "bf16_matmul_tflops": round(2 * 8192**3 / (peak_ms * 1e-3) / 1e12, 1)}
-    try:
-        import transformers
-        import triton
-        meta.update(transformers=transformers.__version__, triton=triton.__version__)
-    except ImportError:
-        pass
+    from importlib import metadata
+
+    for package in ("transformers", "triton", "liger-kernel", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl"):
+        try:
+            meta[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    meta["env"] = {k: os.environ[k] for k in ("LIGER_FUSED_MOE_AUTOTUNE", "QUACK_COMPILE_WORKERS") if k in os.environ}
     print(json.dumps(meta))
     rows = []
     for spec in args.shapes.split(","):
@@ -253,9 +355,9 @@ def main():
                           peak_tflops=meta["bf16_matmul_tflops"])
         print(json.dumps(row), flush=True)
         rows.append(row)
+        with open(args.out, "w") as f:  # after every shape: a run stopped at its time limit keeps what it measured
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print_table(rows)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
