@@ -1,10 +1,12 @@
-"""End to end: one training step of a 2-layer HF Mixtral with Mixtral-8x7B dimensions (random weights).
+"""End to end: one training step of a 2-layer HF MoE model at real dimensions (random weights): Mixtral-8x7B's
+(default), Qwen3-30B-A3B's or OLMoE's.
 
 Batch 2 x 4096 tokens, bf16, forward + backward + AdamW, the whole model under
 torch.compile(backend="inductor") and torch.compile(backend="uniep"), timed in the same run on the
 same model (dynamo is reset between backends). Prints a table and writes JSON.
 
     python benchmarks/bench_train_step.py --out train_step.json
+    python benchmarks/bench_train_step.py --model qwen3-30b-a3b --checkpointing   # HF gradient checkpointing on
 
 --time-experts: after timing uniep, one more step with CUDA events around the experts ops' work: their GPU time
 against the whole step's (what a faster experts layer could take off the step).
@@ -23,15 +25,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_layer import time_cuda  # noqa: E402
 
 
-def build(layers: int, seq: int, dtype):
-    from transformers import MixtralConfig, MixtralForCausalLM
+MODELS = {  # name: (config class, its MoE dimensions and attention; 2 layers unless --layers)
+    "mixtral": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                                      num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+                                      vocab_size=32000)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                             num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                             decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, vocab_size=151936)),
+    "olmoe": ("OlmoeConfig", dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+                                  num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)),
+}
 
-    cfg = MixtralConfig(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
-                        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                        max_position_embeddings=seq)
+
+def build(name: str, layers: int, seq: int, dtype):
+    import transformers
+
+    config_name, dims = MODELS[name]
+    cfg = getattr(transformers, config_name)(num_hidden_layers=layers, max_position_embeddings=seq, **dims)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = MixtralForCausalLM(cfg).to(dtype)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     return model
 
 
@@ -94,7 +108,7 @@ def time_backend(model, backend, input_ids, iters, warmup, time_experts=False):
     ms = time_cuda(step, iters, warmup)
     row = {"ms": round(ms, 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "uniep_rewrites": counters["uniep"]["moe_experts"]}
+           "uniep_rewrites": counters["uniep"]["moe_experts"], "uniep_router_rewrites": counters["uniep"]["moe_router"]}
     if time_experts and backend == "uniep":
         row.update(experts_share(step))
     return row
@@ -102,6 +116,9 @@ def time_backend(model, backend, input_ids, iters, warmup, time_experts=False):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mixtral", choices=sorted(MODELS))
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="HF gradient checkpointing on (non-reentrant torch.utils.checkpoint per layer)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
@@ -116,10 +133,14 @@ def main():
         sys.exit("bench_train_step: needs a CUDA GPU")
     import uniep_dynamo  # noqa: F401
 
-    model = build(args.layers, args.seq, torch.bfloat16)
+    model = build(args.model, args.layers, args.seq, torch.bfloat16)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda",
                               generator=torch.Generator(device="cuda").manual_seed(0))
-    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": args.model,
+            "checkpointing": args.checkpointing, "layers": args.layers,
             "batch": args.batch, "seq": args.seq}
     rows = {}
     for backend in args.backends.split(","):
