@@ -127,3 +127,27 @@ def test_weights_passed_into_a_body_must_be_parameters():
     miss = next(m for g in rec.graphs for m in g.near_misses if m.pattern == "experts")
     assert miss.graph.startswith("wrap_body_") and miss.anchor.startswith(miss.graph + ".")
     assert "not a module parameter" in miss.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gpu_bf16_checkpointing_recomputes_the_same_bits(family):
+    """On CUDA in bf16 the op runs the MegaKernel. Recomputed under checkpointing it gives the bits it gave in the
+    forward: loss and every gradient equal the same compile without checkpointing bit for bit (aot_eager, so the
+    rest of the graph runs the same kernels either way)."""
+    results = []
+    for checkpointing in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model(family, dtype=torch.bfloat16).cuda()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(7)).cuda()
+        compiled = torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})
+        results.append(loss_and_grads(model, ids, compiled))
+        assert counters["uniep"]["moe_experts"] == 2 and counters["uniep"]["moe_router"] == 2
+    plain, checkpointed = results
+    assert torch.equal(plain[0], checkpointed[0]) and torch.equal(plain[1], checkpointed[1])
+    for name in plain[2]:
+        assert torch.equal(plain[2][name], checkpointed[2][name]), name
