@@ -7,7 +7,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..patterns.router import RouterMatch
-from .experts import take_place
+from .experts import cast_to, take_place
 
 
 def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
@@ -16,8 +16,10 @@ def lower_router(gm: GraphModule, match: RouterMatch) -> torch.fx.Node:
     # sure no outside reader of the outputs comes earlier.
     last = match.nodes[-1]
     with graph.inserting_before(last):
+        # under autocast, the linear's operands cast as eager's autocast casts them
+        hidden, weight, bias = (cast_to(graph, n, match.compute_dtype) for n in (match.hidden, match.weight, match.bias))
         call = graph.call_function(torch.ops.uniep.moe_router.default,
-                                   (match.hidden, match.weight, match.bias, match.score_bias, match.spec.encode()))
+                                   (hidden, weight, bias, match.score_bias, match.spec.encode()))
         outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
     for new, old in zip(outs, (match.logits, match.weights, match.ids)):
         take_place(old, new, call)

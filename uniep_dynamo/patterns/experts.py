@@ -10,15 +10,17 @@ hand-written variants reduce to the same values, so one pattern serves every fam
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import Graph, Node
 
 from ..kernels import gate_program
 from ..kernels.reference import SUPPORTED_DTYPES
 from ..spec import ExpertsSpec
 from . import graph_utils as gu
+from .autocast import AutocastView, describe, device_type
 from .interpreter import ANCHOR_OPS, Interpreter, _dtype, _dtype_name, _ndim
 from .programs import _gate_program, _post_program
-from .values import Combined, ExpertsMatch, Mismatch, NearMiss, Rows
+from .values import Combined, ExpertsMatch, Halves, Mismatch, NearMiss, Rows
 
 
 def _shape(node):
@@ -125,9 +127,78 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
         if _ndim(operand) == 1 and not gu.same_int(_shape(operand)[0], hidden_size):
             raise Mismatch(f"post-projection vector {operand.name} has {_shape(operand)[0]} entries, not "
                            f"H={hidden_size}", f"[{hidden_size}]", list(_shape(operand)))
+    compute_dtype, out_dtype, out_cast = _autocast_dtypes(nodes, interp, hidden, weights, (("up", b_up), ("down", b_down)),
+                                                          value)
     spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range, post)
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
-                        gu.module_path(root), spelling, post_operands)
+                        gu.module_path(root), spelling, post_operands, compute_dtype, out_cast)
+
+
+def _input_rows(expr) -> bool:
+    """Rows the GEMMs read as they come (the token's hidden state, possibly cast) or gathered per slot."""
+    while expr[0] == "ew" and expr[1] == "to":
+        expr = expr[2][0]
+    return expr[0] in ("x", "eid", "W", "B", "w", "weighted")
+
+
+def _autocast_dtypes(nodes, interp, hidden, weights, biases, value):
+    """(compute dtype, op output dtype, cast after the op) of a region that may run under autocast.
+
+    The GEMMs' recorded output dtype is the dtype eager computes them in: under autocast, `bmm` (and
+    `linear`, `matmul`) cast fp32 inputs to the autocast dtype, while HF's `grouped_mm_fallback` custom op and
+    `torch._grouped_mm` on CPU are not on autocast's lists and compute in fp32. The op then runs in that
+    dtype (compute dtype: the hidden states and expert weights cast to it first, as autocast casts them)
+    only where every other step of the region is recorded in the dtype the op computes it in; otherwise
+    the region runs unfused. Without autocast and without a cast, (None, the combined dtype, None)."""
+    h_dtype = _dtype(hidden)
+    gemms = [n for n in nodes if gu.op_name(n) in ANCHOR_OPS]
+    computed = sorted({_dtype(n) for n in gemms}, key=str)
+    known, autocast = interp.autocast.at(gemms[0] if gemms else nodes[-1], device_type(hidden))
+    cast = computed != [h_dtype]
+    if not cast and known and autocast is None:
+        return None, value.dtype, None
+    label = describe(autocast) if known else "an autocast entered outside this graph" if cast else         "an autocast state that differs between the calls of this body"
+    _require(len(computed) == 1, f"the expert GEMMs return {', '.join(map(_dtype_name, computed))} under {label}; "
+                                 "the op computes them in one dtype")
+    compute = computed[0]
+    _require(not (cast and known and autocast not in (None, compute)),
+             f"the expert GEMMs return {_dtype_name(compute)} under {label}")
+    for gemm in gemms:
+        for arg in gemm.all_input_nodes:
+            t = gu.tensor_meta(arg)
+            _require(t is None or not t.dtype.is_floating_point or t.dtype in (h_dtype, compute),
+                     f"{gemm.name} reads {arg.name} in {_dtype_name(t.dtype) if t is not None else '?'} under {label}")
+    for name, bias in biases:
+        if bias is not None:
+            _require(_dtype(bias) == compute,
+                     f"the {name} expert bias is {_dtype_name(_dtype(bias))} while the expert GEMMs run in "
+                     f"{_dtype_name(compute)} under {label}: eager adds the {_dtype_name(_dtype(bias))} bias to the "
+                     f"{_dtype_name(compute)} GEMM output, the op adds it in one compute dtype",
+                     f"bias in {_dtype_name(compute)}", _dtype_name(_dtype(bias)))
+    env = interp.env
+    for node in nodes:
+        v = env.get(node)
+        dtype = v.dtype if isinstance(v, Halves) else _dtype(node) if isinstance(v, Rows) else None
+        if dtype is None or (isinstance(v, Rows) and _input_rows(v.expr)):
+            continue
+        _require(dtype == compute,
+                 f"{node.name} ({gu.op_name(node)}) is {_dtype_name(dtype)} while the expert GEMMs return "
+                 f"{_dtype_name(compute)} under {label}: eager runs that step in {_dtype_name(dtype)} (autocast's "
+                 f"fp32 policy, or type promotion), the op would run it in {_dtype_name(compute)}",
+                 _dtype_name(compute), _dtype_name(dtype))
+    for node in nodes:
+        v = env.get(node)
+        if isinstance(v, Rows) and v.expr[0] == "weighted":
+            want = torch.promote_types(compute, _dtype(weights))
+            _require(_dtype(node) == want, f"{node.name} weights {_dtype_name(compute)} rows into "
+                                           f"{_dtype_name(_dtype(node))} under {label}, not {_dtype_name(want)}")
+    # The op rounds its combine once, to the dtype eager's K-sum returns (under CPU autocast the bf16 sum,
+    # which eager then casts back up; under CUDA autocast fp32, sum's fp32 policy); a cast after it is kept.
+    chain = [env[n].dtype for n in nodes if isinstance(env.get(n), Combined)]
+    steps = [d for i, d in enumerate(chain) if i == 0 or d != chain[i - 1]]
+    _require(len(steps) <= 2, f"the combined output is cast {' -> '.join(map(_dtype_name, steps))} under {label}")
+    out_dtype = steps[0]
+    return (compute if cast else None), out_dtype, (steps[-1] if len(steps) == 2 else None)
 
 
 _VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",
@@ -183,6 +254,7 @@ def region_nodes(root: Node, env: dict) -> list:
 
 def find_experts_regions(graph: Graph) -> tuple[list[ExpertsMatch], list[NearMiss]]:
     interp = Interpreter(graph).run()
+    interp.autocast = AutocastView(graph)
     env = interp.env
     matches, misses = [], list(interp.failures)
     for node, value in env.items():

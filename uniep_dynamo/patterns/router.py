@@ -29,6 +29,7 @@ from torch.fx import Graph, Node
 
 from ..spec import RouterSpec
 from . import graph_utils as gu
+from .autocast import AutocastView, describe, device_type, plain_dtype
 from .values import Mismatch, NearMiss
 
 _F32_CASTS = ("float", "to", "type")
@@ -48,6 +49,9 @@ class RouterMatch:
     spec: RouterSpec
     module: str
     kept: list = field(default_factory=list)  # fp32 casts of the logits read outside: moved after the op
+    # under autocast, the dtype autocast casts the linear's input and weight to (None: no cast); the op reads
+    # them cast to it, as eager's linear does
+    compute_dtype: torch.dtype | None = None
 
     @property
     def spelling(self) -> str:
@@ -472,6 +476,7 @@ def _region(outputs, env, logits_node, inputs):
 def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]]:
     interp = RouterInterp(graph).run()
     env = interp.env
+    autocast = AutocastView(graph)
     matches, misses = [], []
     order = {n: i for i, n in enumerate(graph.nodes)}
     for topk_node, term in [(n, t) for n, t in env.items() if t[0] == "topk"]:
@@ -500,8 +505,11 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
             # an in-place renorm: the weights are the tensor written, as later readers see it
             fields, logits, score_bias, cast = classify(weights_term, env[ids_node])
             linear, x, w, bias, cast32 = logits[1], logits[2], logits[3], logits[4], logits[5]
-            spec = _build_spec(fields, linear, x, w, bias, score_bias, cast32, weights_node, cast)
+            compute_dtype, label = _autocast_cast(linear, x, w, cast32, autocast)
+            spec = _build_spec(fields, linear, x, w, bias, score_bias, cast32, weights_node, cast, compute_dtype)
             region = _region([ids_node, weights_node], env, linear, (x, w, bias))
+            if label is not None:
+                _require_plain_dtypes(region, linear, label, order)
             _require(not any(n.op == "call_function" and gu.op_name(n) == "topk" and env.get(n, (None,))[0] == "topk"
                              and n is not topk_node for n in region), "two top-k selections in one router")
             # An fp32 cast of the logits that is also read outside (HF returns router_logits.float()) stays
@@ -521,7 +529,7 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
                      if u not in region and u not in kept and order[u] < order[nodes[-1]]]
             _require(not early, f"{early[0].name if early else ''} reads a router output before the router ends")
             matches.append(RouterMatch(linear, weights_node, ids_node, nodes, x, w, bias, score_bias, spec, module,
-                                       kept))
+                                       kept, compute_dtype))
         except Mismatch as exc:
             reasons = [interp.failures[n] for n in sorted(interp.failures, key=order.get)
                        if gu.module_path(n) == module]
@@ -541,13 +549,50 @@ def find_router_regions(graph: Graph) -> tuple[list[RouterMatch], list[NearMiss]
     return matches, misses
 
 
-def _build_spec(fields, linear, x, w, bias, score_bias, cast32, weights_node, cast) -> RouterSpec:
+def _autocast_cast(linear, x, w, cast32, autocast: AutocastView):
+    """(compute dtype, label) of the router's linear: the dtype autocast cast its input and weight to (None where
+    the logits have the dtype the code asks for), and a label naming the autocast (None where none is active,
+    nothing needs checking). The logits' recorded dtype is the proof: a linear of fp32 operands returns
+    bf16 only when autocast cast them (linear is on autocast's lower-precision list on CPU and CUDA)."""
+    known, dtype = autocast.at(linear, device_type(linear) or "cpu")
+    l_dtype = _dtype(linear)
+    asked = torch.float32 if cast32 else _dtype(x)
+    if l_dtype == asked or _dtype(x) != _dtype(w):
+        return None, (describe(dtype) if dtype is not None or not known else None)
+    label = describe(dtype) if known else "an autocast entered outside this graph"
+    _require(l_dtype in (torch.float16, torch.bfloat16) and (not known or dtype in (None, l_dtype)),
+             f"router logits are {l_dtype} from {_dtype(x)} inputs under {label}")
+    return l_dtype, label
+
+
+def _require_plain_dtypes(region, linear, label, order):
+    """Every floating step after the linear must have the dtype it would have without autocast, given its
+    inputs' dtypes: then the region computes as the same router of a model in the logits' dtype does, which
+    the op matches. CUDA's autocast runs softmax and sum without a dtype argument in fp32 (its fp32 policy): a
+    router that relies on the input dtype there runs unfused."""
+    for node in sorted(region, key=order.get):
+        if node is linear:
+            continue
+        t = gu.tensor_meta(node)
+        name = gu.op_name(node) or ""
+        if t is None or not t.dtype.is_floating_point or name.endswith("_"):
+            continue
+        want = plain_dtype(node, name)
+        _require(want is None or want == t.dtype,
+                 f"router step {node.name} ({name}) returns {t.dtype} under {label}, {want} without it (autocast's "
+                 f"fp32 policy); the router op computes it in {want}: pass dtype= to keep it off that policy")
+
+
+def _build_spec(fields, linear, x, w, bias, score_bias, cast32, weights_node, cast, compute_dtype=None) -> RouterSpec:
     x_dtype, w_dtype, l_dtype = _dtype(x), _dtype(w), _dtype(linear)
+    if compute_dtype is not None:  # autocast: the op reads the input, weight and bias cast to the logits' dtype
+        x_dtype = w_dtype = compute_dtype
+        cast32 = False
     _require(x_dtype in (torch.float32, torch.float16, torch.bfloat16),
              f"router input is {x_dtype}; supported dtypes are float32, float16, bfloat16")
     _require(x_dtype == w_dtype, f"router input {x_dtype} and gate weight {w_dtype} differ")
     if bias is not None:
-        _require(_dtype(bias) == w_dtype, "router bias dtype differs from the gate weight's")
+        _require(_dtype(bias) == _dtype(w), "router bias dtype differs from the gate weight's")
     num_experts, hidden_size = _shape(w)
     _require(gu.same_int(_shape(x)[1], hidden_size), "router input and gate weight disagree on the hidden size")
     _require(isinstance(num_experts, int), "the expert count is symbolic")
@@ -569,7 +614,8 @@ def _build_spec(fields, linear, x, w, bias, score_bias, cast32, weights_node, ca
                  f"{num_experts} experts in {n_group} groups")
         _require(1 <= fields["topk_group"] <= n_group, "topk_group outside [1, n_group]")
     linear_fp32 = cast32 and l_dtype == torch.float32
-    _require(l_dtype == (torch.float32 if linear_fp32 else x_dtype), f"router logits are {l_dtype}")
+    _require(l_dtype == (torch.float32 if linear_fp32 else x_dtype),
+             f"router logits are {l_dtype} from {_dtype(x)} input and {_dtype(w)} weight")
     weights_dtype = _dtype(weights_node)
     _require(weights_dtype in (torch.float32, torch.float16, torch.bfloat16), f"routing weights are {weights_dtype}")
     return RouterSpec(num_experts=num_experts, linear_fp32=linear_fp32, has_bias=bias is not None,
