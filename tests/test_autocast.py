@@ -206,3 +206,52 @@ def test_whole_model_loss_under_bf16_autocast():
     assert c_grads.keys() == grads.keys()
     for name in grads:
         assert max_rel_err(c_grads[name], grads[name]) <= TOLERANCE[BF16], name
+
+
+def _eager_gemm_dtypes(fn, x):
+    """The dtypes eager's expert GEMMs (bmm, _grouped_mm, HF's grouped_mm_fallback) compute in, as dispatched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "bmm" in name or "grouped_mm" in name:
+                seen.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Record():
+        fn(x)
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_gpu_cuda_autocast_runs_in_eager_dtypes(family, implementation, caplog):
+    """CUDA autocast (bf16) around an fp32 block: CUDA's policy differs from the CPU's (softmax, sum and exp run
+    in fp32; bmm and linear in bf16). Either the op computes in the dtype eager's expert GEMMs ran in, with
+    outputs and gradients within bf16 tolerance of eager's, or the region runs unfused with the reason logged."""
+    block = _moe_block(family, implementation).cuda()
+    x = _tokens(6).cuda()
+
+    def under_autocast(v):
+        with torch.autocast("cuda", dtype=BF16):
+            return block(v)
+
+    eager_dtypes = _eager_gemm_dtypes(under_autocast, x)
+    graphs = []
+    compiled = _compile(block, graphs)
+    with caplog.at_level(logging.WARNING, logger="uniep"), torch.autocast("cuda", dtype=BF16):
+        out, grads = _run(block, block, x)
+        c_out, c_grads = _run(compiled, block, x)
+    assert max_rel_err(c_out, out) <= TOLERANCE[BF16]
+    for name in grads:
+        assert max_rel_err(c_grads[name], grads[name]) <= TOLERANCE[BF16], name
+    calls = _ops(graphs, "moe_experts")
+    assert len(calls) + counters["uniep"]["unfused"] == 1, caplog.text
+    if calls:
+        assert {_input_dtype(calls[0], i) for i in (0, 3, 4)} == eager_dtypes, (eager_dtypes, caplog.text)
+    else:
+        assert "runs unfused" in caplog.text
