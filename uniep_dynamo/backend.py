@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch._dynamo.utils import counters
 
-from . import report
+from . import ddp, report
 from .lowering import lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_router, share_routing_plan
 from .patterns import find_ep_regions, find_experts_regions, find_router_regions
 from .patterns.bodies import walk
@@ -244,7 +244,8 @@ def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
 def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Entry point registered as torch.compile(backend="uniep")."""
     opts = UniepOptions.from_options(options)
-    rewrite_graph(gm, opts)
+    if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
+        rewrite_graph(gm, opts)
     return _inner_compile(gm, example_inputs, opts, mode)
 
 
@@ -267,4 +268,5 @@ def _register_by_name():
 
 
 _register_by_name()
+ddp.install()
 _configure_logging_from_env()

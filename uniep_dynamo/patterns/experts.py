@@ -17,6 +17,7 @@ from ..kernels import gate_program
 from ..kernels.reference import SUPPORTED_DTYPES
 from ..spec import ExpertsSpec
 from . import graph_utils as gu
+from . import split
 from .autocast import AutocastView, describe, device_type
 from .interpreter import ANCHOR_OPS, Interpreter, _dtype, _dtype_name, _ndim
 from .programs import _gate_program, _post_program
@@ -313,7 +314,12 @@ def _relevant_misses(graph, env, misses, taken) -> list[NearMiss]:
         upstream = cone([anchor], lambda n: n.all_input_nodes, lambda n: gu.module_path(n) == module)
         downstream = cone([anchor], lambda n: n.users, lambda n: True)
         candidates = upstream or downstream
-        if candidates:
+        cut = split.ddp_cut_reason(anchor, other_failure=bool(candidates))
+        if cut is not None:  # the real cause, before whatever check the missing half then failed
+            seen.add(module)
+            rejections = [by_node[n].reason for n in sorted(set(upstream) | set(downstream), key=order.get)]
+            out.append(NearMiss(anchor, cut, module, rejections=[cut] + rejections))
+        elif candidates:
             seen.add(module)
             first = by_node[candidates[0]]
             in_module = [n for n in graph.nodes if gu.module_path(n) == module]
