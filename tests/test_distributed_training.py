@@ -241,3 +241,27 @@ def test_ddp_with_activation_checkpointing_splits_and_matches_eager(tmp_path):
     _assert_rewritten(ranks, case[0])
     assert all(r[case[0]]["pieces"] > 1 for r in ranks), [r[case[0]]["pieces"] for r in ranks]
     _assert_exact(ranks, case[0], 2, _eager_reference(2, checkpointing=True))
+
+
+def test_ddp_wrapper_degrades_to_a_logged_message_when_torch_changes(monkeypatch, caplog):
+    """A DDPOptimizer unlike torch's (here: it keeps its backend under another name) is left unwrapped, with
+    one warning naming the consequence; installing never raises."""
+    import torch._dynamo.backends.distributed as distributed
+
+    from uniep_dynamo import ddp
+
+    class ChangedDDPOptimizer:
+        def __init__(self, bucket_bytes_cap, backend_compile_fn, first_bucket_cap=None):
+            self.compiler = backend_compile_fn
+
+        def compile_fn(self, gm, example_inputs):
+            return self.compiler(gm, example_inputs)
+
+    original = ChangedDDPOptimizer.compile_fn
+    monkeypatch.setattr(distributed, "DDPOptimizer", ChangedDDPOptimizer)
+    monkeypatch.setattr(ddp, "_installed", False)
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        assert ddp.install() is False
+    assert ChangedDDPOptimizer.compile_fn is original
+    assert any("cannot wrap torch's DDPOptimizer" in r.getMessage() and "runs unfused" in r.getMessage()
+               for r in caplog.records), caplog.text
