@@ -181,3 +181,20 @@ def test_report_is_a_structured_trace_artifact(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300)
     logs = "".join(p.read_text() for p in (tmp_path / "trace").iterdir())
     assert '"name": "uniep_report"' in logs
+
+
+def test_aot_counts_add_up_over_the_pieces_of_a_split_graph():
+    """DDP's optimizer splits one Dynamo graph into pieces that share its record (uniep_dynamo/ddp.py): each piece's
+    forward and backward graph adds its uniep ops to the record, so no piece's count hides another's."""
+    def graph_with(*ops):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        for op in ops:
+            graph.call_function(op, (x,))
+        graph.output(x)
+        return graph
+
+    record = GraphRecord("0/0")
+    record.note_aot_graph("forward", graph_with(torch.ops.uniep.moe_experts.default))
+    record.note_aot_graph("forward", graph_with(torch.ops.uniep.moe_experts.default, torch.ops.uniep.moe_router.default))
+    assert record.aot_graphs["forward"] == {"moe_experts": 2, "moe_router": 1}

@@ -74,9 +74,12 @@ class GraphRecord:
     aot_graphs: dict | None = None
 
     def note_aot_graph(self, kind: str, graph: Graph) -> None:
-        """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference")."""
+        """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference"). Counts add up:
+        where DDP's optimizer splits a Dynamo graph into pieces, the pieces share its record (ddp.py)."""
         self.aot_graphs = self.aot_graphs or {}
-        self.aot_graphs[kind] = count_uniep_ops(graph)
+        counts = self.aot_graphs.setdefault(kind, {})
+        for op, n in count_uniep_ops(graph).items():
+            counts[op] = counts.get(op, 0) + n
 
     def coverage_gaps(self) -> list[str]:
         """Rewrites whose op is missing from the traced forward or backward graph."""
@@ -184,7 +187,7 @@ def _compile_id() -> str:
 def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> GraphRecord:
     """Called by the backend after a rewrite while recording is active, with the snapshots of the graph and its
     bodies; `lowered` holds (match, names of the replaced nodes, names of the added nodes, body) per rewrite,
-    `misses` (pattern, near miss) pairs."""
+    `misses` (pattern, near miss) pairs. `publish` hands the record on."""
     record = GraphRecord(_compile_id(), before, after)
     for match, replaced, added, where in lowered:
         op = getattr(match, "op", None) or ("moe_router" if hasattr(match, "ids") else "moe_experts")
@@ -202,10 +205,15 @@ def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> 
                 pattern, reason = _UNSUPPORTED_ANCHORS[name]
                 record.near_misses.append(NearMissRecord(gu.module_path(node), node_id(node.name, where), reason,
                                                          pattern, graph=where))
+    return record
+
+
+def publish(record: GraphRecord) -> None:
+    """Hand a graph's record to the active recorders and the structured trace: the backend does so once the
+    graph is compiled, so a compile Dynamo throws away (and traces again) is not reported twice."""
     for recorder in _ACTIVE:
         recorder.graphs.append(record)
     _emit_trace_artifact(record)
-    return record
 
 
 def _emit_trace_artifact(record: GraphRecord) -> None:
