@@ -7,6 +7,7 @@ Options (``options={...}``): see ``UniepOptions``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -57,6 +58,8 @@ class UniepOptions:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"uniep: unknown option(s) {unknown}; known options are {sorted(known)}")
+        for name, value in options.items():
+            _check_type(name, value, cls.__dataclass_fields__[name].type)
         opts = cls(**options)
         if opts.ep_knobs:
             from .ep_overlap import OverlapConfig
@@ -68,28 +71,63 @@ class UniepOptions:
         return opts
 
 
-def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None):
+def _check_type(name: str, value, annotation: str) -> None:
+    """A bool option takes True or False only (not 0, 1 or "no"), a dict option a dict; inner_backend a name
+    (checked against INNER_BACKENDS afterwards) or a backend callable."""
+    if name == "inner_backend":
+        ok, expected = isinstance(value, str) or callable(value), \
+            f"one of {INNER_BACKENDS} or a torch.compile backend callable"
+    else:
+        kind = {"bool": bool, "dict": dict, "int": int, "float": float, "str": str}[annotation]
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        expected = "a bool (True or False)" if kind is bool else f"a {annotation}"
+    if not ok:
+        raise ValueError(f"uniep: option {name}={value!r} ({type(value).__name__}); {name} takes {expected}")
+
+
+def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None, commit: bool = True):
     """Rewrite every proven experts, router and expert-parallel region of `gm` in place, and of the bodies of
     its higher-order ops (activation checkpointing and the like, patterns/bodies.py). Returns
-    (matches, near_misses); per graph, matches hold the experts matches first, then the router, then the EP ones."""
+    (matches, near_misses); per graph, matches hold the experts matches first, then the router, then the EP ones.
+
+    The counters and the report take this graph's rewrites now, or, with ``commit=False``, when
+    ``commit_rewrites(gm)`` is called: the backend calls it once the inner backend has compiled the graph, since
+    Dynamo throws away a graph whose compile raises (a restart of its analysis, see ``uniep_backend``)."""
     opts = opts or UniepOptions()
     recording = report.active()
     before = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)] \
         if recording else None
-    lowered, matches, misses = [], [], []
+    lowered, matches, misses, counts = [], [], [], collections.Counter()
     for module, where, kind in walk(gm):
-        _rewrite_one(module, opts, where, kind, lowered, matches, misses)
+        _rewrite_one(module, opts, where, kind, lowered, matches, misses, counts)
+    record = None
     if before is not None:
         after = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)]
-        gm.meta["uniep_record"] = report.record_graph(before, after, gm, lowered, misses)
+        record = gm.meta["uniep_record"] = report.record_graph(before, after, gm, lowered, misses)
+    gm.meta[_UNCOMMITTED] = (counts, record)
+    if commit:
+        commit_rewrites(gm)
     return matches, [miss for _, miss in misses]
 
 
+_UNCOMMITTED = "uniep_uncommitted"  # gm.meta: (counts, GraphRecord or None) of a rewrite not yet counted
+
+
+def commit_rewrites(gm: torch.fx.GraphModule) -> None:
+    """Add the rewrites and near misses rewrite_graph(gm, commit=False) found to counters["uniep"] and to the
+    active recorders; once (a second call finds nothing left)."""
+    counts, record = gm.meta.pop(_UNCOMMITTED, (collections.Counter(), None))
+    for name, count in counts.items():
+        counters["uniep"][name] += count
+    if record is not None:
+        report.publish(record)
+
+
 def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind: str, lowered: list, found: list,
-                 near_misses: list) -> None:
+                 near_misses: list, counts: collections.Counter) -> None:
     """Rewrite the regions of one graph (the Dynamo graph, or a body `where` of the given kind), appending
     (match, names of the nodes it replaced, names of the nodes added, where) to `lowered`, the matches to
-    `found` and (pattern, near miss) to `near_misses`."""
+    `found` and (pattern, near miss) to `near_misses`, and counting rewrites by op and near misses in `counts`."""
     inside = f" in {where} ({kind})" if where else ""
     matches, misses = find_experts_regions(gm.graph) if opts.rewrite_experts else ([], [])
     routers, router_misses = find_router_regions(gm.graph) if opts.rewrite_router else ([], [])
@@ -103,7 +141,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         call = lower_experts(gm, match, reuse_saved=opts.reuse_saved_buffers)
         experts_calls.append(call)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
-        counters["uniep"]["moe_experts"] += 1
+        counts["moe_experts"] += 1
         log.info("uniep: rewrote %s (%s spelling, %d nodes)%s into uniep.moe_experts [%s]",
                  match.module, match.spelling, len(match.nodes), inside, match.spec.describe())
     for match in routers:
@@ -112,7 +150,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         if opts.share_routing_plan and share_routing_plan(gm, call, experts_calls) is not None:
             match.spec = dataclasses.replace(match.spec, plan=True)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
-        counters["uniep"]["moe_router"] += 1
+        counts["moe_router"] += 1
         log.info("uniep: rewrote %s (%d nodes)%s into uniep.moe_router [%s]", match.module, len(match.nodes), inside,
                  match.spec.describe())
     ep_matches, ep_misses = find_ep_regions(gm.graph, exchange=opts.overlap_ep) if opts.rewrite_ep else ([], [])
@@ -128,7 +166,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         else:
             call = lower_combine(gm, match)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
-        counters["uniep"][match.op] += 1
+        counts[match.op] += 1
         log.info("uniep: rewrote %s (%d nodes)%s into uniep.%s [%s]", match.module, len(match.nodes), inside,
                  match.op, match.spec.describe())
     for pattern, found_misses, counter, what in (("experts", misses, "unfused", "%s"),
@@ -136,7 +174,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
                                                  ("ep", ep_misses, "ep_unfused", "expert-parallel step in %s")):
         for miss in found_misses:
             miss.graph = where
-            counters["uniep"][counter] += 1
+            counts[counter] += 1
             log.warning("uniep: " + what + "%s runs unfused: %s", miss.module, inside, miss.reason)
             near_misses.append((pattern, miss))
     found.extend(matches + routers + ep_matches)
@@ -245,8 +283,13 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     """Entry point registered as torch.compile(backend="uniep")."""
     opts = UniepOptions.from_options(options)
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
-        rewrite_graph(gm, opts)
-    return _inner_compile(gm, example_inputs, opts, mode)
+        rewrite_graph(gm, opts, commit=False)
+    compiled = _inner_compile(gm, example_inputs, opts, mode)
+    # Counted only now: Dynamo discards a graph whose compile raises and traces the frame again, e.g. under
+    # dynamic=True, where AOTAutograd's pass that turns float scalars into tensors raises
+    # TensorifyScalarRestartAnalysis to specialize one; the second trace's graph is the one that runs.
+    commit_rewrites(gm)
+    return compiled
 
 
 def _configure_logging_from_env():

@@ -71,10 +71,23 @@ def _path_reason(hidden) -> str | None:
         if mode != "triton":
             return "not a CUDA tensor: the reference is the CPU path"
         if not config_mod.interpreting():
-            return "UNIEP_KERNELS=triton on CPU needs TRITON_INTERPRET=1"
+            return _forced_but_unable("on CPU tensors Triton's kernels run only in its interpreter: set "
+                                      "TRITON_INTERPRET=1 before anything imports triton")
     if not _triton_available():
-        return "triton is not installed (pip install uniep[triton])"
+        reason = "triton is not installed (pip install uniep[triton])"
+        return _forced_but_unable(reason) if mode == "triton" else reason
     return None
+
+
+def _forced_but_unable(why: str) -> str:
+    """UNIEP_KERNELS=triton where no Triton kernel can run: the ops run the reference, as under "auto" (a shape
+    or dtype the kernels do not take runs it too), but the user asked for Triton, so say so once, whatever the
+    device (log_fallback is quiet on CPU, where the reference is the expected path)."""
+    reason = f"UNIEP_KERNELS=triton, but {why}"
+    if ("UNIEP_KERNELS", reason) not in _LOGGED:
+        _LOGGED.add(("UNIEP_KERNELS", reason))
+        log.warning("uniep: %s; the uniep ops run the PyTorch reference", reason)
+    return reason
 
 
 def unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> str | None:
