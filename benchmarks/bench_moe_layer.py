@@ -99,7 +99,7 @@ def sort_grouped_mm(x, ids, w, w13, w2):
     return (y.float() * w.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def sonicmoe_experts(experts):
+def sonicmoe_experts(experts, autotune=True):
     """SonicMoE (sonic-moe 0.1.2, its grouped GEMMs from QuACK's CuTe-DSL kernels) on the HF module's weights and the
     benchmark's routing, through ``sonicmoe.functional.moe_general_routing_inputs``.
 
@@ -112,11 +112,20 @@ def sonicmoe_experts(experts):
     indices are sorted ascending as the function requires; it casts the weights to fp32 itself, and their gradient
     flows back to the bf16 routing weights. (Its fixed-top-k path is reachable only through its own router, which
     would time a different router, so the general-routing path is the one timed.) Its first call JIT-compiles and
-    autotunes its GEMMs per shape (QUACK_COMPILE_WORKERS sets the compile processes).
+    autotunes its GEMMs per shape (QUACK_COMPILE_WORKERS sets the compile processes); with ``autotune=False``
+    every QuACK GEMM runs its default config instead (what QuACK's ``tuned=False`` selects), which compiles one
+    kernel per GEMM rather than every candidate.
     Raises ImportError (the caller prints it) where sonicmoe or its CuTe-DSL stack does not import.
     """
     from sonicmoe import moe_general_routing_inputs
     from sonicmoe.enums import ActivationType
+
+    if not autotune:
+        from quack import gemm_interface
+        from quack.autotuner import AutotuneConfig
+
+        for tuned in ("gemm_tuned", "gemm_act_tuned", "gemm_dact_tuned", "gemm_gated_tuned", "gemm_dgated_tuned"):
+            getattr(gemm_interface, tuned).configs = [AutotuneConfig(config=None)]  # one config: no tuning
 
     w1 = lambda: experts.gate_up_proj.permute(1, 2, 0)  # noqa: E731 (a view, taken per call so autograd sees it)
     w2 = lambda: experts.down_proj.permute(1, 2, 0)  # noqa: E731
@@ -139,7 +148,7 @@ VERIFY_BEFORE_TIMING = ("sonicmoe",)
 VERIFY_REL_ERR = 2e-2  # ||diff|| / ||ref|| per output and gradient; bf16 operands land between 1e-3 and 1e-2
 
 
-def providers(experts):
+def providers(experts, sonicmoe_autotune=True):
     out = {}
     out["hf_grouped_mm"] = lambda x, ids, w: experts(x, ids, w)
     compiled = torch.compile(experts)
@@ -167,7 +176,7 @@ def providers(experts):
 
     out["uniep_reference"] = uniep_reference
     try:
-        out["sonicmoe"] = sonicmoe_experts(experts)
+        out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)
     except Exception as exc:  # noqa: BLE001
         print(f"# sonicmoe unavailable: {exc!r}", file=sys.stderr)
     return out
@@ -258,7 +267,8 @@ def time_provider(row, pname, run, iters, warmup, flops, peak_tflops):
         row[f"{pname}_pct_peak"] = round(100 * row[f"{pname}_tflops"] / peak_tflops, 1)
 
 
-def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None):
+def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None,
+                sonicmoe_autotune=True):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no automatic-dynamic carry-over from the previous shape
@@ -269,14 +279,16 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
     flops = 3 * 2 * T * K * 3 * H * I
     row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", "")}
     reference = None
-    for pname, fn in providers(experts).items():
+    for pname, fn in providers(experts, sonicmoe_autotune).items():
         if pname in skip:
             continue
+        print(f"# {time.strftime('%H:%M:%S')} {row['shape']} {pname}", flush=True)
         try:
             run = step(fn, experts, x, ids, w, grad_out)
             t0 = time.time()
             first = run()  # compile
             row[f"{pname}_first_call_s"] = round(time.time() - t0, 2)
+            print(f"#   first call {row[f'{pname}_first_call_s']} s", flush=True)
             if reference is None:
                 reference = to_host(first)
                 row["reference"] = pname
@@ -294,6 +306,7 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
             del first
             if verified:
                 time_provider(row, pname, run, iters, warmup, flops, peak_tflops)
+                print(f"#   {row[f'{pname}_ms']} ms, bitwise {row[f'{pname}_bitwise']}", flush=True)
                 if pname == "uniep":
                     row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
                 if pname in profile_providers:
@@ -328,13 +341,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip", default="", help="providers to leave out, comma separated")
     parser.add_argument("--profile", default="", help="providers to profile (top CUDA kernels), comma separated")
+    parser.add_argument("--sonicmoe-default-configs", action="store_true",
+                        help="run SonicMoE's GEMMs at QuACK's default config instead of autotuning them per shape")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_moe_layer.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe_layer: needs a CUDA GPU")
     device, dtype = "cuda", torch.bfloat16
     a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    peak_ms = time_cuda(lambda: a @ a, 10, 3)
+    peak_ms = time_cuda(lambda: a @ a, 50, 25)  # 25 warm-ups: the clocks rise from idle first
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "bf16_matmul_tflops": round(2 * 8192**3 / (peak_ms * 1e-3) / 1e12, 1)}
     from importlib import metadata
@@ -344,6 +359,7 @@ def main():
             meta[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
+    meta["sonicmoe_autotune"] = not args.sonicmoe_default_configs
     meta["env"] = {k: os.environ[k] for k in ("LIGER_FUSED_MOE_AUTOTUNE", "QUACK_COMPILE_WORKERS") if k in os.environ}
     print(json.dumps(meta))
     rows = []
@@ -352,7 +368,8 @@ def main():
         row = bench_shape(name, int(tokens or args.tokens), args.iters, args.warmup, dtype, device,
                           skip=tuple(filter(None, args.skip.split(","))),
                           profile_providers=tuple(filter(None, args.profile.split(","))),
-                          peak_tflops=meta["bf16_matmul_tflops"])
+                          peak_tflops=meta["bf16_matmul_tflops"],
+                          sonicmoe_autotune=not args.sonicmoe_default_configs)
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(args.out, "w") as f:  # after every shape: a run stopped at its time limit keeps what it measured
