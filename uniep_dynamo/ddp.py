@@ -77,14 +77,18 @@ def _wrap(original_compile_fn):
         call = _uniep_call(backend_compile_fn)
         if call is None:
             return original_compile_fn(self, gm, example_inputs, *args, **kwargs)
-        from .backend import UniepOptions, rewrite_graph
+        from .backend import UniepOptions, commit_rewrites, rewrite_graph
 
-        rewrite_graph(gm, UniepOptions.from_options(call[1]))
+        rewrite_graph(gm, UniepOptions.from_options(call[1]), commit=False)
         self.backend_compile_fn = _mark_pieces(backend_compile_fn)
         try:
-            return original_compile_fn(self, gm, example_inputs, *args, **kwargs)
+            compiled = original_compile_fn(self, gm, example_inputs, *args, **kwargs)
         finally:
             self.backend_compile_fn = backend_compile_fn
+        # counted once the pieces compiled (a compile Dynamo discards counts nothing; the pieces share gm's meta,
+        # so the first piece's backend call may have counted them already, and this finds nothing left)
+        commit_rewrites(gm)
+        return compiled
     compile_fn._uniep_wrapped = True
     return compile_fn
 
