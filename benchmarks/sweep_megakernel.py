@@ -66,7 +66,7 @@ def main():
         w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
         w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
         spec = ExpertsSpec("oi", "oi", silu, dtype)
-        layer = megakernel._Layer(x, ids, w_up, w_down, spec)
+        layer = megakernel.Layer(x, ids, w_up, w_down, spec)
         row_order, slot_row, offsets = routing_plan(ids, E, clamp=False)
         S = T * K
         up = torch.randn(S, 2 * I, device=dev, dtype=dtype)
@@ -79,31 +79,31 @@ def main():
         dy_rows = (dy[row_order // K] * weights[row_order, None]).to(dtype)
         common = dict(row_order=row_order, offsets=offsets)
         launches = {
-            "up": (2 * S * H * 2 * I, lambda c: megakernel._rows_gemm(
+            "up": (2 * S * H * 2 * I, lambda c: megakernel.rows_gemm(
                 layer, c, a=x_rows, gather=False, b=layer.up_eff, n=I, k=H, epilogue=1, c=up, d=act, two_halves=True,
                 col_mult=1, up_shift=I, **common)),
-            "down": (2 * S * I * H, lambda c: megakernel._rows_gemm(
+            "down": (2 * S * I * H, lambda c: megakernel.rows_gemm(
                 layer, c, a=act, gather=False, b=layer.down_eff, n=H, k=I, epilogue=0, c=down, **common)),
-            "grad_act": (2 * S * H * I, lambda c: megakernel._rows_gemm(
+            "grad_act": (2 * S * H * I, lambda c: megakernel.rows_gemm(
                 layer, c, a=dy_rows, gather=False, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=0, c=act,
                 **common)),
-            "grad_act_epilogue": (2 * S * H * I, lambda c: megakernel._rows_gemm(
+            "grad_act_epilogue": (2 * S * H * I, lambda c: megakernel.rows_gemm(
                 layer, c, a=dy, gather=True, a_scale=True, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=2,
                 c=d_up, d=act, h=up, w=weights, two_halves=True, col_mult=1, up_shift=I, **common)),
-            "grad_input": (2 * S * 2 * I * H, lambda c: megakernel._rows_gemm(
+            "grad_input": (2 * S * 2 * I * H, lambda c: megakernel.rows_gemm(
                 layer, c, a=d_up, gather=False, b=layer.up_eff.transpose(1, 2), n=H, k=2 * I, epilogue=0, c=down,
                 **common)),
-            "wgrad_up": (2 * S * H * 2 * I, lambda c: megakernel._weight_grad(
+            "wgrad_up": (2 * S * H * 2 * I, lambda c: megakernel.weight_grad(
                 layer, c, p=x, p_gather=True, q=d_up, q_gather=False, q_scale=False, w=None, grad=d_w_up, m_dim=2,
                 n_dim=1, **common)),
-            "wgrad_down": (2 * S * I * H, lambda c: megakernel._weight_grad(
+            "wgrad_down": (2 * S * I * H, lambda c: megakernel.weight_grad(
                 layer, c, p=act, p_gather=False, q=dy, q_gather=True, q_scale=True, w=weights, grad=d_w_down,
                 m_dim=2, n_dim=1, **common)),
             # The weight gradients on operands gathered (and scaled) beforehand: plain strided GEMMs.
-            "wgrad_up_mat": (2 * S * H * 2 * I, lambda c: megakernel._weight_grad(
+            "wgrad_up_mat": (2 * S * H * 2 * I, lambda c: megakernel.weight_grad(
                 layer, c, p=x_rows, p_gather=False, q=d_up, q_gather=False, q_scale=False, w=None, grad=d_w_up,
                 m_dim=2, n_dim=1, **common)),
-            "wgrad_down_mat": (2 * S * I * H, lambda c: megakernel._weight_grad(
+            "wgrad_down_mat": (2 * S * I * H, lambda c: megakernel.weight_grad(
                 layer, c, p=act, p_gather=False, q=dy_rows, q_gather=False, q_scale=False, w=None, grad=d_w_down,
                 m_dim=2, n_dim=1, **common)),
         }

@@ -358,7 +358,7 @@ def test_per_expert_mm_knob_runs_one_matmul_per_expert(case, reuse_saved, calls,
     args, spec = _knob_case(case, reuse_saved)
     monkeypatch.setattr(megakernel, "PER_EXPERT_MM_INTERPRETED", True)
     mm_calls, reads = [], []
-    inner_mm, inner_bounds = torch.mm, megakernel._Layer.host_bounds
+    inner_mm, inner_bounds = torch.mm, megakernel.Layer.host_bounds
     monkeypatch.setattr(torch, "mm", lambda *a, **k: mm_calls.append(1) or inner_mm(*a, **k))
 
     def counted_bounds(layer, offsets):
@@ -366,7 +366,7 @@ def test_per_expert_mm_knob_runs_one_matmul_per_expert(case, reuse_saved, calls,
         reads.append(fresh)
         return inner_bounds(layer, offsets)
 
-    monkeypatch.setattr(megakernel._Layer, "host_bounds", counted_bounds)
+    monkeypatch.setattr(megakernel.Layer, "host_bounds", counted_bounds)
     # grouped_mm stays on too: per_expert_mm takes precedence where both apply
     cfg = kconfig.heuristic_config(T * K, E, H, I, interpret=True).replace_gemms(per_expert_mm=True, grouped_mm=True)
     counters.clear()

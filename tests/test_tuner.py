@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from uniep_dynamo import cli, tuner
+from uniep_dynamo import cli, tuner, tuning_cache
 from uniep_dynamo.kernels import config as kconfig
 
 H100 = dict(smem_limit=227 * 1024, sm_count=132)
@@ -20,7 +20,7 @@ H100 = dict(smem_limit=227 * 1024, sm_count=132)
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("UNIEP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("UNIEP_TUNE", raising=False)
-    tuner._MEMO.clear()
+    tuning_cache._MEMO.clear()
     return tmp_path / "cache"
 
 
@@ -80,7 +80,7 @@ def test_cache_round_trip_and_lookup_by_the_op(monkeypatch):
     assert tuner.cached_config("NVIDIA H100 80GB HBM3", key) is None  # another GPU model, another file
     assert json.load(open(path))["entries"][key]["config"]["fuse_gather"] is True
     # the op's lookup: CUDA, this GPU, this dtype and shape (no GPU needed to ask)
-    monkeypatch.setattr(kconfig, "_gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "NVIDIA H200")
     cuda = torch.device("cuda", 0)
     assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.bfloat16, device=cuda) == _tuned()
     assert kconfig.current_config(9000, 8, 4096, 14336, False, dtype=torch.float16, device=cuda) == _heuristic(9000)
@@ -95,7 +95,7 @@ def test_a_cached_config_that_changes_numerics_is_not_used(monkeypatch, caplog):
     key = tuner.shape_key(torch.bfloat16, 16384, 8, 4096, 14336)
     bad = _heuristic().replace_gemms(block_k=128)
     tuner.store_entries("NVIDIA H200", {key: {"config": tuner.config_to_dict(bad)}})
-    monkeypatch.setattr(kconfig, "_gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(kconfig, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="uniep"):
         got = kconfig.current_config(16384, 8, 4096, 14336, False, dtype=torch.bfloat16,
@@ -106,7 +106,7 @@ def test_a_cached_config_that_changes_numerics_is_not_used(monkeypatch, caplog):
 def test_versions_key_the_cache(monkeypatch):
     key = tuner.shape_key(torch.bfloat16, 16384, 8, 4096, 14336)
     tuner.store_entries("NVIDIA H200", {key: {"config": tuner.config_to_dict(_tuned())}})
-    monkeypatch.setattr(tuner, "_versions", lambda: ("0.1.0", "9.9.9", "9.9.9"))
+    monkeypatch.setattr(tuning_cache, "versions", lambda: ("0.1.0", "9.9.9", "9.9.9"))
     assert "torch9.9.9" in tuner.cache_path("NVIDIA H200")
     assert tuner.cached_config("NVIDIA H200", key) is None
 

@@ -87,10 +87,10 @@ def test_the_direct_layer_and_the_compiled_exchange_read_one_cache_entry(tmp_pat
     import types
 
     from uniep_dynamo import ep_overlap
-    from uniep_dynamo.kernels import config as kconfig
+    from uniep_dynamo import tuning_cache
 
     monkeypatch.setenv("UNIEP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kconfig, "_gpu_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "Fake GPU")
     monkeypatch.setattr(ep_overlap.dist, "get_world_size", lambda group=None: 4)
     hidden, ids, _, w_up, w_down, _, _, spec = make(12, 16, 12, 4, 2)  # 4 local experts of 16 in all
     tuned = OverlapConfig(chunks=2, copy_engine=False, copy_kernel=True, copy_programs=64)

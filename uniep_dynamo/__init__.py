@@ -10,6 +10,6 @@ from .backend import UniepOptions, uniep_backend
 from .explain import Report, explain
 from .report import recording
 from .spec import ExpertsSpec
+from .version import __version__
 
 __all__ = ["uniep_backend", "UniepOptions", "ExpertsSpec", "ops", "explain", "Report", "recording"]
-__version__ = "0.1.0"

@@ -109,7 +109,7 @@ def _fused(t: torch.Tensor) -> bool:
     single-rank op does), the reference's elsewhere."""
     from .kernels import megakernel
 
-    return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel._triton_available()
+    return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel.triton_available()
 
 
 def _gather_sum(d_rows, slot_row, expert_offsets, num_tokens: int, top_k: int, dtype):
@@ -118,8 +118,8 @@ def _gather_sum(d_rows, slot_row, expert_offsets, num_tokens: int, top_k: int, d
     if _fused(d_rows):
         from .kernels.triton_routing import combine
         return combine(d_rows.contiguous(), slot_row, None, expert_offsets, num_tokens, top_k, dtype)
-    routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-    return reference._combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
+    routed = reference.routed_rows_mask(expert_offsets, slot_row.numel())
+    return reference.combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
 
 
 def _combine_rows(rows, weights, slot_row, expert_offsets, out_dtype):
@@ -129,8 +129,8 @@ def _combine_rows(rows, weights, slot_row, expert_offsets, out_dtype):
         from .kernels.triton_routing import combine
         return combine(rows.contiguous(), slot_row, weights.contiguous(), expert_offsets, num_tokens, top_k,
                        out_dtype)
-    routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-    return reference._combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
+    routed = reference.routed_rows_mask(expert_offsets, slot_row.numel())
+    return reference.combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
 
 
 def _combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_offsets):
@@ -144,8 +144,8 @@ def _combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_
                                         weights.dtype)
         d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous())
     else:
-        routed = reference._routed_rows_mask(expert_offsets, slot_row.numel())
-        d_weights, d_rows = reference._slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
+        routed = reference.routed_rows_mask(expert_offsets, slot_row.numel())
+        d_weights, d_rows = reference.slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
     return d_rows.to(rows.dtype), d_weights.to(weights.dtype)
 
 

@@ -864,14 +864,14 @@ class _Chunks:
         self._layers = {}  # layer()'s, per chunk
 
     def layer(self, c: int, probe):
-        """(the single-GPU op's _Layer over chunk c's rows and experts, their offsets, rows and experts), made once:
+        """(the single-GPU op's Layer over chunk c's rows and experts, their offsets, rows and experts), made once:
         the forward's serve the backward (the forward's probe is of the rows' dtype and device, as the backward's)."""
         from .kernels import megakernel
 
         if c not in self._layers:
             e0, e1, lo, hi = self.layout.chunks[c]
-            layer = megakernel._Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec,
-                                      self.config)
+            layer = megakernel.Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec,
+                                     self.config)
             offs = self.offsets[e0:e1]
             # the per_expert_mm GEMMs' row bounds from the host's layout (no host synchronization)
             layer.set_host_bounds(offs, self.layout.chunk_ends(c))
@@ -893,13 +893,13 @@ class _Chunks:
         cfg = layer.config
         b_up = self.b_up[experts] if self.b_up is not None else None
         b_down = self.b_down[experts] if self.b_down is not None else None
-        megakernel._rows_gemm(layer, cfg.up, a=x[rows], gather=False, row_order=offs, b=layer.up_eff, n=layer.inter,
-                              k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
-                              two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
-                              up_shift=layer.up_shift)
-        return megakernel._rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
-                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
-                                     scatter=_chunk_scatter(scatter, rows))
+        megakernel.rows_gemm(layer, cfg.up, a=x[rows], gather=False, row_order=offs, b=layer.up_eff, n=layer.inter,
+                             k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
+                             two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
+                             up_shift=layer.up_shift)
+        return megakernel.rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
+                                    n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
+                                    scatter=_chunk_scatter(scatter, rows))
 
     def backward(self, c, x, up, dy, act, d_up, grads, weight_grads: bool = True, scatter=None):
         """Chunk c's input-gradient rows ([chunk rows, H], returned; None for a chunk without rows; with
@@ -917,17 +917,17 @@ class _Chunks:
         if self.skip_gemms:
             return dy[rows]
         cfg = layer.config
-        d_act = megakernel._rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
-                                      b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size,
-                                      epilogue=STORE, offsets=offs)
-        megakernel._act_backward(layer, d_act=d_act, up=up[rows], d_up=d_up[rows], act=act[rows], offsets=offs,
-                                 two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
-                                 up_shift=layer.up_shift)
+        d_act = megakernel.rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
+                                     b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size,
+                                     epilogue=STORE, offsets=offs)
+        megakernel.act_backward(layer, d_act=d_act, up=up[rows], d_up=d_up[rows], act=act[rows], offsets=offs,
+                                two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
+                                up_shift=layer.up_shift)
         del d_act
-        d_x = megakernel._rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
-                                    b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width,
-                                    epilogue=STORE, offsets=offs,
-                                    scatter=_chunk_scatter(scatter, rows))
+        d_x = megakernel.rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
+                                   b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width,
+                                   epilogue=STORE, offsets=offs,
+                                   scatter=_chunk_scatter(scatter, rows))
         if weight_grads:
             self._weight_grads(layer, offs, rows, experts, x, dy, act, d_up, grads)
         return d_x
@@ -947,7 +947,7 @@ class _Chunks:
             grads[0], grads[1] = torch.zeros_like(self.w_up), torch.zeros_like(self.w_down)
             _zero(grads[2:])  # the bias gradients' buffers
             return
-        layer = megakernel._Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
+        layer = megakernel.Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
         ends = self.layout.ends(x.device)
         layer.set_host_bounds(ends, self.layout.expert_end)
         self._weight_grads(layer, ends, rows, experts, x, dy, act, d_up, grads)
@@ -961,14 +961,14 @@ class _Chunks:
         cfg = layer.config
         down_dims = (1, 2) if self.spec.down_layout == "io" else (2, 1)
         up_dims = (1, 2) if self.spec.up_layout == "io" else (2, 1)
-        d_w_down = megakernel._weight_grad(
+        d_w_down = megakernel.weight_grad(
             layer, cfg.wgrad_down, p=act[rows], p_gather=False, q=dy[rows], q_gather=False, q_scale=False,
             row_order=offs, w=None, offsets=offs,
             grad=d_w_down[experts] if d_w_down is not None else self.w_down.shape, m_dim=down_dims[0],
             n_dim=down_dims[1], bias_grad=d_b_down[experts] if d_b_down is not None else None)
         if grads[1] is None:
             grads[1] = d_w_down
-        d_w_up = megakernel._weight_grad(
+        d_w_up = megakernel.weight_grad(
             layer, cfg.wgrad_up, p=x[rows], p_gather=False, q=d_up[rows], q_gather=False, q_scale=False,
             row_order=offs, w=None, offsets=offs, grad=d_w_up[experts] if d_w_up is not None else self.w_up.shape,
             m_dim=up_dims[0], n_dim=up_dims[1], bias_grad=d_b_up[experts] if d_b_up is not None else None)
@@ -1189,16 +1189,16 @@ def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_
         raise ValueError("uniep: every rank needs at least one expert")
     reason = megakernel.unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, [], s)
     if reason is not None:
-        if ("ep_overlap", reason) not in megakernel._LOGGED and hidden.is_cuda:
-            megakernel._LOGGED.add(("ep_overlap", reason))
-            megakernel.log.warning("uniep: the overlapped EP layer runs the sequential one instead: %s", reason)
+        if hidden.is_cuda:
+            megakernel.warn_once("ep_overlap", reason, "uniep: the overlapped EP layer runs the sequential one "
+                                 "instead: %s")
         return ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group)
     return _OverlapEP.apply(hidden, topk_weights, w_up, w_down, b_up, b_down, topk_ids, s, group,
                             knobs if knobs is not None else _default_knobs(hidden, topk_ids, w_up, w_down, s, group))
 
 
 def _default_knobs(hidden, topk_ids, w_up, w_down, spec, group) -> OverlapConfig:
-    """The tuned knobs of this shape and EP size from the tuning cache (uniep/tuner.py, tune_ep), else the
+    """The tuned knobs of this shape and EP size from the tuning cache (written by uniep/tuner.py's tune_ep), else the
     defaults. Ranks may pick differently (uneven token counts fall in other row buckets): the knobs only
     schedule each rank's own transfers and GEMMs, between the same collectives and barriers."""
     return _cached_knobs(hidden, topk_ids.numel(), w_up, w_down, spec, group)
@@ -1208,11 +1208,43 @@ def _cached_knobs(probe, rows: int, w_up, w_down, spec, group) -> OverlapConfig:
     """_default_knobs for a rank that routes ``rows`` rows of ``probe``'s dtype, width and device."""
     if probe.device.type != "cuda":
         return OverlapConfig()
-    from . import tuner
-    from .kernels import config as config_mod
+    from . import tuning_cache
 
-    key = tuner.ep_rows_key(probe.dtype, rows, probe.shape[1], w_up, w_down, spec, dist.get_world_size(group))
-    return tuner.cached_ep_config(config_mod._gpu_name(probe.device), key) or OverlapConfig()
+    key = ep_rows_key(probe.dtype, rows, probe.shape[1], w_up, w_down, spec, dist.get_world_size(group))
+    return cached_ep_config(tuning_cache.gpu_name(probe.device), key) or OverlapConfig()
+
+
+def ep_rows_key(dtype, rows: int, hidden: int, w_up, w_down, spec, world: int) -> str:
+    """The tuning cache's key of one rank's EP layer from the rows it routes (T * K; what the compiled exchange
+    sends): its routed rows times the EP size, all experts, H, I, EP size."""
+    from . import tuning_cache
+    from .kernels import reference
+
+    spec = decode_spec(spec) if isinstance(spec, str) else spec
+    inter = reference.effective_weight(w_down, spec.down_layout).shape[1]
+    return tuning_cache.shape_key(dtype, rows * world, w_up.shape[0] * world, hidden, inter, ep_size=world)
+
+
+def ep_config_to_dict(cfg) -> dict:
+    """The tuning cache's entry of an OverlapConfig."""
+    return {"ep_overlap": dataclasses.asdict(cfg)}
+
+
+def cached_ep_config(gpu_name: str, key: str):
+    """The tuned OverlapConfig for ``key`` (an ep_size > 1 shape_key) from the tuning cache, or None."""
+    from . import tuning_cache
+
+    entry = tuning_cache.entry(gpu_name, key)
+    if entry is None or "ep_overlap" not in entry:
+        return None
+    try:
+        cfg = OverlapConfig(**entry["ep_overlap"])
+        if cfg.timing:
+            raise ValueError("a timing-only config")
+        return cfg
+    except (TypeError, ValueError) as exc:
+        tuning_cache.log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
+        return None
 
 
 # ---- the token all-to-all, the local experts and the all-to-all back, as one overlapped call ------------------
@@ -1444,9 +1476,9 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     _check_exchange(rows, claims)
     if not all(row[world] for row in rows):
         why = reason or "another rank cannot take it"
-        if ("ep_exchange", why) not in megakernel._LOGGED and send.is_cuda:
-            megakernel._LOGGED.add(("ep_exchange", why))
-            megakernel.log.warning("uniep: the overlapped EP exchange runs the sequential steps instead: %s", why)
+        if send.is_cuda:
+            megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
+                                 "instead: %s")
         x = _all_to_all(send, recv_sizes, send_sizes, group)
         back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec)[2][0], send_sizes,
                            recv_sizes, group)

@@ -26,28 +26,26 @@ same inputs; a candidate whose output or any gradient differs by one bit from th
 any rank is rejected; its time is the slowest rank's (all-reduced), so every rank picks the same winner.
 The GEMM tiles stay the single-GPU op's (tune those with ``tune_shape``).
 
-Cache. One JSON file per (uniep, torch, triton, GPU model) under ``$XDG_CACHE_HOME/uniep`` (default
-``~/.cache/uniep``; ``UNIEP_CACHE_DIR`` overrides), entries keyed by dtype, E, H, I and the routed-row
-count rounded up to a power of two. Writers (several ranks tuning at once) take an exclusive lock on a
-side file and replace the JSON atomically, merging what is there. A file that does not parse is
-ignored with a warning. ``kernels/config.current_config`` reads it when the op runs; a missing entry
-uses the heuristics and never blocks (``UNIEP_TUNE=0`` ignores the cache).
+Cache. The tuner writes its winners into the tuning cache (tuning_cache.py: one JSON file per uniep, torch,
+triton and GPU model; entries keyed by dtype, E, H, I, the routed-row count rounded up to a power of two and the
+EP size). The ops read it from below, without importing the tuner: ``kernels/config.current_config`` when the
+MegaKernel runs, the EP layer's knob lookup (``ep_overlap.cached_knobs``) when it runs; a missing entry uses the
+heuristics or defaults and never blocks (``UNIEP_TUNE=0`` ignores the cache).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .kernels import config as kconfig
-from .kernels.config import GEMMS, GemmConfig, MegaKernelConfig
+from .kernels.config import GEMMS, GemmConfig, MegaKernelConfig, cached_config, config_from_dict, config_to_dict
+from .ep_overlap import OverlapConfig, cached_ep_config, ep_config_to_dict, ep_rows_key
+from .tuning_cache import CACHE_FORMAT, cache_dir, cache_path, load_entries, shape_key, store_entries
 
 log = logging.getLogger("uniep")
 
@@ -70,7 +68,6 @@ LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False), "tma
 SMEM_LIMIT = {9: 227 * 1024}  # bytes of shared memory a block may use, by compute capability major (Hopper)
 DEFAULT_SMEM_LIMIT = 99 * 1024
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread; more spills (255 is the hardware's cap)
-CACHE_FORMAT = 1
 
 
 # ---- the space -------------------------------------------------------------------------------------
@@ -124,121 +121,9 @@ def _gemm_dims(hidden: int, inter: int, gated: bool, pack: bool) -> dict:
 
 
 # ---- the cache -------------------------------------------------------------------------------------
-
-def cache_dir() -> str:
-    root = os.environ.get("UNIEP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "uniep")
-    return root
-
-
-_PATHS: dict = {}  # (gpu name, cache dir, versions) -> cache file
-
-
-@functools.lru_cache(maxsize=1)
-def _versions() -> tuple:
-    from . import __version__
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return __version__, torch.__version__, triton_version
-
-
-def cache_path(gpu_name: str) -> str:
-    """The cache file of this GPU, uniep, torch and triton (the compiled ops look it up on every call)."""
-    versions = _versions()
-    key = (gpu_name, cache_dir(), versions)
-    path = _PATHS.get(key)
-    if path is None:
-        uniep_v, torch_v, triton_v = versions
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_name)
-        path = _PATHS[key] = os.path.join(key[1], f"tune-uniep{uniep_v}-torch{torch_v}-triton{triton_v}",
-                                          f"{safe}.json")
-    return path
-
-
-def shape_key(dtype: torch.dtype, num_rows: int, num_experts: int, hidden: int, inter: int, ep_size: int = 1) -> str:
-    bucket = 1 << max(num_rows - 1, 0).bit_length()
-    return f"{str(dtype).replace('torch.', '')}/E{num_experts}/H{hidden}/I{inter}/rows<={bucket}/ep{ep_size}"
-
-
-def config_to_dict(cfg: MegaKernelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def config_from_dict(data: dict) -> MegaKernelConfig:
-    gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
-    layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up", "act_grad_in_epilogue")}
-    for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
-        layer[knob] = bool(data.get(knob, False))
-    return MegaKernelConfig(**gemms, **layer)
-
-
-def _read(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
-            raise ValueError("not a uniep tuning cache of this format")
-        return data["entries"]
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("uniep: ignoring the tuning cache %s (%s); the heuristics apply", path, exc)
-        return {}
-
-
-_MEMO: dict = {}
-
-
-def load_entries(gpu_name: str) -> dict:
-    path = cache_path(gpu_name)
-    try:
-        stamp = os.stat(path).st_mtime_ns
-    except OSError:
-        stamp = None
-    memo = _MEMO.get(path)
-    if memo is None or memo[0] != stamp:
-        memo = (stamp, _read(path) if stamp is not None else {})
-        _MEMO[path] = memo
-    return memo[1]
-
-
-def store_entries(gpu_name: str, entries: dict) -> str:
-    """Merge ``entries`` into the cache file under an exclusive lock, replacing it atomically."""
-    import fcntl
-
-    path = cache_path(gpu_name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            merged = _read(path)
-            merged.update(entries)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"format": CACHE_FORMAT, "versions": list(_versions()), "gpu": gpu_name,
-                           "entries": merged}, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    _MEMO.pop(path, None)
-    return path
-
-
-def cached_config(gpu_name: str, key: str) -> MegaKernelConfig | None:
-    if os.environ.get("UNIEP_TUNE", "1") == "0":
-        return None
-    entry = load_entries(gpu_name).get(key)
-    if entry is None:
-        return None
-    try:
-        return config_from_dict(entry["config"])
-    except (KeyError, TypeError, ValueError) as exc:
-        log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
-        return None
-
+#
+# The file, its format, reads and writes: tuning_cache.py (below the kernels, which read it); the MegaKernelConfig's
+# JSON form: kernels/config.py; the EP knobs': ep/config.py. Re-exported here for the tuner's callers.
 
 # ---- the tuner -------------------------------------------------------------------------------------
 
@@ -436,7 +321,6 @@ EP_SPACE = {
 
 def ep_candidates(local_experts: int, world: int):
     """Every distinct OverlapConfig of EP_SPACE for ``local_experts`` experts a rank, the default first."""
-    from .ep_overlap import OverlapConfig
     from .kernels.triton_transfer import MAX_PEERS
 
     default = OverlapConfig()
@@ -498,7 +382,7 @@ def tune_ep(hidden, topk_ids, topk_weights, w_up, w_down, spec: str, group=None,
     times only exercise the search)."""
     import torch.distributed as dist
 
-    from .ep_overlap import OverlapConfig, ep_experts_overlapped
+    from .ep_overlap import ep_experts_overlapped
 
     started = time.perf_counter()
     group = group if group is not None else dist.group.WORLD
@@ -560,36 +444,3 @@ def tune_ep(hidden, topk_ids, topk_weights, w_up, w_down, spec: str, group=None,
 def ep_shape_key(hidden, topk_ids, w_up, w_down, spec, world: int) -> str:
     """The cache key of one rank's EP layer: its routed rows times the EP size, all experts, H, I, EP size."""
     return ep_rows_key(hidden.dtype, topk_ids.numel(), hidden.shape[1], w_up, w_down, spec, world)
-
-
-def ep_rows_key(dtype, rows: int, hidden: int, w_up, w_down, spec, world: int) -> str:
-    """ep_shape_key from the rows one rank routes (T * K; what the compiled exchange sends)."""
-    from .kernels import reference
-    from .spec import decode_spec
-
-    spec = decode_spec(spec) if isinstance(spec, str) else spec
-    inter = reference.effective_weight(w_down, spec.down_layout).shape[1]
-    return shape_key(dtype, rows * world, w_up.shape[0] * world, hidden, inter, ep_size=world)
-
-
-def ep_config_to_dict(cfg) -> dict:
-    return {"ep_overlap": dataclasses.asdict(cfg)}
-
-
-def cached_ep_config(gpu_name: str, key: str):
-    """The tuned OverlapConfig for ``key`` (an ep_size > 1 shape_key), or None."""
-    from .ep_overlap import OverlapConfig
-
-    if os.environ.get("UNIEP_TUNE", "1") == "0":
-        return None
-    entry = load_entries(gpu_name).get(key)
-    if entry is None or "ep_overlap" not in entry:
-        return None
-    try:
-        cfg = OverlapConfig(**entry["ep_overlap"])
-        if cfg.timing:
-            raise ValueError("a timing-only config")
-        return cfg
-    except (TypeError, ValueError) as exc:
-        log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
-        return None

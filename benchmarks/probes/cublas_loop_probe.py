@@ -85,19 +85,19 @@ def _triton_gemms(H, I, E, K, ids, x, w13, w2, act, dy, dh):
     from uniep_dynamo.spec import ExpertsSpec
 
     hidden = torch.empty(ids.shape[0], H, device=x.device, dtype=x.dtype)
-    layer = megakernel._Layer(hidden, ids, w13, w2, ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), x.dtype))
+    layer = megakernel.Layer(hidden, ids, w13, w2, ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), x.dtype))
     cfg = {name: dataclasses.replace(getattr(layer.config, name), grouped_mm=False, per_expert_mm=False)
            for name in GEMMS}
     _, _, offsets = routing_plan(ids, E, clamp=False)
 
     def rows(name, a, b, n, k):
-        return lambda out: megakernel._rows_gemm(layer, cfg[name], a=a, gather=False, row_order=None, b=b, n=n, k=k,
-                                                 epilogue=STORE, c=out, offsets=offsets)
+        return lambda out: megakernel.rows_gemm(layer, cfg[name], a=a, gather=False, row_order=None, b=b, n=n, k=k,
+                                                epilogue=STORE, c=out, offsets=offsets)
 
     def wgrad(name, p, q):  # grad[e] ([E, out, in], "oi": dims 2, 1) = q's rows of e transposed @ p's rows of e
-        return lambda out: megakernel._weight_grad(layer, cfg[name], p=p, p_gather=False, q=q, q_gather=False,
-                                                   q_scale=False, row_order=None, w=None, offsets=offsets, grad=out,
-                                                   m_dim=2, n_dim=1)
+        return lambda out: megakernel.weight_grad(layer, cfg[name], p=p, p_gather=False, q=q, q_gather=False,
+                                                  q_scale=False, row_order=None, w=None, offsets=offsets, grad=out,
+                                                  m_dim=2, n_dim=1)
 
     return {"up": rows("up", x, layer.up_eff, 2 * I, H), "down": rows("down", act, layer.down_eff, H, I),
             "grad_act": rows("grad_act", dy, layer.down_eff.transpose(1, 2), I, H),

@@ -107,9 +107,9 @@ HOST_FUNCTIONS = [
     ("uniep_dynamo.kernels.triton_routing", "gather_rows"),
     ("uniep_dynamo.kernels.triton_routing", "routing_weight_grad"),
     ("uniep_dynamo.kernels.triton_transfer", "copy_segments"), ("uniep_dynamo.kernels.triton_transfer", "layout_tables"),
-    ("uniep_dynamo.kernels.megakernel._Layer", "__init__"), ("uniep_dynamo.kernels.megakernel", "_rows_gemm"),
-    ("uniep_dynamo.kernels.megakernel", "_weight_grad"), ("uniep_dynamo.kernels.megakernel", "_act_forward"),
-    ("uniep_dynamo.kernels.megakernel", "_act_backward"),
+    ("uniep_dynamo.kernels.megakernel.Layer", "__init__"), ("uniep_dynamo.kernels.megakernel", "rows_gemm"),
+    ("uniep_dynamo.kernels.megakernel", "weight_grad"), ("uniep_dynamo.kernels.megakernel", "_act_forward"),
+    ("uniep_dynamo.kernels.megakernel", "act_backward"),
     ("triton.runtime.jit.JITFunction", "run"), ("torch", "_grouped_mm"),
 ]
 

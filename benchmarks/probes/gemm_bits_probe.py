@@ -64,7 +64,7 @@ def main():
         w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype, generator=g) * 0.02
         w_down = torch.randn(E, H, I, device=dev, dtype=dtype, generator=g) * 0.02
         spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype)
-        layer = megakernel._Layer(x, ids, w_up, w_down, spec)
+        layer = megakernel.Layer(x, ids, w_up, w_down, spec)
         cfg = layer.config
         row_order, slot_row, offsets = routing_plan(ids, E, clamp=False)
         offs = offsets.to(torch.int32)
@@ -79,14 +79,14 @@ def main():
         def rows(gemm_cfg, a, b, n, k, epilogue=STORE, halves=False):
             c = torch.empty(S, b.shape[2] if epilogue == GLU_FWD else n, device=dev, dtype=dtype)
             d = torch.empty(S, n, device=dev, dtype=dtype) if epilogue == GLU_FWD else None
-            megakernel._rows_gemm(layer, gemm_cfg, a=a, gather=False, b=b, n=n, k=k, epilogue=epilogue, c=c, d=d,
-                                  two_halves=halves, col_mult=1, up_shift=I if halves else 0, **common)
+            megakernel.rows_gemm(layer, gemm_cfg, a=a, gather=False, b=b, n=n, k=k, epilogue=epilogue, c=c, d=d,
+                                 two_halves=halves, col_mult=1, up_shift=I if halves else 0, **common)
             return c
 
         def wgrad(gemm_cfg, p, q, shape):
             grad = torch.empty(shape, device=dev, dtype=dtype)  # [E, out, in] ("oi"): dims (2, 1)
-            megakernel._weight_grad(layer, gemm_cfg, p=p, p_gather=False, q=q, q_gather=False, q_scale=False, w=None,
-                                    grad=grad, m_dim=2, n_dim=1, **common)
+            megakernel.weight_grad(layer, gemm_cfg, p=p, p_gather=False, q=q, q_gather=False, q_scale=False, w=None,
+                                   grad=grad, m_dim=2, n_dim=1, **common)
             return grad
 
         cases = {

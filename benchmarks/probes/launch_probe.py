@@ -2,7 +2,7 @@
 host time). On one GPU, with a routing plan that routes no rows (the kernels return at once, so the loop
 measures the host and not the GPU):
 
-  wrapper     megakernel._rows_gemm / _weight_grad (the op's own call: arguments, descriptors, the launch by
+  wrapper     megakernel.rows_gemm / _weight_grad (the op's own call: arguments, descriptors, the launch by
               kernels/launch.py); wrapper_triton_launch: the same through kernel[grid](...)
   jit         the same Triton kernel called as kernel[grid](...) with the arguments ready
   launch      the same through kernels/launch.py's launch (Triton's binder, then the compiled kernel's launcher)
@@ -61,8 +61,8 @@ def main():
     spec = decode_spec(ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode())
     w_up = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype)
     w_down = torch.randn(experts, hidden, inter, device=dev, dtype=dtype)
-    layer = megakernel._Layer(torch.empty(tokens, hidden, device=dev, dtype=dtype), (tokens, top_k), w_up, w_down,
-                              spec)
+    layer = megakernel.Layer(torch.empty(tokens, hidden, device=dev, dtype=dtype), (tokens, top_k), w_up, w_down,
+                             spec)
     cfg = layer.config.down
     act = torch.randn(tokens * top_k, inter, device=dev, dtype=dtype)
     out = torch.empty(tokens * top_k, hidden, device=dev, dtype=dtype)
@@ -70,8 +70,8 @@ def main():
     row_order = torch.zeros(tokens * top_k, device=dev, dtype=torch.int64)
 
     def wrapper():
-        megakernel._rows_gemm(layer, cfg, a=act, gather=False, row_order=row_order, b=layer.down_eff, n=hidden,
-                              k=inter, epilogue=STORE, c=out, offsets=offsets)
+        megakernel.rows_gemm(layer, cfg, a=act, gather=False, row_order=row_order, b=layer.down_eff, n=hidden,
+                             k=inter, epilogue=STORE, c=out, offsets=offsets)
 
     b = layer.down_eff
     grid = megakernel._grid((triton.cdiv(layer.num_slots, cfg.block_m) + experts) * triton.cdiv(hidden, cfg.block_n),

@@ -6,7 +6,7 @@ for the host until the op's first launch). Median µs a call over --calls calls,
   impl             the op's Python implementation called directly
   experts_forward  megakernel.experts_forward
   use_megakernel   the checks that pick the fused kernels
-  layer            megakernel._Layer (weight views, the config lookup)
+  layer            megakernel.Layer (weight views, the config lookup)
   current_config   the config lookup alone
   routing_plan     the routing plan's buffers and three launches
   up_gemm          the up projection (torch._grouped_mm and the activation pass), down_gemm, combine
@@ -68,7 +68,7 @@ def main():
     text = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
     spec = decode_spec(text)
     impl = getattr(ops.moe_experts, "_init_fn", None)
-    layer = megakernel._Layer(x, ids, w_up, w_down, spec)
+    layer = megakernel.Layer(x, ids, w_up, w_down, spec)
     plan = triton_routing.routing_plan(ids, E, False)
     row_order, slot_row, offsets = plan
     act = torch.empty(ids.numel(), I, dtype=dtype, device=dev)
@@ -93,14 +93,14 @@ def main():
         "op": lambda: torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text),
         "experts_forward": lambda: megakernel.experts_forward(x, ids, w, w_up, w_down, None, None, spec),
         "use_megakernel": lambda: megakernel.use_megakernel(x, ids, w_up, w_down, None, None, [], spec),
-        "layer": lambda: megakernel._Layer(x, ids, w_up, w_down, spec),
+        "layer": lambda: megakernel.Layer(x, ids, w_up, w_down, spec),
         "current_config": lambda: config_mod.current_config(ids.numel(), E, H, I, False, dtype=dtype, device=dev),
         "routing_plan": lambda: triton_routing.routing_plan(ids, E, False),
         "offsets_i32": lambda: offsets.to(torch.int32),
-        "up_gemm": lambda: megakernel._rows_gemm(
+        "up_gemm": lambda: megakernel.rows_gemm(
             layer, layer.config.up, a=xs, gather=False, row_order=row_order, b=layer.up_eff, n=I, k=H,
             epilogue=GLU_FWD, d=act, offsets=offsets, two_halves=True, col_mult=1, up_shift=I),
-        "down_gemm": lambda: megakernel._rows_gemm(
+        "down_gemm": lambda: megakernel.rows_gemm(
             layer, layer.config.down, a=down_in, gather=False, row_order=row_order, b=layer.down_eff, n=H, k=I,
             epilogue=STORE, offsets=offsets),
         "combine": lambda: triton_routing.combine(down_rows, slot_row, w, offsets, args.tokens, K, dtype),

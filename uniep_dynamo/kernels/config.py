@@ -189,39 +189,59 @@ def use_config(config: MegaKernelConfig):
 
 def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, interpret: bool,
                    dtype=None, device=None) -> MegaKernelConfig:
-    """The config the op runs with: ``use_config``'s, else a tuned one from the cache (uniep/tuner.py)
-    for this GPU and shape, else the heuristics'. A cached config whose numerics knobs differ from the
-    heuristics' is not used: tuning may only change the schedule."""
+    """The config the op runs with: ``use_config``'s, else a tuned one from the tuning cache (which the tuner,
+    uniep/tuner.py, writes; uniep/tuning_cache.py reads it) for this GPU and shape, else the heuristics'. A cached
+    config whose numerics knobs differ from the heuristics' is not used: tuning may only change the schedule."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
     heuristic = heuristic_config(num_rows, num_experts, hidden, inter, interpret)
     if interpret or dtype is None or device is None or device.type != "cuda":
         return heuristic
-    from .. import tuner
+    from .. import tuning_cache
 
-    key = tuner.shape_key(dtype, num_rows, num_experts, hidden, inter)
-    tuned = tuner.cached_config(_gpu_name(device), key)
+    key = tuning_cache.shape_key(dtype, num_rows, num_experts, hidden, inter)
+    tuned = cached_config(tuning_cache.gpu_name(device), key)
     if tuned is None:
         return heuristic
     if tuned.numerics_key() != heuristic.numerics_key():
         if key not in _WARNED:
             _WARNED.add(key)
-            tuner.log.warning("uniep: the tuned config for %s changes numerics knobs; the heuristics apply", key)
+            tuning_cache.log.warning("uniep: the tuned config for %s changes numerics knobs; the heuristics apply",
+                                     key)
         return heuristic
     return tuned
 
 
-_GPU_NAMES: dict = {}
 _WARNED: set = set()  # cache keys already warned about
 
 
-def _gpu_name(device) -> str:
-    import torch
+def config_to_dict(cfg: MegaKernelConfig) -> dict:
+    """The JSON object of a config, as the tuning cache stores it."""
+    return dataclasses.asdict(cfg)
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _GPU_NAMES:
-        _GPU_NAMES[index] = torch.cuda.get_device_name(index)
-    return _GPU_NAMES[index]
+
+def config_from_dict(data: dict) -> MegaKernelConfig:
+    """config_to_dict's inverse (entries written before the tma knobs existed read them as off)."""
+    gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
+    layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up", "act_grad_in_epilogue")}
+    for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
+        layer[knob] = bool(data.get(knob, False))
+    return MegaKernelConfig(**gemms, **layer)
+
+
+def cached_config(gpu_name: str, key: str) -> MegaKernelConfig | None:
+    """The tuned MegaKernelConfig of the tuning cache's entry ``key`` for this GPU, or None (none, UNIEP_TUNE=0,
+    or an entry that does not parse, with a warning)."""
+    from .. import tuning_cache
+
+    entry = tuning_cache.entry(gpu_name, key)
+    if entry is None:
+        return None
+    try:
+        return config_from_dict(entry["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        tuning_cache.log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
+        return None
 
 
 def interpreting() -> bool:

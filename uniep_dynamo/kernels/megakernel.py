@@ -44,7 +44,8 @@ FUSED_DTYPES_INTERPRETER = (torch.float32, torch.float16)
 MAX_EXPERTS = 1024
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether triton can be imported (the fused kernels' one requirement beyond torch)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -73,7 +74,7 @@ def _path_reason(hidden) -> str | None:
         if not config_mod.interpreting():
             return _forced_but_unable("on CPU tensors Triton's kernels run only in its interpreter: set "
                                       "TRITON_INTERPRET=1 before anything imports triton")
-    if not _triton_available():
+    if not triton_available():
         reason = "triton is not installed (pip install uniep[triton])"
         return _forced_but_unable(reason) if mode == "triton" else reason
     return None
@@ -122,6 +123,14 @@ def _gate_plan(gate: str):
     program, not on every op call."""
     return (gate_program.classify(gate), gate_program.clamped_glu_params(gate) or (0.0, 0.0, 0.0),
             gate_program.decode(gate)[0])
+
+
+def warn_once(op: str, reason: str, message: str) -> None:
+    """Log ``message`` (a format with one %s, the reason) once per (op, reason): the EP layers say so when they
+    run their sequential steps instead of the overlapped ones."""
+    if (op, reason) not in _LOGGED:
+        _LOGGED.add((op, reason))
+        log.warning(message, reason)
 
 
 def log_fallback(op: str, reason: str, hidden) -> None:
@@ -173,8 +182,9 @@ def use_fused_router(hidden, weight, bias, spec) -> bool:
     return reason is None
 
 
-class _Layer:
-    """Shapes, weight views and launch constants of one call."""
+class Layer:
+    """Shapes, weight views and launch constants of one call: what rows_gemm, act_backward and weight_grad take.
+    The EP pipeline makes one per chunk of local experts (ep/chunks.py), over the chunk's rows."""
 
     def __init__(self, hidden, topk_ids, w_up, w_down, spec, config=None):
         """``topk_ids``: the [T, K] ids, or just their shape (a tuple); ``config``: run with this config
@@ -252,7 +262,7 @@ def _grouped_mm_operand(t) -> bool:
             or (_tma_2d(t, 1, cols, rows) and cols >= t.shape[-2]))
 
 
-def _use_grouped_mm(layer: _Layer, cfg, out_cols: int, *operands) -> bool:
+def _use_grouped_mm(layer: Layer, cfg, out_cols: int, *operands) -> bool:
     """Run this GEMM as torch._grouped_mm (``cfg.grouped_mm``; see config.py for where that keeps the bits)?
     ``out_cols``: the output's last dimension, which must keep the output contiguous."""
     if not cfg.grouped_mm or layer.num_slots == 0 or layer.num_experts > GROUPED_MM_MAX_GROUPS:
@@ -272,7 +282,7 @@ def _use_grouped_mm(layer: _Layer, cfg, out_cols: int, *operands) -> bool:
 PER_EXPERT_MM_INTERPRETED = False
 
 
-def _per_expert_bounds(layer: _Layer, cfg, offsets, *operands):
+def _per_expert_bounds(layer: Layer, cfg, offsets, *operands):
     """The host row bounds to run this GEMM as one torch.mm per expert (``cfg.per_expert_mm``; see config.py), or
     None where it does not apply: the knob off, no rows, another dtype, the interpreter, a graph being captured."""
     if not cfg.per_expert_mm or layer.num_slots == 0:
@@ -288,8 +298,8 @@ def _per_expert_bounds(layer: _Layer, cfg, offsets, *operands):
     return layer.host_bounds(offsets)
 
 
-def _rows_gemm(layer: _Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, h=None, w=None,
-               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
+def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, h=None, w=None,
+              a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
     a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
     ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
@@ -414,7 +424,7 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
             and row_stride > 0)
 
 
-def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift):
+def _act_pass(layer: Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift):
     """Launch an element-wise activation kernel of triton_gemm.py over the routed rows and the activation's
     columns; ``tensors`` are its leading (tensor, row stride) arguments."""
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
@@ -425,21 +435,22 @@ def _act_pass(layer: _Layer, kernel, tensors, *, offsets, two_halves, col_mult, 
            num_warps=4)
 
 
-def _act_forward(layer: _Layer, *, up, act, **halves):
+def _act_forward(layer: Layer, *, up, act, **halves):
     from .triton_gemm import _act_forward as kernel
 
     _act_pass(layer, kernel, (up, act), **halves)
 
 
-def _act_backward(layer: _Layer, *, d_act, up, d_up, act=None, **halves):
-    """d_up from d_act and the saved up projection; act(h) into ``act`` (None: over d_act, in place)."""
+def act_backward(layer: Layer, *, d_act, up, d_up, act=None, **halves):
+    """d_up from d_act and the saved up projection; act(h) into ``act`` (None: over d_act, in place). ``halves``:
+    offsets, two_halves, col_mult, up_shift, as rows_gemm takes them."""
     from .triton_gemm import _act_backward as kernel
 
     _act_pass(layer, kernel, (d_act, up, d_up, act if act is not None else d_act), **halves)
 
 
-def _weight_grad(layer: _Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
-                 n_dim, bias_grad=None):
+def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
+                n_dim, bias_grad=None):
     """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e; returns grad. ``grad``
     may be a shape: the gradient is then a new contiguous tensor of P's dtype, computed by torch._grouped_mm
     where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient)."""
@@ -504,7 +515,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     from .triton_routing import combine, gather_rows, routing_plan
 
     counters["uniep_kernels"]["triton_forward"] += 1
-    layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
+    layer = Layer(hidden, topk_ids, w_up, w_down, spec)
     cfg = layer.config
     row_order, slot_row, offsets = plan if plan is not None else \
         routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
@@ -513,12 +524,12 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
         gather = cfg.fuse_gather
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
-        up = _rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
-                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
-                        two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+        up = rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
+                       k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
+                       two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
         del x
-        down = _rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff,
-                          n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offsets)
+        down = rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff,
+                         n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offsets)
         del act
     else:
         up = torch.empty(0, layer.up_width, dtype=w_up.dtype, device=device)
@@ -550,7 +561,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     from .reference import inverse_permutation
 
     counters["uniep_kernels"]["triton_backward"] += 1
-    layer = _Layer(hidden, topk_ids, w_up, w_down, spec)
+    layer = Layer(hidden, topk_ids, w_up, w_down, spec)
     cfg = layer.config
     device = hidden.device
     grad_out = grad_out.contiguous()
@@ -572,35 +583,35 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     if cfg.act_grad_in_epilogue:
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
-        _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                   b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=GLU_BWD,
-                   c=d_up, d=act, h=up, w=weights, offsets=offsets, **halves)
+        rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                  b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=GLU_BWD,
+                  c=d_up, d=act, h=up, w=weights, offsets=offsets, **halves)
     else:
         # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise
         # pass turns it into d_up and act in place.
-        act = _rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                         b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
-                         w=weights, offsets=offsets)
-        _act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
-    d_w_down = _weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
-                            row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
-                            n_dim=down_dims[1], bias_grad=d_b_down)
+        act = rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                        b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
+                        w=weights, offsets=offsets)
+        act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
+    d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
+                           row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
+                           n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
     x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
     if not gather:
         row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
-    d_w_up = _weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
-                          row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
-                          n_dim=up_dims[1], bias_grad=d_b_up)
+    d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
+                         row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
+                         n_dim=up_dims[1], bias_grad=d_b_up)
     del x, row_order
     # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
     # would need a [rows, H] buffer of its own).
     combine_here = input_rows is None
     if combine_here and scratch is not None and scratch.dtype == w_up.dtype:
         input_rows = scratch
-    d_x_rows = _rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=None,
-                          b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
-                          c=input_rows, offsets=offsets)
+    d_x_rows = rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=None,
+                         b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
+                         c=input_rows, offsets=offsets)
     del d_up
     d_hidden = combine_input_rows(d_x_rows, slot_row, offsets, layer.num_tokens, layer.top_k, hidden.dtype) \
         if combine_here else None

@@ -55,7 +55,7 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _routed_rows_mask(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
+def routed_rows_mask(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 1] bool: True for rows that belong to an expert (False for dropped out-of-range slots)."""
     total = expert_offsets[-1:] if expert_offsets.numel() else expert_offsets.new_zeros(1)
     return (torch.arange(rows, device=expert_offsets.device) < total).unsqueeze(-1)
@@ -135,14 +135,14 @@ def combine_k_in_order(slot_values: torch.Tensor, weights: torch.Tensor | None) 
 # separate element-wise kernels would cost more than the GEMMs of a small-expert model. Same ops,
 # same k order either way; no reduction here uses atomics.
 
-def _combine_slots(rows, slot_row, routed, weights, num_tokens: int, top_k: int, out_dtype):
+def combine_slots(rows, slot_row, routed, weights, num_tokens: int, top_k: int, out_dtype):
     """out[t] = sum_k w[t,k] * rows[slot_row[t*K+k]] (fp32, k in order); unrouted rows count as zero."""
     rows = rows.masked_fill(~routed, 0)
     slot_values = rows[slot_row].view(num_tokens, top_k, rows.shape[-1])
     return combine_k_in_order(slot_values, weights).to(out_dtype)
 
 
-def _slot_grads(grad_out, down, slot_row, row_order, routed, weights):
+def slot_grads(grad_out, down, slot_row, row_order, routed, weights):
     """(d_weights [T,K], d_down [rows,H] in expert-sorted order) from the combine's output gradient."""
     num_tokens, top_k = weights.shape
     hidden_size = down.shape[-1]
@@ -184,14 +184,14 @@ def _post_functions(program: str):
 
     def post_backward(down, operands, grad_out, slot_row, row_order, routed, weights):
         rows, vjp = torch.func.vjp(post_forward, down, *operands)
-        d_weights, d_rows = _slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
+        d_weights, d_rows = slot_grads(grad_out, rows, slot_row, row_order, routed, weights)
         d_down, *d_operands = vjp(d_rows.to(rows.dtype))
         return rows, (d_weights, d_down.masked_fill(~routed, 0)), d_operands
 
     return post_forward, post_backward
 
 
-_GLUE = {"combine": _combine_slots, "slot_grads": _slot_grads}
+_GLUE = {"combine": combine_slots, "slot_grads": slot_grads}
 _COMPILED_GLUE: dict = {}
 
 
@@ -237,7 +237,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     if spec.out_of_range == "clamp":
         topk_ids = topk_ids.clamp(0, num_experts - 1)
     row_order, slot_row, expert_offsets = plan if plan is not None else routing_plan(topk_ids, num_experts)
-    routed = _routed_rows_mask(expert_offsets, row_order.numel())
+    routed = routed_rows_mask(expert_offsets, row_order.numel())
     if b_up is not None or b_down is not None:
         row_expert = topk_ids.reshape(-1)[row_order].clamp(0, num_experts - 1)
     x_rows = hidden[row_order // top_k]
@@ -273,7 +273,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     if row_order is None:
         row_order = inverse_permutation(slot_row)
     num_tokens, top_k = topk_ids.shape
-    routed = _routed_rows_mask(expert_offsets, row_order.numel())
+    routed = routed_rows_mask(expert_offsets, row_order.numel())
     d_operands = []
     if spec.post is None:
         d_weights, d_down = glue("slot_grads", down.device)(grad_out, down, slot_row, row_order, routed, topk_weights)
@@ -317,5 +317,5 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
 
 def combine_input_rows(rows, slot_row, expert_offsets, num_tokens: int, top_k: int, dtype):
     """d_hidden from the input-gradient rows experts_backward left in ``input_rows``."""
-    routed = _routed_rows_mask(expert_offsets, rows.shape[0])
+    routed = routed_rows_mask(expert_offsets, rows.shape[0])
     return glue("combine", rows.device)(rows, slot_row, routed, None, num_tokens, top_k, dtype)
