@@ -18,7 +18,7 @@ it. Providers, on the same module and inputs:
   uniep_sequential  the same compile with uniep's default options (overlap_ep=False): the token all-to-alls
              stay NCCL all_to_all_single around uniep.moe_experts
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
-             (uniep_dynamo/ep_overlap.py: token transfers through symmetric memory, copy-engine copies on
+             (uniep_dynamo/ep/: token transfers through symmetric memory, copy-engine copies on
              their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks): one
              copy per (chunk, source) into a stage, and a row gather into expert order
   uniep_overlap_streams  the same with those copies spread over 4 streams a direction
@@ -91,7 +91,7 @@ OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_en
 
 
 def _overlapped_run(layer, chunks: int, copy_programs: int | None, **knobs):
-    from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+    from uniep_dynamo.ep import OverlapConfig, ep_experts_overlapped
     from uniep_dynamo.kernels import gate_program
     from uniep_dynamo.spec import ExpertsSpec
 

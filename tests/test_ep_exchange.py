@@ -1,5 +1,5 @@
 """uniep.ep_exchange on CPU: the token all-to-all, the local experts and the all-to-all back as one op, whose
-overlapped path (ep_overlap.exchange_forward/backward) runs the transfers beside the grouped GEMMs. 2 and 4
+overlapped path (uniep_dynamo/ep/exchange.py) runs the transfers beside the grouped GEMMs. 2 and 4
 gloo processes, the Triton kernels in the interpreter, symmetric memory stood in by shared files.
 
 The overlapped path must give the bits of the sequential steps it replaces (the same experts kernels over the
@@ -44,10 +44,10 @@ class _Spy:
     """Counts the overlapped pipeline's phases on this rank."""
 
     def __init__(self):
-        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.ep import pipeline
 
-        self.calls, self._inner = 0, ep_overlap._start_exchange
-        ep_overlap._start_exchange = self
+        self.calls, self._inner = 0, pipeline.start_exchange
+        pipeline.start_exchange = self
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -70,7 +70,7 @@ def _group(rank, world, port, device):
 def _op_worker(rank, world, port, routing, gate, device, out_dir):
     with _group(rank, world, port, device) as (device, dtype, scale):
         import uniep_dynamo  # noqa: F401
-        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.ep import exchange
 
         local_experts = 2 if device.type == "cpu" else 4
         hidden, inter = (16, 12) if device.type == "cpu" else (512, 384)
@@ -99,8 +99,8 @@ def _op_worker(rank, world, port, routing, gate, device, out_dir):
                  "sequential": ""}
         for path in knobs:
             if path == "sequential":  # one rank cannot take the overlapped path, so no rank does
-                real = ep_overlap._exchange_unsupported
-                ep_overlap._exchange_unsupported = (lambda *a: "a test says so") if rank == world - 1 else real
+                real = exchange._exchange_unsupported
+                exchange._exchange_unsupported = (lambda *a: "a test says so") if rank == world - 1 else real
             leaves = [t.clone().requires_grad_() if t is not None else None for t in (send, w_up, w_down, b_up, b_down)]
             back = torch.ops.uniep.ep_exchange(leaves[0], recv_counts, *leaves[1:], spec.encode(), group_name,
                                                send_sizes, recv_sizes, knobs[path])[0]
@@ -163,7 +163,7 @@ def _inconsistent_worker(rank, world, port, out_dir):
 def test_dispatch_count_table_gives_the_gathered_claims():
     """The exchange's host table built from the dispatch's all-gathered counts is the one the all-gathered
     claims give (what the backward and the layout read), and sizes that disagree with it raise."""
-    from uniep_dynamo import ep_overlap
+    from uniep_dynamo.ep import exchange
 
     world, local_experts = 3, 2
     table = torch.randint(0, 5, (world, world * local_experts), generator=torch.Generator().manual_seed(0))
@@ -172,16 +172,16 @@ def test_dispatch_count_table_gives_the_gathered_claims():
     claims = []
     for r in range(world):
         send_sizes, recv_sizes = blocks[r].sum(1).tolist(), blocks[:, r].sum(1).tolist()
-        claims.append(ep_overlap._exchange_claims(torch.empty(sum(send_sizes), 4), blocks[:, r], send_sizes,
+        claims.append(exchange._exchange_claims(torch.empty(sum(send_sizes), 4), blocks[:, r], send_sizes,
                                                   recv_sizes, True))
     for r in range(world):
         send_sizes, recv_sizes = blocks[r].sum(1).tolist(), blocks[:, r].sum(1).tolist()
-        gathered = ep_overlap._exchange_host(torch.stack(claims), blocks[:, r])
-        ours = ep_overlap._table_from_counts(table.tolist(), r, local_experts, True, send_sizes, recv_sizes,
-                                             sum(send_sizes))
+        gathered = exchange._exchange_host(torch.stack(claims), blocks[:, r])
+        ours = exchange._table_from_counts(table.tolist(), r, local_experts, True, send_sizes, recv_sizes,
+                                           sum(send_sizes))
         assert torch.equal(ours, gathered), r
     with pytest.raises(ValueError, match="disagree with the dispatch's count table"):
-        ep_overlap._table_from_counts(table.tolist(), 0, local_experts, True, [0, 0, 0], [0, 0, 0], 0)
+        exchange._table_from_counts(table.tolist(), 0, local_experts, True, [0, 0, 0], [0, 0, 0], 0)
 
 
 class _Wait(torch.autograd.Function):
@@ -216,8 +216,7 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
         import ep_moe
         import uniep_dynamo
         from ep_moe import ExpertParallelMoE
-        from uniep_dynamo import ep as uniep_ep
-        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.ep import custom_ops, plan
 
         if spelling != "plain":
             wrap = {"torch_2_11": _Wait, "doubling_function": _Double}[spelling]
@@ -238,7 +237,7 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
         spy = _Spy()
         results = {}
         for overlap in (True, False):
-            paths, inverses = dict(ep_overlap.COUNT_TABLE_PATHS), dict(uniep_ep.INVERSE_PATHS)
+            paths, inverses = dict(plan.COUNT_TABLE_PATHS), dict(custom_ops.INVERSE_PATHS)
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner, "overlap_ep": overlap})
             tensors = []
@@ -250,8 +249,8 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
                     out.square().mean().backward()
                     tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
             results[overlap] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls,
-                                "tables": {k: v - paths[k] for k, v in ep_overlap.COUNT_TABLE_PATHS.items()},
-                                "inverses": {k: v - inverses[k] for k, v in uniep_ep.INVERSE_PATHS.items()}}
+                                "tables": {k: v - paths[k] for k, v in plan.COUNT_TABLE_PATHS.items()},
+                                "inverses": {k: v - inverses[k] for k, v in custom_ops.INVERSE_PATHS.items()}}
             spy.calls = 0
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -1,10 +1,10 @@
-"""The overlapped EP layer's row layout (uniep_dynamo/ep_overlap.py's _Layout), without processes: the copy
+"""The overlapped EP layer's row layout (uniep_dynamo/ep/layout.py), without processes: the copy
 engines' per-(chunk, source) copies into a stage plus the stage permutations must put every row where the
 per-(expert, source) segments put it, and push every result row back to where those segments push it."""
 import pytest
 import torch
 
-from uniep_dynamo.ep_overlap import _Layout
+from uniep_dynamo.ep.layout import Layout
 
 
 def _counts(world, local_experts, seed, hot=None, empty_source=None):
@@ -55,7 +55,7 @@ def test_copy_engine_stage_matches_the_segments(world, local_experts, chunk, hot
         counts = _counts(world, local_experts, seed, hot, empty_source)
         tokens = [sum(row) for row in counts]
         for rank in range(world):
-            layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True)
+            layout = Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True)
             sends = _buffers(counts, width)
             recv = _segment_rows(layout, sends, width)  # where the per-(expert, source) segments put every row
             assert (recv >= 0).all()
@@ -95,8 +95,8 @@ def test_batched_copies_are_the_segments_in_bytes(world, local_experts, chunk, l
         counts = _counts(world, local_experts, seed, hot=1 if seed == 2 else None)
         tokens = [sum(row) for row in counts]
         for rank in range(world):
-            layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True,
-                             batched=True)
+            layout = Layout(counts, tokens, 1, rank, world, local_experts, chunk, width, None, engine=True,
+                            batched=True)
             assert not any(layout.staged) and not layout.blocks
             sends = _buffers(counts, width)
             recv = torch.full((layout.rows, width), -1.0)
@@ -120,7 +120,7 @@ def test_batched_copies_are_the_segments_in_bytes(world, local_experts, chunk, l
 def test_tapered_chunk_sizes():
     """taper: the first chunk (and past two chunks, the last) half the others'; every expert in one chunk, every
     chunk at least one; without taper, even chunks as before."""
-    from uniep_dynamo.ep_overlap import OverlapConfig
+    from uniep_dynamo.ep import OverlapConfig
 
     assert OverlapConfig(chunks=2, taper=True).chunk_sizes(32, 4) == (11, 21)
     assert OverlapConfig(chunks=3, taper=True).chunk_sizes(32, 4) == (8, 16, 8)
@@ -146,7 +146,7 @@ def test_destinations_are_the_segments_rows(world, local_experts, chunk, hot, em
         tokens = [sum(row) for row in counts]
         for rank in range(world):
             want = []
-            layout = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
+            layout = Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
             for c, (_, _, lo, hi) in enumerate(layout.chunks):
                 rows = torch.full((hi - lo,), -1, dtype=torch.int64)
                 for s, peer_row, row, n in layout.segments[c]:
@@ -155,11 +155,11 @@ def test_destinations_are_the_segments_rows(world, local_experts, chunk, hot, em
             want = torch.cat(want) if want else torch.empty(0, dtype=torch.int64)
             monkeypatch.setenv("TRITON_INTERPRET", "1")
             assert torch.equal(layout.destinations(torch.device("cpu")), want), (seed, rank)
-            fresh = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
+            fresh = Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64)
             monkeypatch.setenv("TRITON_INTERPRET", "0")
             assert torch.equal(fresh.destinations(torch.device("cpu")), want), (seed, rank)
-            on_device = _Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64,
-                                device_counts=torch.tensor([row + [t] for row, t in zip(counts, tokens)]))
+            on_device = Layout(counts, tokens, 1, rank, world, local_experts, chunk, 8, 64,
+                               device_counts=torch.tensor([row + [t] for row, t in zip(counts, tokens)]))
             monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tables by kernels.layout_tables
             assert torch.equal(on_device.destinations(torch.device("cpu")), want), (seed, rank)
 
@@ -184,9 +184,9 @@ def test_device_tables_are_the_host_tables(world, local_experts, sizes, dtype):
         tokens = [sum(row) + 1 for row in counts]
         device_counts = torch.tensor([row + [t] for row, t in zip(counts, tokens)], dtype=dtype)
         for rank in range(world):
-            host = _Layout(counts, tokens, 1, rank, world, local_experts, sizes, width, block)
-            dev = _Layout(counts, tokens, 1, rank, world, local_experts, sizes, width, block,
-                          device_counts=device_counts)
+            host = Layout(counts, tokens, 1, rank, world, local_experts, sizes, width, block)
+            dev = Layout(counts, tokens, 1, rank, world, local_experts, sizes, width, block,
+                         device_counts=device_counts)
             cpu = torch.device("cpu")
             want, got = host._copy_to(cpu), dev._copy_to(cpu)
             assert want["table"].shape == (world * local_experts, TABLE_COLUMNS)
@@ -207,7 +207,7 @@ def test_device_tables_refuse_more_chunks():
 
 
 def test_transfers_beside_the_chunks_gemms():
-    from uniep_dynamo.ep_overlap import _transfers_beside
+    from uniep_dynamo.ep.pipeline import _transfers_beside
 
     # (chunks, first chunk whose GEMM stores into the peers) -> transfer launches beside chunk c's GEMMs, c = 0..chunks
     # (the last entry: the work after the last chunk's GEMMs)
@@ -220,29 +220,29 @@ def test_transfers_beside_the_chunks_gemms():
 
 
 def test_sm_carveout_is_set_within_and_restored(monkeypatch):
-    from uniep_dynamo import ep_overlap
+    from uniep_dynamo.ep import transfer
 
-    monkeypatch.setattr(ep_overlap, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(transfer, "sm_count", lambda device: 132)
     device = torch.device("cuda", 0)  # only its SM count is read (patched above)
     get = torch._C._get_sm_carveout_experimental
     before = get()
-    with ep_overlap._sm_carveout(0, device):
+    with transfer.sm_carveout(0, device):
         assert get() == before
     try:
-        with ep_overlap._sm_carveout(8, device):
+        with transfer.sm_carveout(8, device):
             assert get() == (before or 0) + 8
-            with ep_overlap._sm_carveout(16, device):
+            with transfer.sm_carveout(16, device):
                 assert get() == (before or 0) + 24
             assert get() == (before or 0) + 8
-            with ep_overlap._sm_carveout(500, device):
+            with transfer.sm_carveout(500, device):
                 assert get() == 66  # half the SMs at most
             with pytest.raises(RuntimeError):
-                with ep_overlap._sm_carveout(8, device):
+                with transfer.sm_carveout(8, device):
                     raise RuntimeError("a GEMM failed")
             assert get() == (before or 0) + 8
         assert get() == before
         torch._C._set_sm_carveout_experimental(100)  # the user's own carve-out, above the cap, is kept
-        with ep_overlap._sm_carveout(8, device):
+        with transfer.sm_carveout(8, device):
             assert get() == 100
         assert get() == 100
     finally:

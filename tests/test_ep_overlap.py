@@ -1,4 +1,4 @@
-"""The overlapped EP experts layer (uniep_dynamo/ep_overlap.py) on CPU: 2 and 4 gloo processes, the Triton
+"""The overlapped EP experts layer (uniep_dynamo/ep/) on CPU: 2 and 4 gloo processes, the Triton
 kernels in the interpreter, symmetric memory stood in by shared files. Outputs and every gradient must be
 bitwise those of the single-process MegaKernel over all ranks' tokens and all experts, for every chunk
 count and with overlap on or off."""
@@ -65,12 +65,11 @@ def _case(routing, tokens, experts, top_k, gate, bias, split):
 def _worker(rank, world, port, case_args, knobs_list, frozen, out_dir):
     with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
         import uniep_dynamo  # noqa: F401
-        from uniep_dynamo import ep_overlap
-        from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+        from uniep_dynamo.ep import OverlapConfig, ep_experts_overlapped, transfer
 
         barriers = []  # the window barriers this rank takes part in
-        plain = ep_overlap._Window.barrier
-        ep_overlap._Window.barrier = lambda win: (barriers.append(win), plain(win))[1]
+        plain = transfer.Window.barrier
+        transfer.Window.barrier = lambda win: (barriers.append(win), plain(win))[1]
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _case(*case_args)
         split = case_args[-1]
         start = sum(split[:rank])
@@ -124,7 +123,7 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
     monkeypatch.setenv("UNIEP_KERNELS", "triton")
     import uniep_dynamo  # noqa: F401
 
-    from uniep_dynamo.ep_overlap import OverlapConfig
+    from uniep_dynamo.ep import OverlapConfig
 
     frozen = knobs_list is KNOBS
     ranks = run_workers(_worker, world, (case_args, knobs_list, frozen), tmp_path)
@@ -157,7 +156,7 @@ def test_overlapped_ep_bitwise_equals_single_process(world, case_args, knobs_lis
 def _fallback_worker(rank, world, port, out_dir):
     with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
         from uniep_dynamo.ep import ep_experts
-        from uniep_dynamo.ep_overlap import ep_experts_overlapped
+        from uniep_dynamo.ep import ep_experts_overlapped
 
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(8, 16, 12, 4, 2, dtype=torch.float64)
         mine, experts = slice(rank * 4, rank * 4 + 4), slice(rank * 2, rank * 2 + 2)

@@ -363,7 +363,7 @@ def test_dispatch_op_refuses_a_group_of_another_size(one_rank_group):
 def test_dispatch_gathering_its_counts_equals_the_exchange_of_them(one_rank_group):
     """gather_counts (what the rewrite passes where the exchange is rewritten too): the same outputs; the count
     table and the inverse order are handed on, once each, and an expert id out of range is an error."""
-    from uniep_dynamo import ep, ep_overlap
+    from uniep_dynamo.ep import custom_ops, plan
 
     hidden, ids = torch.randn(6, 8), torch.randint(0, 4, (6, 2))
     plain = torch.ops.uniep.ep_dispatch(hidden, ids, 4, 1, one_rank_group.group_name)
@@ -371,11 +371,11 @@ def test_dispatch_gathering_its_counts_equals_the_exchange_of_them(one_rank_grou
     for a, b in zip(plain, gathered):
         assert torch.equal(a, b)
     recv, order = gathered[3], gathered[1]
-    assert ep_overlap._take_count_table(recv) == [torch.bincount(ids.reshape(-1), minlength=4).tolist()]
-    assert ep_overlap._take_count_table(recv) is None  # taken once
-    assert torch.equal(ep._known_inverse(order), gathered[4])
+    assert plan.take_count_table(recv) == [torch.bincount(ids.reshape(-1), minlength=4).tolist()]
+    assert plan.take_count_table(recv) is None  # taken once
+    assert torch.equal(custom_ops._known_inverse(order), gathered[4])
     order.add_(0)  # an order written since (its version moved) is not the dispatch's any more
-    assert ep._known_inverse(order) is None
+    assert custom_ops._known_inverse(order) is None
     with pytest.raises(RuntimeError, match=r"an expert id lies outside \[0, 4\)"):
         torch.ops.uniep.ep_dispatch(hidden, torch.full((6, 2), 4), 4, 1, one_rank_group.group_name, True)
 

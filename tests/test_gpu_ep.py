@@ -1,5 +1,5 @@
 """Multi-GPU: the sequential EP experts layer (uniep_dynamo/ep.py) over NCCL and the overlapped one
-(uniep_dynamo/ep_overlap.py) over symmetric memory, bitwise equal to the single-GPU op for one tile
+(uniep_dynamo/ep/) over symmetric memory, bitwise equal to the single-GPU op for one tile
 configuration, run to run, and for every chunk count with overlap on or off."""
 import os
 
@@ -52,7 +52,7 @@ def _worker(rank, world, port, case, out_dir):
     with local_rank(rank, world, port):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep import ep_experts
-        from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+        from uniep_dynamo.ep import OverlapConfig, ep_experts_overlapped
         from torch._dynamo.utils import counters
         from uniep_dynamo.kernels.config import use_config
 
@@ -121,7 +121,7 @@ def test_ep_layer_bitwise_equal_to_single_gpu(case, world, tmp_path):
         # bounds from the host's layout), whose bits the GEMMs that store into the peers (Triton) must give too
         calls = [sum(r["grouped_mm"][i] for r in results) for i in range(len(OVERLAP_KNOBS))]
         assert all(calls), f"torch._grouped_mm or per-expert GEMMs per overlapped run, over the ranks: {calls}"
-    from uniep_dynamo.ep_overlap import OverlapConfig
+    from uniep_dynamo.ep import OverlapConfig
 
     scattered = [sum(r["scattered"][i] for r in results) for i in range(len(OVERLAP_KNOBS))]
     fused = [OverlapConfig(*k).gemm_pushes(case[1] // world, world) for k in OVERLAP_KNOBS]
@@ -138,7 +138,7 @@ def _stacked_worker(rank, world, port, out_dir):
 
     with local_rank(rank, world, port) as device:
         import uniep_dynamo  # noqa: F401
-        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.ep import ep_experts_overlapped, transfer
         from uniep_dynamo.kernels.config import use_config
 
         tokens, experts, top_k = 1024, 16, 8
@@ -146,9 +146,9 @@ def _stacked_worker(rank, world, port, out_dir):
         mine, local = slice(rank * per_rank, (rank + 1) * per_rank), slice(rank * e_local, (rank + 1) * e_local)
         spec = _spec()
         layers = [[t.cuda() for t in _inputs(tokens, experts, top_k, "random", seed=seed)] for seed in (1, 2)]
-        # the copy of each layer's result rows out of the window (ep_overlap._copy_back) starts some 50 ms late:
+        # the copy of each layer's result rows out of the window (ep/transfer.py's copy_back) starts some 50 ms late:
         # the second layer's forward must not push its rows into the window's ``back`` before it is done
-        late = ep_overlap._COPY_BACK.setdefault(str(device), torch.cuda.Stream(device))
+        late = transfer._COPY_BACK.setdefault(str(device), torch.cuda.Stream(device))
 
         def step(delay: bool):
             leaves, outs = [], []
@@ -159,8 +159,7 @@ def _stacked_worker(rank, world, port, out_dir):
                     late.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(late):
                         torch.cuda._sleep(100_000_000)
-                outs.append(ep_overlap.ep_experts_overlapped(leaves[-1][0], ids[mine], *leaves[-1][1:], None, None,
-                                                             spec))
+                outs.append(ep_experts_overlapped(leaves[-1][0], ids[mine], *leaves[-1][1:], None, None, spec))
             torch.autograd.backward(outs, [layer[5][mine] for layer in layers])
             return outs, leaves
         with use_config(_config(tokens, experts, top_k)):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from test_ep import gloo_group, run_workers
 from test_reference import make
 from uniep_dynamo import tuner
-from uniep_dynamo.ep_overlap import OverlapConfig
+from uniep_dynamo.ep import OverlapConfig
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for symmetric memory")
 
@@ -35,7 +35,7 @@ def test_ep_candidates_default_first_distinct_and_pruned():
     one = tuner.ep_candidates(local_experts=1, world=2)
     assert len({c.chunk_experts(1, 2) for c in one}) == 1 and len(one) < len(cands)
     # past the transfer kernel's rank limit no candidate asks for it (the default's copy_kernel=True then runs
-    # torch._foreach_copy_, ep_overlap.MAX_PEERS)
+    # torch._foreach_copy_, kernels/triton_transfer.MAX_PEERS)
     assert not any(c.copy_kernel and c.copy_engine is False for c in tuner.ep_candidates(local_experts=4, world=16))
 
 
@@ -86,12 +86,12 @@ def test_the_direct_layer_and_the_compiled_exchange_read_one_cache_entry(tmp_pat
     same entry: the tuned knobs of the shape, else the defaults; the CPU path always runs the defaults."""
     import types
 
-    from uniep_dynamo import ep_overlap
+    from uniep_dynamo.ep import config as ep_config
     from uniep_dynamo import tuning_cache
 
     monkeypatch.setenv("UNIEP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "Fake GPU")
-    monkeypatch.setattr(ep_overlap.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(ep_config.dist, "get_world_size", lambda group=None: 4)
     hidden, ids, _, w_up, w_down, _, _, spec = make(12, 16, 12, 4, 2)  # 4 local experts of 16 in all
     tuned = OverlapConfig(chunks=2, copy_engine=False, copy_kernel=True, copy_programs=64)
     key = tuner.shape_key(hidden.dtype, 12 * 2 * 4, 16, 16, 12, ep_size=4)
@@ -99,13 +99,13 @@ def test_the_direct_layer_and_the_compiled_exchange_read_one_cache_entry(tmp_pat
 
     def on_gpu(t):  # the lookup reads only the device, dtype and width
         return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=t.dtype, shape=t.shape)
-    assert ep_overlap._default_knobs(on_gpu(hidden), ids, w_up, w_down, spec, None) == tuned
+    assert ep_config.default_knobs(on_gpu(hidden), ids, w_up, w_down, spec, None) == tuned
     rows = torch.empty(ids.numel(), 16, dtype=hidden.dtype)
-    assert ep_overlap._cached_knobs(on_gpu(rows), rows.shape[0], w_up, w_down, spec, None) == tuned
-    assert ep_overlap.knobs_from_json("") is None  # the rewrite without ep_knobs: exchange_forward looks it up
+    assert ep_config.cached_knobs(on_gpu(rows), rows.shape[0], w_up, w_down, spec, None) == tuned
+    assert ep_config.knobs_from_json("") is None  # the rewrite without ep_knobs: exchange_forward looks it up
     # another row bucket, or the CPU path: the defaults
-    assert ep_overlap._cached_knobs(on_gpu(rows), 4 * rows.shape[0], w_up, w_down, spec, None) == OverlapConfig()
-    assert ep_overlap._cached_knobs(rows, rows.shape[0], w_up, w_down, spec, None) == OverlapConfig()
+    assert ep_config.cached_knobs(on_gpu(rows), 4 * rows.shape[0], w_up, w_down, spec, None) == OverlapConfig()
+    assert ep_config.cached_knobs(rows, rows.shape[0], w_up, w_down, spec, None) == OverlapConfig()
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")

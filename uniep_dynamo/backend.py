@@ -41,10 +41,10 @@ class UniepOptions:
     rewrite_ep: bool = True
     # Under expert parallelism, the token all-to-all, the local experts and the all-to-all back, where one
     # graph holds all three, become one uniep.ep_exchange, whose transfers run beside the grouped GEMMs
-    # (ep_overlap.py). Off by default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x
+    # (uniep_dynamo/ep/). Off by default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x
     # on Qwen3-30B-A3B, where it is host-bound and its step time erratic (BENCHMARKS.md)
     overlap_ep: bool = False
-    # OverlapConfig fields for those exchanges (ep_overlap.py), e.g. {"chunks": 8, "copy_kernel": True}
+    # OverlapConfig fields for those exchanges (ep/config.py), e.g. {"chunks": 8, "copy_kernel": True}
     ep_knobs: dict = field(default_factory=dict)
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
@@ -62,7 +62,7 @@ class UniepOptions:
             _check_type(name, value, cls.__dataclass_fields__[name].type)
         opts = cls(**options)
         if opts.ep_knobs:
-            from .ep_overlap import OverlapConfig
+            from .ep import OverlapConfig
 
             OverlapConfig(**opts.ep_knobs)  # a bad field or value fails here, at compile time
         if isinstance(opts.inner_backend, str) and opts.inner_backend not in INNER_BACKENDS:

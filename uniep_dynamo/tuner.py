@@ -7,7 +7,7 @@ heuristic one (config.py's numerics contract), and the tuner checks it on every 
 ``gemm_candidates`` enumerates a GEMM's points and prunes those that cannot run or cannot win:
 shared memory over the device's limit, an fp32 accumulator over ``MAX_ACC_REGS`` registers per thread,
 a tile wider than the problem, or a config ``GemmConfig.validate`` refuses. ``EP_SPACE`` holds the
-overlapped EP layer's knobs (ep_overlap.OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
+overlapped EP layer's knobs (ep/config.py's OverlapConfig: pipeline chunks, overlap on/off, the transfer path,
 the transfer kernel's programs (its SMs for communication) and their block, whether the GEMMs push their
 results into the peers themselves and from which chunk on, the copy engines' batched copies and tapered chunks);
 ``ep_candidates`` prunes repeats (more chunks than local experts, programs of a path without the kernel, the
@@ -29,7 +29,7 @@ The GEMM tiles stay the single-GPU op's (tune those with ``tune_shape``).
 Cache. The tuner writes its winners into the tuning cache (tuning_cache.py: one JSON file per uniep, torch,
 triton and GPU model; entries keyed by dtype, E, H, I, the routed-row count rounded up to a power of two and the
 EP size). The ops read it from below, without importing the tuner: ``kernels/config.current_config`` when the
-MegaKernel runs, the EP layer's knob lookup (``ep_overlap.cached_knobs``) when it runs; a missing entry uses the
+MegaKernel runs, the EP layer's knob lookup (``ep.config.cached_knobs``) when it runs; a missing entry uses the
 heuristics or defaults and never blocks (``UNIEP_TUNE=0`` ignores the cache).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 
 from .kernels import config as kconfig
 from .kernels.config import GEMMS, GemmConfig, MegaKernelConfig, cached_config, config_from_dict, config_to_dict
-from .ep_overlap import OverlapConfig, cached_ep_config, ep_config_to_dict, ep_rows_key
+from .ep.config import OverlapConfig, cached_ep_config, ep_config_to_dict, ep_rows_key
 from .tuning_cache import CACHE_FORMAT, cache_dir, cache_path, load_entries, shape_key, store_entries
 
 log = logging.getLogger("uniep")
@@ -368,7 +368,7 @@ class EPTuneResult:
     key: str
     default_ms: float
     tuned_ms: float
-    config: object  # ep_overlap.OverlapConfig
+    config: object  # ep.OverlapConfig
     measured: int = 0
     rejected: dict = field(default_factory=dict)
     seconds: float = 0.0
@@ -382,7 +382,7 @@ def tune_ep(hidden, topk_ids, topk_weights, w_up, w_down, spec: str, group=None,
     times only exercise the search)."""
     import torch.distributed as dist
 
-    from .ep_overlap import ep_experts_overlapped
+    from .ep import ep_experts_overlapped
 
     started = time.perf_counter()
     group = group if group is not None else dist.group.WORLD

@@ -91,7 +91,7 @@ def _step(mode, layer, x, grad):
     twin share one compiled layer: the hand-overs are switched at run time."""
     from bench_ep import _overlapped_run
 
-    from uniep_dynamo import ep, ep_overlap
+    from uniep_dynamo.ep import custom_ops, plan
 
     triton_only = mode.endswith("_triton")
     base = mode.removesuffix("_triton").removesuffix("_nostash")
@@ -111,16 +111,16 @@ def _step(mode, layer, x, grad):
     stash = not mode.removesuffix("_triton").endswith("_nostash")
 
     def step():
-        kept = ep_overlap.MAX_COUNT_TABLES, ep.MAX_INVERSES
+        kept = plan.MAX_COUNT_TABLES, custom_ops.MAX_INVERSES
         if not stash:
-            ep_overlap.MAX_COUNT_TABLES = ep.MAX_INVERSES = 0
+            plan.MAX_COUNT_TABLES = custom_ops.MAX_INVERSES = 0
         try:
             with _triton_gemms() if triton_only else contextlib.nullcontext():
                 layer.zero_grad(set_to_none=True)
                 x.grad = None
                 run(x).backward(grad)
         finally:
-            ep_overlap.MAX_COUNT_TABLES, ep.MAX_INVERSES = kept
+            plan.MAX_COUNT_TABLES, custom_ops.MAX_INVERSES = kept
     for _ in range(3):
         step()
     return step

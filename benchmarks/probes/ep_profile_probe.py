@@ -57,9 +57,9 @@ class _timed_barriers:
         self.marks = marks
 
     def __enter__(self):
-        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.ep import overlap, transfer
 
-        self.window, self.plain = ep_overlap._Window, ep_overlap._Window.barrier
+        self.window, self.plain = transfer.Window, transfer.Window.barrier
         if self.marks is None:
             return self
         plain, marks = self.plain, self.marks
@@ -80,29 +80,30 @@ class _timed_barriers:
             finally:
                 host_table.append((time.perf_counter() - t) * 1e3)
         host, host_table = self.host, self.host_table = [], []
-        plain_table = self.plain_table = ep_overlap._table
-        self.window.barrier, ep_overlap._table = barrier, table
+        plain_table = self.plain_table = overlap.count_table
+        self.window.barrier, overlap.count_table = barrier, table
         return self
 
     def __exit__(self, *exc):
-        from uniep_dynamo import ep_overlap
+        from uniep_dynamo.ep import overlap
 
         self.window.barrier = self.plain
         if self.marks is not None:
-            ep_overlap._table = self.plain_table
+            overlap.count_table = self.plain_table
 
 
 # (module or class path, attribute): the host functions --host-clock times, each inclusive of what it calls
 HOST_FUNCTIONS = [
-    ("uniep_dynamo.ep_overlap", "_plan"), ("uniep_dynamo.ep_overlap", "_table"),
-    ("uniep_dynamo.ep_overlap._Layout", "__init__"), ("uniep_dynamo.ep_overlap._Layout", "to_device"),
-    ("uniep_dynamo.ep_overlap._Layout", "destinations"), ("uniep_dynamo.ep_overlap", "_window"),
-    ("uniep_dynamo.ep_overlap._Chunks", "__init__"), ("uniep_dynamo.ep_overlap._Chunks", "layer"),
-    ("uniep_dynamo.ep_overlap", "_forward_phase"), ("uniep_dynamo.ep_overlap", "_backward_phase"),
-    ("uniep_dynamo.ep_overlap", "_start_exchange"), ("uniep_dynamo.ep_overlap._Chunks", "forward"),
-    ("uniep_dynamo.ep_overlap._Chunks", "backward"), ("uniep_dynamo.ep_overlap._Chunks", "weight_grads"),
-    ("uniep_dynamo.ep_overlap._Window", "barrier"), ("uniep_dynamo.ep_overlap._Streams", "__init__"),
-    ("uniep_dynamo.ep_overlap._Streams", "record"), ("uniep_dynamo.ep_overlap._Streams", "wait"),
+    # (a function is wrapped where its callers look it up: the ep modules import each other's names)
+    ("uniep_dynamo.ep.overlap", "_plan"), ("uniep_dynamo.ep.overlap", "count_table"),
+    ("uniep_dynamo.ep.layout.Layout", "__init__"), ("uniep_dynamo.ep.layout.Layout", "to_device"),
+    ("uniep_dynamo.ep.layout.Layout", "destinations"), ("uniep_dynamo.ep.pipeline", "window"),
+    ("uniep_dynamo.ep.chunks.Chunks", "__init__"), ("uniep_dynamo.ep.chunks.Chunks", "layer"),
+    ("uniep_dynamo.ep.overlap", "forward_phase"), ("uniep_dynamo.ep.overlap", "backward_phase"),
+    ("uniep_dynamo.ep.pipeline", "start_exchange"), ("uniep_dynamo.ep.chunks.Chunks", "forward"),
+    ("uniep_dynamo.ep.chunks.Chunks", "backward"), ("uniep_dynamo.ep.chunks.Chunks", "weight_grads"),
+    ("uniep_dynamo.ep.transfer.Window", "barrier"), ("uniep_dynamo.ep.transfer.Streams", "__init__"),
+    ("uniep_dynamo.ep.transfer.Streams", "record"), ("uniep_dynamo.ep.transfer.Streams", "wait"),
     ("uniep_dynamo.kernels.triton_routing", "routing_plan"), ("uniep_dynamo.kernels.triton_routing", "combine"),
     ("uniep_dynamo.kernels.triton_routing", "gather_rows"),
     ("uniep_dynamo.kernels.triton_routing", "routing_weight_grad"),
@@ -168,7 +169,7 @@ def _worker(rank, world, port, args):
         per = len(cores) // world
         os.sched_setaffinity(0, cores[rank * per:(rank + 1) * per])
     with local_rank(rank, world, port) as device:
-        from uniep_dynamo.ep_overlap import OverlapConfig, ep_experts_overlapped
+        from uniep_dynamo.ep import OverlapConfig, ep_experts_overlapped
         from uniep_dynamo.kernels import gate_program
         from uniep_dynamo.spec import ExpertsSpec
 

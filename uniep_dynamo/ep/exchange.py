@@ -1,0 +1,205 @@
+"""The compiled exchange: the token all-to-all, the local experts and the all-to-all back, as one overlapped call.
+
+What the compile rewrite of a plain EP layer's second graph runs (custom_ops.py's uniep::ep_exchange, patterns/ep.py's
+exchange match): the rows arrive in the sender's order (the dispatch graph sorted them), with the split sizes the
+host read and the per-(source, local expert) counts of the count exchange. The same windows, chunks and transfers as
+the overlapped layer (overlap.py); only the layout comes from those sizes (layout.exchange_layout) instead of an
+all-gathered routing table. Every rank all-gathers its claims (or takes the dispatch's count table), checks every
+rank's sizes, and runs the overlapped path only where every rank can; else the sequential steps the rewrite replaced.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..spec import decode_spec
+from .chunks import Chunks, new_grads, zero_grads
+from .config import OverlapConfig, cached_knobs
+from .layout import exchange_layout
+from .pipeline import backward_phase, forward_phase, receive_buffer
+from .plan import COUNT_TABLE_PATHS, take_count_table
+
+
+def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -> str | None:
+    """None if this rank can run the overlapped exchange, else why the sequential steps run."""
+    from ..kernels import megakernel
+
+    reason = megakernel.unsupported_reason(send, recv_counts, w_up, w_down, b_up, b_down, [], spec)
+    if reason is None and spec.out_dtype != send.dtype:
+        reason = f"the experts' output is {spec.out_dtype} and their input {send.dtype}"
+    if reason is None and recv_counts.dtype != torch.int64:
+        reason = f"the received counts are {recv_counts.dtype}"
+    return reason
+
+
+def _table_from_counts(table, rank: int, local_experts: int, ok: bool, send_sizes, recv_sizes,
+                       sent: int) -> torch.Tensor:
+    """The exchange's host table (_exchange_host's layout) from the dispatch's count table: every rank's send
+    sizes (per owner, the sums of its counts), ``ok`` for every rank (the path decision reads only dtypes, the
+    spec and the expert count, which SPMD ranks share), the claims the sizes imply, and this rank's received
+    counts. This rank's own split sizes must be the table's: they came from the same dispatch (``sent``: the rows
+    it sends, which _check_exchange holds against them)."""
+    world = len(table)
+    sizes = [[sum(row[r * local_experts:(r + 1) * local_experts]) for r in range(world)] for row in table]
+    if sizes[rank] != list(send_sizes) or [sizes[s][rank] for s in range(world)] != list(recv_sizes):
+        raise ValueError(f"uniep.ep_exchange: split sizes {list(send_sizes)} / {list(recv_sizes)} on rank {rank} "
+                         f"disagree with the dispatch's count table (send sizes per rank {sizes})")
+    mine = slice(rank * local_experts, (rank + 1) * local_experts)
+    host = [sizes[s] + [int(ok)] + [sizes[q][s] for q in range(world)] + [sent if s == rank else sum(sizes[s])]
+            + [sizes[q][s] for q in range(world)] + table[s][mine] for s in range(world)]
+    return torch.tensor(host, dtype=torch.int64)
+
+
+def _exchange_claims(send, recv_counts, send_sizes, recv_sizes, ok: bool) -> torch.Tensor:
+    """What a rank all-gathers, [3W + 2] on the device: its send sizes, whether it takes the overlapped path, and
+    for the ranks' common size check its receive sizes, its rows, and the per-source sums of its received
+    counts."""
+    host = torch.tensor(list(send_sizes) + [int(ok)] + list(recv_sizes) + [send.shape[0]], dtype=torch.int64,
+                        pin_memory=send.is_cuda)  # pinned: the copy does not wait for the stream's earlier work
+    return torch.cat([host.to(send.device, non_blocking=True), recv_counts.sum(1).to(torch.int64)])
+
+
+def _exchange_host(table: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+    """The all-gathered [W, 3W + 2] claims beside this rank's received counts, [W, 3W + 2 + E_local], on the
+    host: one device-to-host copy, the exchange's one synchronization. The backward reads it again from the
+    host, without another."""
+    return torch.cat([table, recv_counts.to(table.dtype)], dim=1).cpu()
+
+
+def _split_host(host: torch.Tensor):
+    """(rows [s] = send sizes of rank s to each rank, then its flag; counts [s] = rows from s per local expert;
+    claims [s] = rank s's receive sizes, its rows, and the sums of its received counts per source)."""
+    world = host.shape[0]
+    flat = host.tolist()
+    return ([row[:world + 1] for row in flat], [row[3 * world + 2:] for row in flat],
+            [row[world + 1:3 * world + 2] for row in flat])
+
+
+def _check_exchange(rows, claims):
+    """Every rank checks every rank's split sizes on the same all-gathered table, so that all of them raise the
+    same error together (one rank raising alone would leave the others waiting in a collective)."""
+    world = len(rows)
+    problems = []
+    for r in range(world):
+        recv_sizes, sent, sums = claims[r][:world], claims[r][world], claims[r][world + 1:]
+        if sum(rows[r][:world]) != sent:
+            problems.append(f"rank {r}: send sizes {rows[r][:world]} for {sent} rows")
+        got = [rows[s][r] for s in range(world)]
+        if got != recv_sizes:
+            problems.append(f"rank {r}: receive sizes {recv_sizes}, but the sources send {got}")
+        if sums != recv_sizes:
+            problems.append(f"rank {r}: received per-expert counts that sum to {sums} per source, receive sizes "
+                            f"{recv_sizes}")
+    if problems:
+        raise ValueError("uniep.ep_exchange: inconsistent split sizes: " + "; ".join(problems))
+
+
+def _all_to_all(t, out_splits, in_splits, group):
+    out = t.new_empty(sum(out_splits), *t.shape[1:])
+    dist.all_to_all_single(out, t.contiguous(), list(out_splits), list(in_splits), group=group)
+    return out
+
+
+def _local_ids(recv_counts, rows: int):
+    world, local_experts = recv_counts.shape
+    ids = torch.arange(local_experts, device=recv_counts.device).repeat(world)
+    return ids.repeat_interleave(recv_counts.reshape(-1), output_size=rows).unsqueeze(-1)
+
+
+def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
+    """(ids, weights, the experts op's outputs) over the received rows, as the replaced graph ran it."""
+    ids = _local_ids(recv_counts, x.shape[0])
+    ones = torch.ones_like(ids, dtype=x.dtype)
+    return ids, ones, torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec)
+
+
+def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
+                     knobs: OverlapConfig | None = None):
+    """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
+    received rows and the up projection (the overlapped path's, in its layout), and on the host the
+    [W, 3W + 2 + E_local] table of every rank's send sizes, whether it takes the overlapped path, what its size
+    check reads (_exchange_claims), and the rows this rank receives from it per local expert.
+
+    Every rank all-gathers its send sizes with that flag; the overlapped path runs only where every rank takes
+    it (the ranks meet in its barriers), else the sequential steps the rewrite replaced: the all-to-all, the
+    experts op on the received rows (local expert ids from the counts, weight 1), the all-to-all back."""
+    from ..kernels import megakernel
+    from ..kernels import reference
+
+    s = decode_spec(spec)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_experts, size, device = w_up.shape[0], send.shape[1], send.device
+    received = sum(recv_sizes)
+    up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
+    reason = _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, s)
+    gathered = take_count_table(recv_counts)
+    if gathered is not None:  # the dispatch's table: no collective, no synchronization here
+        COUNT_TABLE_PATHS["dispatch"] += 1
+        table = _table_from_counts(gathered, rank, local_experts, reason is None, send_sizes, recv_sizes,
+                                   send.shape[0])
+    else:
+        COUNT_TABLE_PATHS["gathered"] += 1
+        mine = _exchange_claims(send, recv_counts, send_sizes, recv_sizes, reason is None)
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+        table = _exchange_host(torch.stack(parts), recv_counts)
+    rows, counts, claims = _split_host(table)
+    _check_exchange(rows, claims)
+    if not all(row[world] for row in rows):
+        why = reason or "another rank cannot take it"
+        if send.is_cuda:
+            megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
+                                 "instead: %s")
+        x = _all_to_all(send, recv_sizes, send_sizes, group)
+        back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec)[2][0], send_sizes,
+                           recv_sizes, group)
+        return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
+    knobs = knobs or cached_knobs(send, send.shape[0], w_up, w_down, s, group)
+    layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
+    offsets, transfers = layout.to_device(device)
+    x = receive_buffer("x", layout.rows, size, send.dtype, device, knobs)
+
+    def setup():  # the GEMMs' set-up, which the first pulls do not wait for (forward_phase)
+        chunks = Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, send,
+                        config_shape=(layout.rows, local_experts))
+        return chunks, torch.empty(layout.rows, up_width, dtype=w_up.dtype, device=device)
+    if layout.capacity == 0:  # no rank sends a row
+        return send.new_empty(0, size), x, setup()[1], table
+
+    def fill(win):
+        win.send(rank)[:send.shape[0]].copy_(send)
+        return True
+    win_y, _, up = forward_phase(layout, transfers, group, knobs, x, w_down.dtype, fill, setup)
+    return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
+
+
+def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
+                      recv_sizes, knobs: OverlapConfig | None = None):
+    """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
+    table says). The sequential path runs the experts op's forward again on the saved received rows, for what
+    its backward op reads."""
+    s = decode_spec(spec)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
+    grad_back = grad_back.contiguous()
+    rows, counts, _ = _split_host(table)
+    if not all(row[world] for row in rows):
+        # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
+        d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
+        ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
+            x, recv_counts, w_up, w_down, b_up, b_down, spec)
+        d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
+            d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
+            spec, False)
+        return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
+                d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
+    knobs = knobs or cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)
+    layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
+    offsets, transfers = layout.to_device(device)
+    chunks = Chunks(layout, offsets, w_up, w_down, b_up, b_down, s, grad_back,
+                    config_shape=(layout.rows, local_experts))
+    if layout.capacity == 0:
+        return (grad_back.new_zeros(0, size), *zero_grads(new_grads(w_up, w_down, b_up, b_down)))
+    win_dx, grads, _ = backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype,
+                                      lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
+    return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)

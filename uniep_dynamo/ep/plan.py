@@ -1,0 +1,178 @@
+"""The routing plan across ranks and the exchange of its counts.
+
+Each rank sorts its own T*K slots by global expert (the single-rank op's routing plan: rows in (expert, token, k)
+order; rank r's experts are contiguous in it, so it is also the send order). What the ranks exchange of it:
+
+    sequential layer    the per-expert counts, by an all_to_all of [world, E_local] integers (plan_and_exchange;
+                        ep_plan adds the split sizes on the host), or all-gathered into a [W, E] table
+                        (plan_and_gather) that the dispatch hands to the next graph's exchange (stash_count_table,
+                        take_count_table)
+    overlapped layer    every rank's per-expert counts and token count, all-gathered and copied to the host, the
+                        layer's one synchronization (count_table)
+
+``fused`` says whether the MegaKernel's own kernels run these steps (CUDA), so that EP rounds as the single-GPU op.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import reference
+
+
+@dataclasses.dataclass
+class EPPlan:
+    row_order: torch.Tensor  # [S] slot of each row, rows sorted by (global expert, token, k)
+    slot_row: torch.Tensor  # [S] its inverse
+    expert_offsets: torch.Tensor  # [E] cumulative rows per global expert
+    send_counts: list  # rows to each rank
+    recv_counts: list  # rows from each rank
+    recv_expert: torch.Tensor  # [sum(recv_counts)] local expert of each received row
+
+
+def routing_plan(topk_ids: torch.Tensor, num_experts: int):
+    """(row_order, slot_row, expert_offsets) of the single-rank op: on CUDA its Triton counting sort (three
+    launches), elsewhere the reference's stable sort; the same integers either way."""
+    from ..kernels import megakernel
+
+    if fused(topk_ids) and num_experts <= megakernel.MAX_EXPERTS:
+        from ..kernels.triton_routing import MAX_SLOTS, routing_plan
+        if topk_ids.numel() < MAX_SLOTS:
+            return routing_plan(topk_ids, num_experts, clamp=False)
+    return reference.routing_plan(topk_ids, num_experts)
+
+
+def plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, group):
+    """The single-rank routing plan (row_order, slot_row, expert_offsets) and the per-expert counts this
+    rank sends and, exchanged over `group`, receives ([world, E / world] each)."""
+    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    return row_order, slot_row, offsets, counts, recv
+
+
+def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group):
+    """plan_and_exchange with the counts all-gathered instead of exchanged: every rank's per-expert counts
+    ([world, E], one collective, as the all_to_all was) give this rank's received counts, and the whole table
+    goes to the host behind the model's own synchronization (stash_count_table), for the exchange
+    of the next graph to lay out its transfers without a collective of its own."""
+    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts)
+    flat = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    table = flat.new_empty(world * num_experts)
+    _all_gather_flat(table, flat, group=group)
+    table = table.view(world, num_experts)
+    e_local = num_experts // world
+    rank = dist.get_rank(group)
+    recv = table[:, rank * e_local:(rank + 1) * e_local].contiguous()
+    stash_count_table(recv, table)
+    return row_order, slot_row, offsets, flat.view(world, e_local), recv
+
+
+# torch 2.13 renamed all_gather_into_tensor (a flat output of world * n elements on gloo and NCCL alike)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None) -> EPPlan:
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(f"uniep: {num_experts} experts do not split evenly over {world} ranks")
+    e_local = num_experts // world
+    row_order, slot_row, offsets, counts, recv = plan_and_exchange(topk_ids, num_experts, world, group)
+    recv_expert = torch.repeat_interleave(
+        torch.arange(e_local, device=counts.device).repeat(world), recv.reshape(-1))
+    return EPPlan(row_order, slot_row, offsets, counts.sum(1).tolist(), recv.sum(1).tolist(), recv_expert)
+
+
+def fused(t: torch.Tensor) -> bool:
+    """The MegaKernel's own gather/combine kernels on CUDA (so the EP layer rounds exactly as the
+    single-rank op does), the reference's elsewhere."""
+    from ..kernels import megakernel
+
+    return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel.triton_available()
+
+
+def count_table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
+    """All ranks' per-expert counts and token counts, on the host: one all-gather and one copy to the host, the
+    layer's one synchronization. beside() (work of the current stream) is issued after that copy and before the
+    host waits for it: the GPU runs it while the host lays out the step. No other host copy or synchronization:
+    a host tensor copied to the device would wait for the stream's earlier work first."""
+    experts = offsets.numel()
+    mine = offsets.new_empty(experts + 1)
+    if experts:
+        mine[:1].copy_(offsets[:1])
+        torch.sub(offsets[1:], offsets[:-1], out=mine[1:experts])
+    mine[experts:].fill_(num_tokens)
+    world = dist.get_world_size(group)
+    every = offsets.new_empty(world * (experts + 1))  # flat: gloo takes no [W, n] output
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(world, experts + 1)
+    copied = None
+    if every.is_cuda:
+        host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+        host.copy_(every, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    else:
+        host = every
+    if beside is not None:
+        beside()
+    if copied is not None:
+        copied.synchronize()
+    table = host.tolist()
+    return [row[:-1] for row in table], [row[-1] for row in table], every
+
+
+def address_key(t: torch.Tensor):
+    """(device, address) of a tensor's data, what the dispatch's hand-overs are found by; None for an empty tensor
+    (empty tensors may share an address)."""
+    return (str(t.device), t.data_ptr()) if t.numel() else None
+
+
+# ---- the count table from the dispatch ------------------------------------------------------------------------
+#
+# uniep.ep_dispatch(gather_counts=True) all-gathers every rank's per-expert counts and starts copying the [W, E]
+# table to the host; the model's own .tolist() of the split sizes (its one synchronization) then waits for that
+# copy too. The exchange of the next graph takes the table by its received counts: the dispatch returned that
+# tensor, and the entry holds it, so its memory cannot belong to another tensor while the entry lives. So the
+# exchange lays out its transfers without a collective and a synchronization of its own. Every rank runs the
+# same graphs, so every rank finds its table or none does; one that finds none all-gathers its claims.
+
+_COUNT_TABLES: dict = {}  # (device, address of the received counts) -> (received counts, host table, copy event)
+MAX_COUNT_TABLES = 8  # tables of dispatches no exchange read (an exchange left unfused, say) are dropped
+COUNT_TABLE_PATHS = {"dispatch": 0, "gathered": 0}  # where the exchanges' count tables came from (tests read it)
+
+
+def stash_count_table(recv: torch.Tensor, table: torch.Tensor) -> None:
+    """Keep the all-gathered [W, E] count ``table`` for the exchange that receives ``recv`` (the dispatch's
+    received counts, a slice of it): a copy to pinned host memory on the current stream, read after the
+    model's synchronization."""
+    key = address_key(recv)
+    if key is None:
+        return
+    if table.is_cuda:
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = table, None
+    _COUNT_TABLES.pop(key, None)
+    _COUNT_TABLES[key] = (recv, host, event)
+    while len(_COUNT_TABLES) > MAX_COUNT_TABLES:
+        _COUNT_TABLES.pop(next(iter(_COUNT_TABLES)))
+
+
+def take_count_table(recv_counts: torch.Tensor):
+    """The dispatch's [W, E] count table (host lists) for these received counts, or None; taken once."""
+    entry = _COUNT_TABLES.pop(address_key(recv_counts), None)
+    if entry is None:
+        return None
+    recv, host, event = entry
+    if recv.shape != recv_counts.shape or recv.dtype != recv_counts.dtype:
+        return None
+    if event is not None:
+        event.synchronize()  # done already: the model's .tolist() after the copy waited for the stream
+    return host.tolist()
