@@ -55,7 +55,7 @@ def _run(fn, block, x):
     x = x.detach().clone().requires_grad_(True)
     out = fn(x)
     out = out[0] if isinstance(out, tuple) else out  # GPT-OSS's block returns (hidden, router scores)
-    weights = torch.linspace(-1.0, 1.0, out.numel()).view_as(out)
+    weights = torch.linspace(-1.0, 1.0, out.numel(), device=out.device).view_as(out)
     (out.float() * weights).sum().backward()
     grads = {"input": x.grad}
     grads.update({n: p.grad for n, p in block.named_parameters() if p.grad is not None})
