@@ -4,7 +4,7 @@ OverlapConfig holds every scheduling knob of the overlapped exchange: pipeline c
 path (copy engines, the Triton transfer kernel, torch._foreach_copy_), the transfer kernel's programs and block, where
 the results are pushed from, and the SM carve-out. None of them changes numerics: every value gives the same bits.
 ``timing`` is for benchmarks only and gives wrong results. The tuner (uniep_dynamo/tuner.py, tune_ep) searches them; its
-winners live in the tuning cache (uniep/tuning_cache.py), which ``cached_knobs`` reads when the layer runs.
+winners live in the tuning cache (uniep_dynamo/tuning_cache.py), which ``cached_knobs`` reads when the layer runs.
 """
 from __future__ import annotations
 

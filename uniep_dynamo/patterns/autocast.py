@@ -20,6 +20,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import graph_utils as gu
+from .bodies import OUTER_CALLS
 
 # device types whose autocast state the backend reads at compile time
 DEVICE_TYPES = ("cpu", "cuda")
@@ -47,23 +48,10 @@ def global_state() -> dict:
 
 
 def _outer_call(graph: Graph):
-    """The outer graph's higher-order op call that runs `graph` as its body, when the body's inputs carry
-    the outer arguments (patterns/bodies.py annotates them) and every call agrees; else None."""
+    """The outer graph's higher-order op calls that run `graph` as their body (patterns/bodies.py records them),
+    or None for a graph that is no body."""
     owner = graph.owning_module
-    for placeholder in (n for n in graph.nodes if n.op == "placeholder"):
-        outer_args = placeholder.meta.get(gu.OUTER_ARGS) if hasattr(gu, "OUTER_ARGS") else None
-        if not outer_args or not isinstance(outer_args[0], Node):
-            return None
-        calls = []
-        for arg in outer_args:
-            outer_gm = arg.graph.owning_module
-            for user in arg.users:
-                ref = user.args[0] if user.op == "call_function" and user.args else None
-                if isinstance(ref, Node) and ref.op == "get_attr" and outer_gm is not None and \
-                        getattr(outer_gm, ref.target, None) is owner:
-                    calls.append(user)
-        return calls or None
-    return None
+    return (owner.meta.get(OUTER_CALLS) if owner is not None else None) or None
 
 
 def state_at_start(graph: Graph) -> dict | None:

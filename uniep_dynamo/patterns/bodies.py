@@ -20,6 +20,9 @@ from torch.fx import GraphModule, Node
 
 from .graph_utils import OUTER_ARGS
 
+# GraphModule meta key of a body: the outer graph's higher-order op calls that run it
+OUTER_CALLS = "uniep_outer_calls"
+
 # higher-order op -> (index of its first operand in the call's args, what the report calls its body)
 BODY_HOPS = {
     "tag_activation_checkpoint": (1, "activation checkpoint"),
@@ -36,8 +39,8 @@ class Body:
 
 
 def forward_bodies(gm: GraphModule) -> list[Body]:
-    """The bodies of `gm`'s higher-order op calls that run inline in its forward, each once, with their
-    placeholders annotated with the calls' outer arguments."""
+    """The bodies of `gm`'s higher-order op calls that run inline in its forward, each once, with their calls
+    recorded (``OUTER_CALLS``) and their placeholders annotated with the calls' outer arguments."""
     found: dict[int, tuple[Body, list]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
@@ -51,13 +54,15 @@ def forward_bodies(gm: GraphModule) -> list[Body]:
             continue
         first, kind = entry
         body, calls = found.setdefault(id(module), (Body(ref.target, module, kind), []))
-        calls.append(list(node.args[first:]))
+        calls.append(node)
     bodies = []
     for body, calls in found.values():
+        body.module.meta[OUTER_CALLS] = calls
+        first = BODY_HOPS[calls[0].target.name()][0]
         placeholders = [n for n in body.module.graph.nodes if n.op == "placeholder"]
-        if all(len(args) == len(placeholders) for args in calls):
+        if all(len(call.args) - first == len(placeholders) for call in calls):
             for i, placeholder in enumerate(placeholders):
-                placeholder.meta[OUTER_ARGS] = [args[i] for args in calls]
+                placeholder.meta[OUTER_ARGS] = [call.args[first + i] for call in calls]
         # else: inputs left unannotated, so no weight in the body proves to be a parameter (the near miss says so)
         bodies.append(body)
     return bodies
