@@ -87,9 +87,6 @@ def main():
             "grad_act": (2 * S * H * I, lambda c: megakernel.rows_gemm(
                 layer, c, a=dy_rows, gather=False, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=0, c=act,
                 **common)),
-            "grad_act_epilogue": (2 * S * H * I, lambda c: megakernel.rows_gemm(
-                layer, c, a=dy, gather=True, a_scale=True, b=layer.down_eff.transpose(1, 2), n=I, k=H, epilogue=2,
-                c=d_up, d=act, h=up, w=weights, two_halves=True, col_mult=1, up_shift=I, **common)),
             "grad_input": (2 * S * 2 * I * H, lambda c: megakernel.rows_gemm(
                 layer, c, a=d_up, gather=False, b=layer.up_eff.transpose(1, 2), n=H, k=2 * I, epilogue=0, c=down,
                 **common)),

@@ -1,7 +1,7 @@
 """The MegaKernel's parameter search: one declarative space, a tuner that measures it, and a cache on disk.
 
 Space. ``SPACE`` lists the values of each scheduling knob of a grouped GEMM (kernels/config.py) and
-``LAYER_SPACE`` the layer-wide ones. The numerics knobs (``block_k``, ``act_grad_in_epilogue``) are not
+``LAYER_SPACE`` the layer-wide ones. The numerics knobs (``block_k``, ``per_expert_mm``) are not
 searched: every candidate keeps the heuristic's values, so a tuned config computes the same bits as the
 heuristic one (config.py's numerics contract), and the tuner checks it on every candidate anyway.
 ``gemm_candidates`` enumerates a GEMM's points and prunes those that cannot run or cannot win:

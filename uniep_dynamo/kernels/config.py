@@ -9,8 +9,7 @@ Numerics contract (what a tuner may change freely):
 
 - ``block_k`` of a GEMM is the K-dimension blocking: each ``tl.dot`` sums ``block_k`` products in the
   tensor core and the kernel adds the chunks in order, so a different ``block_k`` may change the
-  rounding. ``act_grad_in_epilogue`` takes the activation backward from the fp32 accumulator instead
-  of the rounded GEMM output. These two are the "numerics knobs".
+  rounding. It and ``per_expert_mm`` (below) are the "numerics knobs".
 - Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
   ``num_programs`` (persistent grid size), ``flatten``, ``warp_specialize``, ``fuse_gather``,
   ``pack_gate_up``, ``tma``, ``tma_weight_grad`` -- only schedules the same arithmetic:
@@ -45,7 +44,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-NUMERICS_KNOBS = ("block_k", "act_grad_in_epilogue", "per_expert_mm")
+NUMERICS_KNOBS = ("block_k", "per_expert_mm")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
                     "warp_specialize", "grouped_mm")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
@@ -110,11 +109,6 @@ class MegaKernelConfig:
     # The same for the weight-gradient GEMMs: whole chunks of an expert's rows by tensor descriptors,
     # the last partial chunk by masked loads. Measured slower on an H200 (BENCHMARKS.md): off.
     tma_weight_grad: bool = False
-    # Activation backward in the activation-gradient GEMM's epilogue, from its fp32 accumulator (True),
-    # or as an element-wise pass over its output rounded to the storage dtype (False, the reference's
-    # rounding; measured faster on an H200 because the epilogue's register pressure slows the GEMM).
-    # A numerics knob: the two round differently.
-    act_grad_in_epilogue: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
         """The same config with ``changes`` (GemmConfig fields) applied to every GEMM."""
@@ -122,8 +116,7 @@ class MegaKernelConfig:
 
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
-        return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS) + \
-            (self.act_grad_in_epilogue,)
+        return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS)
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments; the configs are frozen
@@ -221,9 +214,12 @@ def config_to_dict(cfg: MegaKernelConfig) -> dict:
 
 
 def config_from_dict(data: dict) -> MegaKernelConfig:
-    """config_to_dict's inverse (entries written before the tma knobs existed read them as off)."""
+    """config_to_dict's inverse (entries written before the tma knobs existed read them as off; entries that
+    still name the removed act_grad_in_epilogue knob are read where it was off, as the tuner always left it)."""
+    if data.get("act_grad_in_epilogue", False):
+        raise ValueError("act_grad_in_epilogue=True: a numerics knob this uniep no longer has")
     gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
-    layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up", "act_grad_in_epilogue")}
+    layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up")}
     for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
         layer[knob] = bool(data.get(knob, False))
     return MegaKernelConfig(**gemms, **layer)

@@ -12,7 +12,7 @@ Backward, from the same plan:
 
     d_w        = <dY[t], down[row]>                                   fixed-order kernel
     grad_act   = (w * dY[tok(r)]) @ W_down[e]^T, then d act/d h at the saved h -> d_h and act(h) again
-               (an element-wise pass, or the GEMM's epilogue with act_grad_in_epilogue)
+               (an element-wise pass)
     d_W_down   = act^T @ (w * dY[tok(r)]) per expert (+ d_b_down)     no split over rows
     d_x rows   = d_h @ W_up[e]^T
     d_W_up     = X[tok(r)]^T @ d_h per expert (+ d_b_up)
@@ -298,7 +298,7 @@ def _per_expert_bounds(layer: Layer, cfg, offsets, *operands):
     return layer.host_bounds(offsets)
 
 
-def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, h=None, w=None,
+def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, w=None,
               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
     a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
@@ -350,7 +350,6 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
     upper = (_cdiv(layer.num_slots, cfg.block_m) + layer.num_experts) * _cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
     d = d if d is not None else c
-    h = h if h is not None else c
     a_desc = b_desc = None
     b_kmajor, b_expert_rows = False, 0
     packed = two_halves and epilogue == GLU_FWD and layer.config.pack_gate_up
@@ -378,7 +377,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
         b, b.stride(0), b.stride(1), b.stride(2),
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0,
         offsets, layer.num_experts, n, k,
-        c, c.stride(0), d, d.stride(0), h, h.stride(0), w if w is not None else c,
+        c, c.stride(0), d, d.stride(0), w if w is not None else c,
         up_shift, COL_MULT=col_mult, act_alpha=layer.act_params[0], act_limit=layer.act_params[1],
         act_up_add=layer.act_params[2],
         GATHER=gather, A_SCALE=a_scale, EPILOGUE=epilogue, ACT=layer.act, TWO_HALVES=two_halves,
@@ -555,7 +554,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     gradients come before the input gradient. The peak is then the saved tensors and the two weight gradients,
     as for autograd's op-by-op backward, provided d_hidden is allocated after ``up`` is freed: the in-place
     op leaves the combine to a second op (ops.py) for that reason."""
-    from .triton_gemm import GLU_BWD, STORE
+    from .triton_gemm import STORE
     from .triton_routing import gather_rows, routing_weight_grad
 
     from .reference import inverse_permutation
@@ -581,18 +580,12 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
     dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
-    if cfg.act_grad_in_epilogue:
-        act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
-        rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                  b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=GLU_BWD,
-                  c=d_up, d=act, h=up, w=weights, offsets=offsets, **halves)
-    else:
-        # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise
-        # pass turns it into d_up and act in place.
-        act = rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                        b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
-                        w=weights, offsets=offsets)
-        act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
+    # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise pass turns it
+    # into d_up and act in place.
+    act = rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                    b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
+                    w=weights, offsets=offsets)
+    act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
     d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
                            row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
                            n_dim=down_dims[1], bias_grad=d_b_down)

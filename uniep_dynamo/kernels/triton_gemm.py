@@ -17,9 +17,6 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
                 that holds a gate block and its up block side by side, split in the epilogue -- the
                 same MMA chain per element either way; h = acc (+ bias) rounded to the storage dtype
                 is stored (saved for backward) and act(h) is stored for the down projection
-      GLU_BWD   acc is the activation gradient (A = the weighted output-gradient rows); through the
-                activation's derivative at the saved h -> d_h (both halves), and act(h) recomputed
-                for the down-projection weight gradient
 ``_weight_grad_gemm`` -- G[e][m, n] = sum over expert e's rows r (in row order) of P[p_row(r), m] *
     Q[q_row(r), n], optionally Q scaled by the routing weight; bias gradient = column sums of Q as a
     GEMM against ones (the same MMA chain, so it follows the same numerics contract). Experts with no
@@ -39,7 +36,7 @@ import triton.language as tl
 
 from .triton_transfer import _peer
 
-STORE, GLU_FWD, GLU_BWD = 0, 1, 2
+STORE, GLU_FWD = 0, 1
 # Activation codes (gate_program.classify names).
 ACTIVATIONS = {"silu_glu": 0, "gelu_glu": 1, "gelu_tanh_glu": 2, "relu2": 3, "clamped_swiglu": 4}
 GATED = {"silu_glu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu"}
@@ -142,7 +139,7 @@ def _rows_gemm(
     b_ptr, stride_be, stride_bk, stride_bn,
     bias_ptr, stride_bias_e,
     offsets_ptr, num_experts, N, K,
-    c_ptr, stride_cm, d_ptr, stride_dm, h_ptr, stride_hm, w_ptr,
+    c_ptr, stride_cm, d_ptr, stride_dm, w_ptr,
     UP_SHIFT, COL_MULT: tl.constexpr, act_alpha, act_limit, act_up_add,
     GATHER: tl.constexpr, A_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr, TWO_HALVES: tl.constexpr, TWO_ACC: tl.constexpr,
     PACKED: tl.constexpr,
@@ -264,7 +261,7 @@ def _rows_gemm(
             else:
                 tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
                          mask=mask)
-        elif EPILOGUE == 1:
+        else:
             if PACKED:
                 halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1))
                 acc, acc2 = tl.split(halves)
@@ -283,9 +280,6 @@ def _rows_gemm(
             else:
                 act = _activation(h_gate.to(tl.float32), h_gate.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
             tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
-        else:
-            _act_backward_tile(acc, rows64[:, None], cols, mask, h_ptr, stride_hm, c_ptr, stride_cm, d_ptr, stride_dm,
-                               UP_SHIFT, COL_MULT, TWO_HALVES, ACT, act_alpha, act_limit, act_up_add)
 
 
 @triton.jit
