@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 
 LAYERS = [  # (layer, module prefixes): a prefix names a module and, for a package, everything under it
     ("front", ("uniep_dynamo.__init__", "uniep_dynamo.backend", "uniep_dynamo.cli", "uniep_dynamo.ddp",
-               "uniep_dynamo.explain", "uniep_dynamo.report")),
+               "uniep_dynamo.explain", "uniep_dynamo.hf_ep", "uniep_dynamo.report")),
     ("tuner", ("uniep_dynamo.tuner",)),
     ("lowering", ("uniep_dynamo.lowering",)),
     ("patterns", ("uniep_dynamo.patterns",)),
@@ -37,7 +37,7 @@ LAYERS = [  # (layer, module prefixes): a prefix names a module and, for a packa
     ("base", ("uniep_dynamo.tuning_cache", "uniep_dynamo.version")),
 ]
 EP_ORDER = ["processes", "config", "plan", "sequential", "layout", "transfer", "chunks", "pipeline", "overlap",
-            "exchange", "custom_ops"]
+            "exchange", "custom_ops", "layer"]
 
 
 def _modules() -> dict:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch._dynamo.utils import counters
 
-from . import ddp, report
+from . import ddp, hf_ep, report
 from .lowering import lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_router, share_routing_plan
 from .patterns import find_ep_regions, find_experts_regions, find_router_regions
 from .patterns.bodies import walk
+from .patterns.graph_utils import module_path as gu_module_path
 
 log = logging.getLogger("uniep")
 
@@ -169,6 +170,11 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         counts[match.op] += 1
         log.info("uniep: rewrote %s (%d nodes)%s into uniep.%s [%s]", match.module, len(match.nodes), inside,
                  match.op, match.spec.describe())
+    for node in gm.graph.nodes:  # HF's EP layers, traced as one op (hf_ep.py): counted and logged here
+        if node.op == "call_function" and node.target in (torch.ops.uniep.ep_layer, torch.ops.uniep.ep_layer.default):
+            counts["ep_layer"] += 1
+            log.info("uniep: %s%s is one uniep.ep_layer (HF's AllToAllEP, substituted while Dynamo traced)",
+                     gu_module_path(node), inside)
     for pattern, found_misses, counter, what in (("experts", misses, "unfused", "%s"),
                                                  ("router", router_misses, "router_unfused", "router %s"),
                                                  ("ep", ep_misses, "ep_unfused", "expert-parallel step in %s")):
@@ -312,4 +318,6 @@ def _register_by_name():
 
 _register_by_name()
 ddp.install()
+if os.environ.get("UNIEP_HF_EP", "1") != "0":  # HF's AllToAllEP as one uniep.ep_layer (hf_ep.py); "0": HF's code,
+    hf_ep.install()                            # rewritten piece by piece
 _configure_logging_from_env()

@@ -16,10 +16,12 @@ One module per concept; the imports go down this list, never up:
     overlap        ep_experts_overlapped: the overlapped layer as an autograd op
     exchange       the compiled exchange (all-to-all, local experts, all-to-all back) on the same pipeline
     custom_ops     torch.ops.uniep.ep_dispatch / ep_combine / ep_exchange, what the compile rewrites lower to
+    layer          torch.ops.uniep.ep_layer: the whole layer (plan, exchange, combine) as one op, what HF's AllToAllEP
+                   becomes under the compile (uniep_dynamo/hf_ep.py)
 
 Importing this package registers the torch.ops.uniep.ep_* ops.
 """
-from . import custom_ops  # noqa: F401  (registers torch.ops.uniep.ep_*)
+from . import custom_ops, layer  # noqa: F401  (registers torch.ops.uniep.ep_*)
 from .config import OverlapConfig
 from .custom_ops import ep_combine, ep_dispatch, ep_exchange
 from .exchange import exchange_backward, exchange_forward

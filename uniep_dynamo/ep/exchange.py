@@ -114,7 +114,7 @@ def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
 
 
 def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
-                     knobs: OverlapConfig | None = None):
+                     knobs: OverlapConfig | None = None, sequential: bool = False):
     """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
     received rows and the up projection (the overlapped path's, in its layout), and on the host the
     [W, 3W + 2 + E_local] table of every rank's send sizes, whether it takes the overlapped path, what its size
@@ -122,7 +122,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
 
     Every rank all-gathers its send sizes with that flag; the overlapped path runs only where every rank takes
     it (the ranks meet in its barriers), else the sequential steps the rewrite replaced: the all-to-all, the
-    experts op on the received rows (local expert ids from the counts, weight 1), the all-to-all back."""
+    experts op on the received rows (local expert ids from the counts, weight 1), the all-to-all back.
+    ``sequential``: those steps in any case (the compile's ``overlap_ep=False``); every rank is given the same."""
     from ..kernels import megakernel
     from ..kernels import reference
 
@@ -131,7 +132,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     local_experts, size, device = w_up.shape[0], send.shape[1], send.device
     received = sum(recv_sizes)
     up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
-    reason = _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, s)
+    reason = "overlap_ep is off" if sequential else _exchange_unsupported(send, recv_counts, w_up, w_down, b_up,
+                                                                          b_down, s)
     gathered = take_count_table(recv_counts)
     if gathered is not None:  # the dispatch's table: no collective, no synchronization here
         COUNT_TABLE_PATHS["dispatch"] += 1
@@ -147,7 +149,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     _check_exchange(rows, claims)
     if not all(row[world] for row in rows):
         why = reason or "another rank cannot take it"
-        if send.is_cuda:
+        if send.is_cuda and not sequential:
             megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
                                  "instead: %s")
         x = _all_to_all(send, recv_sizes, send_sizes, group)

@@ -1,0 +1,151 @@
+"""HF transformers' own expert parallelism through the compiler (issue 37): an unmodified HF model with
+DistributedConfig(ep_size=N) (AllToAllEP, transformers >= 5.23) compiled with backend="uniep" runs each MoE layer's
+whole EP step as ONE uniep.ep_layer in the forward graph and one uniep.ep_layer_backward in the backward graph
+(uniep_dynamo/hf_ep.py), with loss and every gradient equal to the same model without uniep, and two runs bitwise
+equal. Another backend in the same process sees HF's code, unchanged. CPU, gloo, 2 and 4 processes."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_ep import run_workers
+from test_ep_rewrite import _hf_ep_available, _init
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+    pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available())),
+]
+
+
+def _save_model(family: str, path: str, num_experts: int):
+    """A tiny random-weight model of tests/hf_models.py's family, with `num_experts` experts, saved to `path`."""
+    import transformers
+    from hf_models import COMMON, FAMILIES
+
+    config_name, extra = FAMILIES[family]
+    key = "num_local_experts" if "num_local_experts" in extra else "num_experts"
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, key: num_experts})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def _graph_ops(graphs) -> set:
+    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
+    _init(rank, world, port)
+    import uniep_dynamo
+    from uniep_dynamo import hf_ep
+
+    assert hf_ep.install()
+    from test_distributed_training import _counting_backend
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    def load(ep_size):
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
+            ep_size=ep_size, fsdp_size=ep_size, ep_implementation="all_to_all"))
+
+    input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    try:
+        # "uniep": aot_eager, whose AOT graphs recording() notes per compiled graph; "uniep_again": the same
+        # AOTAutograd with eager kernels, through a counting inner backend that counts the uniep ops that RUN;
+        # "uniep_inductor": the default inner backend
+        for name in ("eager", "uniep", "uniep_again", "other_backend") + (("uniep_inductor",) if inductor else ()):
+            model = load(world)
+            torch._dynamo.reset()
+            counters.clear()
+            dynamo_graphs = []
+            ran = {}
+
+            def other(gm, example_inputs):  # any backend but uniep: it must see HF's code as written
+                dynamo_graphs.append(gm)
+                return gm.forward
+            if name == "eager":
+                run = model
+            elif name == "other_backend":
+                run = torch.compile(model, backend=other)
+            elif name == "uniep":
+                run = torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})
+            elif name == "uniep_inductor":
+                run = torch.compile(model, backend="uniep")
+            else:
+                inner, graphs = _counting_backend()
+                ran = graphs["ran"]
+                run = torch.compile(model, backend="uniep", options={"inner_backend": inner})
+            with uniep_dynamo.recording() as rec:
+                loss = run(input_ids=input_ids, labels=input_ids).loss
+                loss.backward()
+            grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            aot = {}
+            for g in rec.graphs:
+                for kind, ops in (g.aot_graphs or {}).items():
+                    for op, n in ops.items():
+                        aot.setdefault(kind, {}).setdefault(op, 0)
+                        aot[kind][op] += n
+            results[name] = {"loss": loss.detach(), "grads": grads, "counters": dict(counters["uniep"]), "aot": aot,
+                             "ran": dict(ran), "other_ops": _graph_ops(dynamo_graphs)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+CASES = [
+    # (family, world, experts, inductor), what it stresses
+    ("qwen3_moe", 2, 4, False),  # two local experts a rank, norm_topk_prob router
+    ("mixtral", 2, 4, True),  # Mixtral's experts and router; also behind inductor, the default inner backend
+    ("qwen3_moe", 4, 8, False),  # four ranks, two local experts each
+]
+
+
+@pytest.mark.parametrize("family,world,experts,inductor", CASES, ids=lambda v: str(v))
+def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
+    with tempfile.TemporaryDirectory() as model_dir:
+        _save_model(family, model_dir, experts)
+        ranks = run_workers(_hf_worker, world, (model_dir, inductor), tmp_path, timeout=900)
+    layers = 2  # tests/hf_models.py: two MoE layers
+    for r in ranks:
+        fused, eager = r["uniep"], r["eager"]
+        c = fused["counters"]
+        assert c.get("ep_layer", 0) >= 1, (c, fused["aot"])  # the layers share a compiled graph
+        # the whole layer is the op: nothing of it is left to the piece-by-piece rewrite
+        assert not any(c.get(op) for op in ("ep_dispatch", "ep_combine", "ep_exchange", "ep_unfused", "unfused")), c
+        # recording(): every compiled forward graph that holds the op has its backward op in its backward graph
+        assert fused["aot"].get("forward", {}).get("ep_layer", 0) >= 1, fused["aot"]
+        assert fused["aot"]["forward"]["ep_layer"] == fused["aot"].get("backward", {}).get("ep_layer_backward"), \
+            fused["aot"]
+        assert not any(op.startswith(("ep_dispatch", "ep_combine", "ep_exchange"))
+                       for ops in fused["aot"].values() for op in ops), fused["aot"]
+        # the ops that ran: one ep_layer per MoE layer forward, one ep_layer_backward per layer backward
+        ran = r["uniep_again"]["ran"]
+        assert ran.get("forward ep_layer") == layers, ran
+        assert ran.get("backward ep_layer_backward") == layers, ran
+        assert ran.get("forward moe_router") == layers and ran.get("backward moe_router_backward") == layers, ran
+        torch.testing.assert_close(fused["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
+        assert fused["grads"].keys() == eager["grads"].keys()
+        for name, want in eager["grads"].items():
+            torch.testing.assert_close(fused["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+            assert torch.equal(fused["grads"][name], r["uniep_again"]["grads"][name]), name
+        assert torch.equal(fused["loss"], r["uniep_again"]["loss"])
+        # another backend in the same process, after uniep was installed: HF's code, no uniep op, eager's numbers
+        other = r["other_backend"]
+        assert not any("uniep" in op for op in other["other_ops"]), other["other_ops"]
+        assert not other["counters"], other["counters"]
+        torch.testing.assert_close(other["loss"], eager["loss"], atol=1e-6, rtol=1e-6)
+        if inductor:  # the op under inductor: in its AOT graphs, both directions, eager's numbers
+            ind = r["uniep_inductor"]
+            assert ind["counters"].get("ep_layer", 0) >= 1, ind["counters"]
+            assert ind["aot"].get("forward", {}).get("ep_layer", 0) >= 1, ind["aot"]
+            assert ind["aot"].get("backward", {}).get("ep_layer_backward", 0) >= 1, ind["aot"]
+            torch.testing.assert_close(ind["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
+            for name, want in eager["grads"].items():
+                torch.testing.assert_close(ind["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)

@@ -1,0 +1,178 @@
+"""torch.ops.uniep.ep_layer: a whole expert-parallel MoE layer -- the routing plan and count exchange, the token
+all-to-all, the local experts, the all-to-all back and the combine -- as ONE op, forward and backward.
+
+What HF transformers' ``AllToAllEP`` becomes under ``torch.compile(backend="uniep")`` (uniep_dynamo/hf_ep.py puts the
+call in the graph while Dynamo traces). The steps are the three ops the piece-by-piece rewrite makes, run back to
+back inside one call:
+
+    forward     plan_and_gather: the stable routing plan (rows ordered by expert, token, k) and every rank's
+                per-expert counts all-gathered (one collective); the split sizes to the host (the layer's one
+                synchronization; the count table rides along, so the exchange needs none of its own);
+                exchange_forward: the overlapped exchange (transfers beside the grouped GEMMs) where every rank
+                can take it and ``overlap`` is on, else the all-to-all, the experts op, the all-to-all back;
+                combine_rows: out[t] = sum_k w[t, k] * row, k in order, in fp32.
+    backward    combine_rows_backward, exchange_backward on the path the forward took (the host table says
+                which), gather_sum: each token's K row gradients summed in k order. No collective of the
+                backward waits on the host: the sizes are saved on the host.
+
+So the bits are those of ep_dispatch + ep_exchange + ep_combine, and, for one tile configuration, those of the
+single-GPU op over all ranks' tokens (each rank holding a contiguous shard of them).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..spec import decode_spec
+from .config import knobs_from_json
+from .exchange import exchange_backward, exchange_forward
+from .plan import fused, plan_and_gather
+from .sequential import combine_rows, combine_rows_backward, gather_sum
+
+
+def _process_group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
+_LAYER_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, Tensor? b_up, "
+                 "Tensor? b_down, str spec, str group_name, int world, bool overlap=False, str knobs=\"\") "
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+# The received rows and up projection of each forward call, for its backward: keyed by the call's host table (an
+# output the backward is handed back), dropped when the table dies (a forward without
+# a backward: inference, or a graph that never runs backward).
+_SAVED: dict = {}
+
+
+def _keep(table, x, up):
+    import weakref
+
+    key = id(table)
+
+    def forget(ref, key=key):
+        if _SAVED.get(key, (None,))[0] is ref:
+            _SAVED.pop(key, None)
+    _SAVED[key] = (weakref.ref(table, forget), x, up)
+
+
+def _take(table):
+    ref, x, up = _SAVED.get(id(table), (None, None, None))
+    if ref is None or ref() is not table:
+        raise RuntimeError("uniep.ep_layer_backward: the forward call's received rows are gone (its host table is "
+                           "not the one the forward returned)")
+    return x, up
+
+
+def _out_dtype(spec, weights):
+    return torch.promote_types(spec.out_dtype, weights.dtype)
+
+
+@torch.library.custom_op("uniep::ep_layer", mutates_args=(), schema=_LAYER_SCHEMA)
+def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, overlap=False,
+             knobs=""):
+    """The EP layer over the `world` ranks of `group_name`, each owning E / W consecutive experts (w_up, w_down,
+    b_up, b_down are this rank's): hidden [T, H], topk_ids [T, K] (global ids), topk_weights [T, K] are this
+    rank's tokens. ``spec``: the experts op's spec for the received rows (each one expert, weight 1; its out_dtype
+    the dtype of the rows sent back). Returns (out [T, H] in promote(rows, weights), then what the backward reads:
+    the rows sent back in plan order [T*K, H], row_order, slot_row, expert_offsets, the received counts
+    [W, E/W], and on the host the exchange's table and the split sizes [2, W]). The received rows and their up
+    projection, whose row count only the run knows (an output of that shape would make Dynamo break the graph at
+    the op), are kept for the backward beside the table (_keep)."""
+    group = _process_group(group_name)
+    if group.size() != world:
+        raise ValueError(f"uniep.ep_layer: compiled for {world} ranks, but process group {group_name!r} has "
+                         f"{group.size()}")
+    s = decode_spec(spec)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w_up.shape[0] * world
+    row_order, slot_row, offsets, counts, recv = plan_and_gather(topk_ids, num_experts, world, group)
+    if topk_ids.numel():  # what eager's scatter_add of the counts would fault on, checked on the device
+        torch._assert_async(offsets[-1] == topk_ids.numel(),
+                            f"uniep.ep_layer: an expert id lies outside [0, {num_experts})")
+    sizes = torch.stack([counts.sum(1), recv.sum(1)]).cpu()  # the layer's one host synchronization
+    send_sizes, recv_sizes = sizes.tolist()
+    routed = sum(send_sizes)
+    if fused(hidden):
+        from ..kernels.triton_routing import gather_rows
+        send = gather_rows(hidden, row_order, top_k)[:routed]
+    else:
+        send = hidden[row_order[:routed] // top_k]
+    back, x, up, table = exchange_forward(send, recv, w_up, w_down, b_up, b_down, spec, group, send_sizes,
+                                          recv_sizes, knobs_from_json(knobs), sequential=not overlap)
+    y_rows = torch.cat([back.to(s.out_dtype), back.new_zeros(topk_ids.numel() - routed, hidden.shape[1],
+                                                              dtype=s.out_dtype)])
+    out = combine_rows(y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights))
+    _keep(table, x, up)
+    return out, y_rows, row_order, slot_row, offsets, recv, table, sizes
+
+
+@ep_layer.register_fake
+def _ep_layer_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world,
+                   overlap=False, knobs=""):
+    s = decode_spec(spec)
+    num_tokens, top_k = topk_ids.shape
+    slots, size = topk_ids.numel(), hidden.shape[1]
+    local_experts = w_up.shape[0]
+    index = [topk_ids.new_empty(slots, dtype=torch.int64) for _ in range(2)]
+    return (hidden.new_empty(num_tokens, size, dtype=_out_dtype(s, topk_weights)),
+            hidden.new_empty(slots, size, dtype=s.out_dtype), index[0], index[1],
+            topk_ids.new_empty(local_experts * world, dtype=torch.int64),
+            topk_ids.new_empty(world, local_experts, dtype=torch.int64),
+            torch.empty(world, 3 * world + 2 + local_experts, dtype=torch.int64, device="cpu"),
+            torch.empty(2, world, dtype=torch.int64, device="cpu"))
+
+
+_BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor topk_weights, Tensor y_rows, Tensor row_order, Tensor slot_row, "
+                    "Tensor expert_offsets, Tensor recv_counts, Tensor table, Tensor sizes, Tensor hidden_like, "
+                    "Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, bool overlap, "
+                    "str knobs) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])")
+
+
+@torch.library.custom_op("uniep::ep_layer_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def ep_layer_backward(grad_out, topk_weights, y_rows, row_order, slot_row, expert_offsets, recv_counts, table, sizes,
+                      hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
+    """(d_hidden, d_topk_weights, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]) of ep_layer.
+    ``hidden_like``: a 0-row tensor of the hidden states' dtype."""
+    x, up = _take(table)
+    num_tokens, top_k = topk_weights.shape
+    send_sizes, recv_sizes = sizes.tolist()  # on the host: no synchronization
+    routed = sum(send_sizes)
+    d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, expert_offsets)
+    d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
+        d_rows[:routed].to(x.dtype), x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
+        _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs))
+    d_send = torch.cat([d_send, d_send.new_zeros(slot_row.numel() - routed, d_send.shape[1])])
+    d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, x.dtype)
+    return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
+
+
+@ep_layer_backward.register_fake
+def _ep_layer_backward_fake(grad_out, topk_weights, y_rows, row_order, slot_row, expert_offsets, recv_counts, table,
+                            sizes, hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
+    return (grad_out.new_empty(topk_weights.shape[0], y_rows.shape[1], dtype=hidden_like.dtype), torch.empty_like(topk_weights),
+            torch.empty_like(w_up), torch.empty_like(w_down), [torch.empty_like(b) for b in (b_up, b_down) if b is not None])
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, *rest = inputs
+    _, y_rows, row_order, slot_row, offsets, recv, table, sizes = output
+    ctx.save_for_backward(topk_weights, y_rows, row_order, slot_row, offsets, recv, table, sizes, hidden[:0], w_up,
+                          w_down, b_up, b_down)
+    ctx.args = (spec, group_name, bool(rest[0]) if rest else False, rest[1] if len(rest) > 1 else "")
+    ctx.num_inputs = len(inputs)
+    ctx.has_bias = (b_up is not None, b_down is not None)
+
+
+def _backward(ctx, grad_out, *_unused):
+    if grad_out is None:
+        return (None,) * ctx.num_inputs
+    d_hidden, d_weights, d_w_up, d_w_down, d_biases = torch.ops.uniep.ep_layer_backward(grad_out, *ctx.saved_tensors,
+                                                                                        *ctx.args)
+    it = iter(d_biases)
+    d_b_up = next(it) if ctx.has_bias[0] else None
+    d_b_down = next(it) if ctx.has_bias[1] else None
+    return (d_hidden, None, d_weights, d_w_up, d_w_down, d_b_up, d_b_down) + (None,) * (ctx.num_inputs - 7)
+
+
+ep_layer.register_autograd(_backward, setup_context=_setup_context)

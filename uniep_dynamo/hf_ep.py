@@ -1,0 +1,358 @@
+"""HF transformers' expert parallelism through the compiler: under ``torch.compile(model, backend="uniep")`` each
+call of ``AllToAllEP`` (transformers >= 5.23, ``DistributedConfig(ep_size=N)``) is traced as ONE
+``torch.ops.uniep.ep_layer`` (ep/layer.py), and its backward is one ``uniep.ep_layer_backward``.
+
+Why a substitution. Traced as written, the layer cannot sit in one Dynamo graph: the split sizes go to the host
+(``.tolist()``) and the experts call sits behind ``if tokens.shape[0] == 0``, a branch on a data-dependent size.
+So Dynamo makes two graphs of it and the graph rewrite (patterns/ep.py) can only fuse each side. Here the layer
+never reaches Dynamo as code: Dynamo sees one opaque op call, whose implementation is uniep's EP layer.
+
+How. ``install()`` runs when the backend module is imported, which ``torch.compile(backend="uniep")`` does through
+the ``torch_dynamo_backends`` entry point before it traces anything (or, if transformers' EP module is imported
+later, right after that import). It replaces ``AllToAllEP.__call__`` by a function that outside a Dynamo trace is
+HF's own call. Inside a trace it asks ``_layer_plan()``, which Dynamo runs at trace time
+(``torch._dynamo.assume_constant_result``: the answer is baked into the traced code) and which
+
+1. finds the backend of the compile being traced: the root tracer's ``OutputGraph.compiler_fn``, unwrapped as
+   ddp.py does. Not uniep: the call is traced as HF wrote it, so every other backend in the process sees HF's
+   code, unchanged (Dynamo keeps its compiled code per backend, so uniep's never serves another backend);
+2. proves the layer, else declines with a reason in the ``uniep`` log (the layer is then traced as HF wrote it,
+   and the piece-by-piece rewrite applies): the ``AllToAllEP`` methods are a version uniep was checked against
+   (their code, comments and docstrings aside, hashed), not overridden by a subclass; no tensor parallelism
+   beside EP; no autocast; the experts forward is the class's own; and the experts computation is one the experts
+   pattern proves: the experts forward, called as ``AllToAllEP`` calls it (top-1, weight 1), is captured by a
+   nested Dynamo trace of its own and matched by patterns/experts.py, which yields the op's spec (gate, layout,
+   biases) and which parameters are the weights. The traced code re-reads the experts' attributes the spec
+   depends on, so Dynamo guards them.
+
+transformers 5.17's sentinel-mask EP has no ``AllToAllEP``: nothing is installed, and the graph rewrite handles it.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import sys
+import textwrap
+import types
+
+import torch
+
+log = logging.getLogger("uniep")
+
+_HF_MODULE = "transformers.distributed.expert_parallel"
+# AST hashes (docstrings dropped) of AllToAllEP.__call__, _dispatch_tokens and _combine_tokens that uniep.ep_layer
+# was checked against: what it computes is what these compute
+KNOWN_SOURCES = {
+    "9d7eee64c66a": "transformers 5.24",
+}
+_installed = False
+_PROBES: dict = {}  # experts signature -> (spec text, parameter names) or a decline reason (str)
+_WARNED: set = set()
+
+
+class _Decline(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=4)
+def source_hash(cls) -> str:
+    """A hash of the code of cls.__call__ (HF's, under the substitution), _dispatch_tokens and _combine_tokens,
+    docstrings and comments aside."""
+    digest = hashlib.sha256()
+    for name in ("__call__", "_dispatch_tokens", "_combine_tokens"):
+        fn = getattr(cls, name)
+        fn = getattr(fn, "_uniep_original", fn)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                    isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        digest.update(ast.dump(tree, include_attributes=False).encode())
+    return digest.hexdigest()[:12]
+
+
+# ---- installing the substitution ---------------------------------------------------------------------------------
+
+def install() -> bool:
+    """Replace AllToAllEP.__call__ once per process, now if transformers' EP module is loaded, else when it is.
+    Returns whether the substitution is in place."""
+    module = sys.modules.get(_HF_MODULE)
+    if module is None:
+        if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport())
+        return False
+    return _patch(module)
+
+
+def _patch(module) -> bool:
+    global _installed
+    cls = getattr(module, "AllToAllEP", None)
+    if cls is None:  # transformers before 5.23: sentinel-mask EP, rewritten piece by piece
+        return False
+    original = cls.__dict__.get("__call__")
+    if original is None or getattr(original, "_uniep_substitute", False):
+        _installed = original is not None
+        return _installed
+
+    @functools.wraps(original)
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if torch.compiler.is_compiling():
+            plan = _layer_plan()
+            if plan is not None:
+                signature, spec, group_name, world, overlap, knobs, names = plan
+                experts = self.experts_forward.__self__
+                if _signature(experts) == signature:  # read in the trace: Dynamo guards what the spec rests on
+                    w_up, w_down, b_up, b_down = (None if n is None else getattr(experts, n) for n in names)
+                    return torch.ops.uniep.ep_layer(hidden_states, top_k_index, top_k_weights, w_up, w_down, b_up,
+                                                    b_down, spec, group_name, world, overlap, knobs)[0]
+        return original(self, hidden_states, top_k_index, top_k_weights)
+
+    __call__._uniep_substitute = True
+    __call__._uniep_original = original
+    cls.__call__ = __call__
+    _installed = True
+    return True
+
+
+class _PatchOnImport:
+    """A meta-path finder that patches transformers' EP module right after it is first imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _HF_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _patch(module)
+        loader.exec_module = exec_and_patch
+        return spec
+
+
+# ---- the trace-time decision -------------------------------------------------------------------------------------
+
+def _signature(experts) -> tuple:
+    """The experts' attributes the probed spec rests on (read in the trace too, so Dynamo guards them)."""
+    return (type(experts), experts.config._experts_implementation, experts.has_gate, experts.has_bias,
+            experts.is_transposed, experts.is_concatenated, experts.has_post_expert_norm, experts.num_experts)
+
+
+def _warn(where: str, reason: str) -> None:
+    if (where, reason) not in _WARNED:
+        _WARNED.add((where, reason))
+        log.warning("uniep: HF's expert-parallel layer %s runs as HF wrote it (its dispatch and combine are "
+                    "rewritten piece by piece): %s", where, reason)
+
+
+@torch._dynamo.assume_constant_result
+def _layer_plan():
+    """(signature, spec, group name, world, overlap, knobs, weight names) of the traced AllToAllEP call for
+    uniep.ep_layer, or None (not uniep's compile, or a decline, logged). Runs at trace time."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        root = InstructionTranslator.current_tx()
+        call = _uniep_options(root.output.compiler_fn)
+        if call is None:
+            return None
+        traced = root.output.current_tx.symbolic_locals
+        ep = traced["self"].value
+        hidden = traced["hidden_states"].as_proxy().node.meta["example_value"]
+        weights = traced["top_k_weights"].as_proxy().node.meta["example_value"]
+        ids = traced["top_k_index"].as_proxy().node.meta["example_value"]
+    except Exception as exc:  # noqa: BLE001  (torch internals other than expected: degrade, never crash)
+        _warn("", f"uniep cannot read the traced call ({type(exc).__name__}: {exc})")
+        return None
+    from .backend import UniepOptions
+
+    opts = UniepOptions.from_options(call[1])
+    where = type(ep).__name__
+    if not opts.rewrite_ep:
+        return None
+    try:
+        plan = _prove(ep, hidden, ids, weights)
+    except _Decline as exc:
+        _warn(where, str(exc))
+        return None
+    except Exception as exc:  # noqa: BLE001  (a proof that cannot run declines; the trace goes on as HF wrote it)
+        _warn(where, f"uniep could not check the layer ({type(exc).__name__}: {exc})")
+        return None
+    signature, spec, names = plan
+    group = ep.ep_mesh.get_group()
+    knobs = json.dumps(opts.ep_knobs, sort_keys=True) if opts.ep_knobs else ""
+    log.info("uniep: HF's %s traced as uniep.ep_layer over %d ranks [%s]", where, ep.ep_mesh.size(), spec)
+    return signature, spec, group.group_name, ep.ep_mesh.size(), opts.overlap_ep, knobs, names
+
+
+def _uniep_options(compiler_fn):
+    from .ddp import _uniep_call
+
+    seen = 0
+    while compiler_fn is not None and seen < 4:  # under DDP, Dynamo's backend is DDPOptimizer.compile_fn
+        seen += 1
+        call = _uniep_call(compiler_fn)
+        if call is not None:
+            return call
+        compiler_fn = getattr(getattr(compiler_fn, "__self__", None), "backend_compile_fn", None)
+    return None
+
+
+def _prove(ep, hidden, ids, weights):
+    """(signature, spec text, weight parameter names) of an AllToAllEP call uniep.ep_layer computes, or _Decline."""
+    module = sys.modules[_HF_MODULE]
+    cls = module.AllToAllEP
+    for name in ("_dispatch_tokens", "_combine_tokens"):
+        if getattr(type(ep), name) is not getattr(cls, name):
+            raise _Decline(f"{type(ep).__name__} overrides AllToAllEP.{name}")
+    digest = source_hash(cls)
+    if digest not in KNOWN_SOURCES:
+        raise _Decline(f"AllToAllEP's code (hash {digest}) is not a version uniep was checked against "
+                       f"({', '.join(KNOWN_SOURCES.values())})")
+    if ep.tp_mesh.size() != 1:
+        raise _Decline("tensor parallelism beside expert parallelism (tp_size > 1) is not taken yet")
+    for device_type in {hidden.device.type, "cpu"}:
+        if torch.is_autocast_enabled(device_type):
+            raise _Decline("the layer runs under autocast")
+    if ids.dtype != torch.int64 or ids.dim() != 2 or hidden.dim() != 2:
+        raise _Decline(f"top_k_index is {ids.dtype} {list(ids.shape)}, hidden states {list(hidden.shape)}")
+    if weights.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise _Decline(f"routing weights are {weights.dtype}")
+    experts = getattr(ep.experts_forward, "__self__", None)
+    if experts is None or getattr(ep.experts_forward, "__func__", None) is not type(experts).forward:
+        raise _Decline("the experts forward is not the experts class's own")
+    try:
+        signature = _signature(experts)
+    except AttributeError as exc:
+        raise _Decline(f"the experts module is not a @use_experts_implementation one ({exc})") from None
+    if experts.num_experts != ep.num_local_experts:
+        raise _Decline(f"the experts hold {experts.num_experts} experts, the EP layer counts {ep.num_local_experts}")
+    if not isinstance(hidden.shape[-1], int):
+        raise _Decline("the hidden size is symbolic")
+    key = (signature, tuple((n, None if p is None else (tuple(_local(p).shape), _local(p).dtype, _local(p).device))
+                            for n, p in experts._parameters.items()), hidden.dtype, hidden.device)
+    if key not in _PROBES:
+        try:
+            _PROBES[key] = _probe(experts, hidden.dtype, hidden.shape[-1], hidden.device)
+        except _Decline as exc:
+            _PROBES[key] = str(exc)
+    probed = _PROBES[key]
+    if isinstance(probed, str):
+        raise _Decline(probed)
+    return (signature, *probed)
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _probe(experts, dtype, hidden_size: int, device):
+    """(spec text, (w_up, w_down, b_up, b_down) parameter names) of the experts computation, called as AllToAllEP
+    calls it, as patterns/experts.py proves it on a Dynamo graph of it; or _Decline with the pattern's reason."""
+    # the same attributes, this rank's shards as plain parameters, the class's forward (its hooks, FSDP's say, are
+    # not run: the probe calls forward itself). object.__new__: FSDP's module classes construct in __new__
+    twin = object.__new__(type(experts))
+    twin.__dict__.update(experts.__dict__)
+    twin.__dict__.pop("forward", None)
+    twin._parameters = {n: None if p is None else torch.nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad)
+                        for n, p in experts._parameters.items()}
+    local = experts.num_experts
+    rows = 2 * local
+    hidden = torch.randn(rows, hidden_size, dtype=dtype, device=device, requires_grad=True)
+    ids = torch.arange(local, device=device).repeat(2).unsqueeze(-1)
+    ones = torch.ones(rows, 1, dtype=dtype, device=device)
+    graphs = []
+
+    def capture(gm, example_inputs):  # matched here: Dynamo drops the inputs' records once the compile returns
+        graphs.append((gm, _match_probe(gm, twin, hidden, ids, ones)))
+        return gm.forward
+    forward = type(experts).forward
+
+    def probe(module, h, i, w):
+        return forward(module, h, i, w)
+    # a fresh code object: Dynamo's cache entries (and its recompile limit) hang on the code object
+    probe = types.FunctionType(probe.__code__.replace(), probe.__globals__, "uniep_experts_probe", None,
+                               probe.__closure__)
+    try:
+        with torch.enable_grad():
+            torch.compile(probe, backend=capture, fullgraph=True, dynamic=False)(twin, hidden, ids, ones)
+    except Exception as exc:  # noqa: BLE001
+        raise _Decline(f"the experts forward does not trace into one graph ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if len(graphs) != 1:
+        raise _Decline(f"the experts forward traced into {len(graphs)} graphs")
+    found = graphs[0][1]
+    if isinstance(found, str):
+        raise _Decline(found)
+    return found
+
+
+def _match_probe(gm, twin, hidden, ids, ones):
+    """(spec text, parameter names) of the probe's graph, or the reason it is not proven (str)."""
+    try:
+        return _match_probe_or_decline(gm, twin, hidden, ids, ones)
+    except _Decline as exc:
+        return str(exc)
+
+
+def _match_probe_or_decline(gm, twin, hidden, ids, ones):
+    from .patterns import find_experts_regions
+
+    matches, misses = find_experts_regions(gm.graph)
+    if len(matches) != 1:
+        reasons = "; ".join(m.reason for m in misses) or "no experts region"
+        raise _Decline(f"the experts pattern does not prove the experts ({reasons})")
+    match = matches[0]
+    if match.spec.post is not None or match.post_operands:
+        raise _Decline("post-expert programs (a norm after the experts) are not taken under EP yet")
+    if match.compute_dtype is not None or match.out_cast is not None:
+        raise _Decline("the experts run under autocast")
+    inputs = {id(t): name for name, t in (("hidden", hidden), ("ids", ids), ("weights", ones))}
+    params = {id(p): n for n, p in twin._parameters.items() if p is not None}
+    bound = {what: _bound_tensor(gm, node) for what, node in (("hidden", match.hidden), ("ids", match.topk_ids),
+                                                                ("weights", match.topk_weights))}
+    for what, tensor in bound.items():
+        if tensor is None or inputs.get(id(tensor)) != what:
+            raise _Decline(f"the experts match binds its {what} to something other than the experts' input")
+    names = []
+    for what, node in (("w_up", match.w_up), ("w_down", match.w_down), ("b_up", match.b_up), ("b_down", match.b_down)):
+        if node is None:
+            names.append(None)
+            continue
+        tensor = _bound_tensor(gm, node)
+        if tensor is None or id(tensor) not in params:
+            raise _Decline(f"the experts match's {what} is not one of the experts' parameters")
+        names.append(params[id(tensor)])
+    spec = dataclasses.replace(match.spec, out_of_range="drop", reuse_saved=False)
+    return spec.encode(), tuple(names)
+
+
+def _bound_tensor(gm, node):
+    """The real tensor a placeholder (a graph input, or a lifted parameter) or a get_attr node of gm stands for."""
+    if node.op == "placeholder":
+        arg = node.meta.get("grapharg")
+        return None if arg is None else arg.example
+    if node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part, None)
+        return obj
+    return None
