@@ -22,7 +22,7 @@ from . import ddp, hf_ep, report
 from .lowering import lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_router, share_routing_plan
 from .patterns import find_ep_regions, find_experts_regions, find_router_regions
 from .patterns.bodies import walk
-from .patterns.graph_utils import module_path as gu_module_path
+from .patterns.graph_utils import module_path
 
 log = logging.getLogger("uniep")
 
@@ -174,7 +174,7 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         if node.op == "call_function" and node.target in (torch.ops.uniep.ep_layer, torch.ops.uniep.ep_layer.default):
             counts["ep_layer"] += 1
             log.info("uniep: %s%s is one uniep.ep_layer (HF's AllToAllEP, substituted while Dynamo traced)",
-                     gu_module_path(node), inside)
+                     module_path(node), inside)
     for pattern, found_misses, counter, what in (("experts", misses, "unfused", "%s"),
                                                  ("router", router_misses, "router_unfused", "router %s"),
                                                  ("ep", ep_misses, "ep_unfused", "expert-parallel step in %s")):
