@@ -149,3 +149,52 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
             torch.testing.assert_close(ind["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
             for name, want in eager["grads"].items():
                 torch.testing.assert_close(ind["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---- the op against the single-process op, bit for bit (issue 37; DESIGN contract 3) ----------------------------
+
+def _op_case():
+    """12 tokens a rank, 4 experts (2 a rank), K = 3 (an order of three partials is visible in fp32: two commute),
+    the spec uniep.ep_layer gets from hf_ep._probe (out-of-range slots dropped)."""
+    import dataclasses
+
+    from test_reference import SILU_GLU, make
+
+    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(24, 16, 12, 4, 3, gate=SILU_GLU)
+    return hidden, ids, weights, w_up, w_down, b_up, b_down, dataclasses.replace(spec, out_of_range="drop",
+                                                                                 reuse_saved=False)
+
+
+def _op_worker(rank, world, port, kernels, overlap, out_dir):
+    from test_ep import gloo_group, rank_leaves
+
+    with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
+        import uniep_dynamo  # noqa: F401
+
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+        tokens, e_local = hidden.shape[0] // world, w_up.shape[0] // world
+        mine, experts = slice(rank * tokens, (rank + 1) * tokens), slice(rank * e_local, (rank + 1) * e_local)
+        leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+        out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
+                                       dist.group.WORLD.group_name, world, overlap, "")[0]
+        grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
+        out.backward(grad)
+        torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]]}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_ep_layer_bitwise_equals_single_process_op(tmp_path, monkeypatch):
+    """uniep.ep_layer (what HF's AllToAllEP compiles to) at EP=2 against uniep.moe_experts over the global batch in
+    one process, both on the reference kernels (CPU's default, and what the HF tests above run; the EP layer's
+    gather, combine and routing-weight gradient take the Triton kernels only on CUDA, ep/plan.py's fused()): this
+    rank's output rows and hidden-state and routing-weight gradients, and each rank's expert-weight gradients,
+    concatenated over ranks, are the single-process op's bits. Within an expert the rows run in (source rank,
+    token, k) order, and the combine sums the K = 3 partials in k order in fp32 (DESIGN contract 3): another row
+    order changes the weight gradients' bits, another k order the output's."""
+    monkeypatch.setenv("UNIEP_KERNELS", "reference")
+    from test_ep import single_process
+
+    ranks = run_workers(_op_worker, 2, ("reference", False), tmp_path)
+    ref_out, ref_grads = single_process(*_op_case())
+    assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
+    for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
+        assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name
