@@ -109,20 +109,25 @@ def count_table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
     every = offsets.new_empty(world * (experts + 1))  # flat: gloo takes no [W, n] output
     dist.all_gather_into_tensor(every, mine, group=group)
     every = every.view(world, experts + 1)
-    copied = None
-    if every.is_cuda:
-        host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
-        host.copy_(every, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-    else:
-        host = every
+    host, copied = host_copy(every)
     if beside is not None:
         beside()
     if copied is not None:
         copied.synchronize()
     table = host.tolist()
     return [row[:-1] for row in table], [row[-1] for row in table], every
+
+
+def host_copy(t: torch.Tensor):
+    """(host tensor, event): a copy of ``t`` into pinned host memory on the current stream and the event recorded
+    after it, to wait on before reading; on the CPU ``t`` itself and None."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def address_key(t: torch.Tensor):
@@ -152,13 +157,7 @@ def stash_count_table(recv: torch.Tensor, table: torch.Tensor) -> None:
     key = address_key(recv)
     if key is None:
         return
-    if table.is_cuda:
-        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-        host.copy_(table, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-    else:
-        host, event = table, None
+    host, event = host_copy(table)
     _COUNT_TABLES.pop(key, None)
     _COUNT_TABLES[key] = (recv, host, event)
     while len(_COUNT_TABLES) > MAX_COUNT_TABLES:
