@@ -165,11 +165,22 @@ def _op_case():
                                                                                  reuse_saved=False)
 
 
+def _sorted_by_reference(ids, num_experts, clamp):
+    """The Triton counting sort's integers (tests/test_megakernel.py holds them equal) from the reference's sort: in
+    the interpreter the Triton sort (a tl.sort of 1024 keys a block) takes some 2 s a call, and it is not what the
+    bitwise test below is about (the floating-point routing kernels are)."""
+    from uniep_dynamo.kernels import reference
+    return reference.routing_plan(ids.clamp(0, num_experts - 1) if clamp else ids, num_experts)
+
+
 def _op_worker(rank, world, port, kernels, overlap, out_dir):
     from test_ep import gloo_group, rank_leaves
 
     with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
         import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.kernels import triton_routing
+
+        triton_routing.routing_plan = _sorted_by_reference  # in this worker process, which ends with the test
 
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
         tokens, e_local = hidden.shape[0] // world, w_up.shape[0] // world
@@ -182,18 +193,29 @@ def _op_worker(rank, world, port, kernels, overlap, out_dir):
         torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]]}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_ep_layer_bitwise_equals_single_process_op(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", [
+    "reference",  # CPU's default, and what the HF tests above run
+    "triton",  # the MegaKernel's kernels in Triton's interpreter (TRITON_INTERPRET=1, conftest): the EP layer's
+               # gather, combine and routing-weight gradient too, as the single-process op's
+])
+def test_ep_layer_bitwise_equals_single_process_op(kernels, tmp_path, monkeypatch):
     """uniep.ep_layer (what HF's AllToAllEP compiles to) at EP=2 against uniep.moe_experts over the global batch in
-    one process, both on the reference kernels (CPU's default, and what the HF tests above run; the EP layer's
-    gather, combine and routing-weight gradient take the Triton kernels only on CUDA, ep/plan.py's fused()): this
-    rank's output rows and hidden-state and routing-weight gradients, and each rank's expert-weight gradients,
-    concatenated over ranks, are the single-process op's bits. Within an expert the rows run in (source rank,
-    token, k) order, and the combine sums the K = 3 partials in k order in fp32 (DESIGN contract 3): another row
-    order changes the weight gradients' bits, another k order the output's."""
-    monkeypatch.setenv("UNIEP_KERNELS", "reference")
+    one process, both under the same UNIEP_KERNELS: this rank's output rows and hidden-state and routing-weight
+    gradients, and each rank's expert-weight gradients, concatenated over ranks, are the single-process op's bits.
+    The EP layer runs the MegaKernel's routing kernels exactly where that op runs the MegaKernel (ep/plan.py's
+    layer_fused; the Triton and the reference routing-weight gradients differ in the last bit). Within an expert the
+    rows run in (source rank, token, k) order, and the combine sums the K = 3 partials in k order in fp32 (DESIGN
+    contract 3): another row order changes the weight gradients' bits, another k order the output's. Both sides sort
+    the slots by the reference (_sorted_by_reference: the same integers, 2 s a call less)."""
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors run only in the interpreter (TRITON_INTERPRET=1, which "
+                    "conftest sets without a GPU)")
+    monkeypatch.setenv("UNIEP_KERNELS", kernels)
     from test_ep import single_process
+    from uniep_dynamo.kernels import triton_routing
 
-    ranks = run_workers(_op_worker, 2, ("reference", False), tmp_path)
+    monkeypatch.setattr(triton_routing, "routing_plan", _sorted_by_reference)
+    ranks = run_workers(_op_worker, 2, (kernels, False), tmp_path)
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert

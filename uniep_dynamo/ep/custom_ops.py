@@ -46,7 +46,7 @@ def ep_dispatch(hidden, topk_ids, num_experts, world, group_name, gather_counts=
         raise ValueError(f"uniep.ep_dispatch: compiled for {world} ranks, but process group {group_name!r} has "
                          f"{group.size()}")
     plan = plan_and_gather if gather_counts else plan_and_exchange
-    row_order, slot_row, offsets, counts, recv = plan(topk_ids, num_experts, world, group)
+    row_order, slot_row, offsets, counts, recv = plan(topk_ids, num_experts, world, group, fused(topk_ids))
     # what eager's scatter_add of the counts would fault on, as a device-side check (no host sync): the plan
     # sorts an id outside [0, E) past every expert's rows, so the experts then hold fewer than all T*K slots
     if topk_ids.numel():
@@ -74,7 +74,7 @@ def _ep_dispatch_fake(hidden, topk_ids, num_experts, world, group_name, gather_c
                          schema="(Tensor d_rows, Tensor slot_row, Tensor expert_offsets, SymInt num_tokens, "
                                 "int top_k) -> Tensor")
 def ep_dispatch_backward(d_rows, slot_row, expert_offsets, num_tokens, top_k):
-    return gather_sum(d_rows, slot_row, expert_offsets, num_tokens, top_k, d_rows.dtype)
+    return gather_sum(d_rows, slot_row, expert_offsets, num_tokens, top_k, d_rows.dtype, fused(d_rows))
 
 
 @ep_dispatch_backward.register_fake
@@ -166,7 +166,8 @@ def ep_combine(rows, row_order, weights):
     promotion of the rows' and weights' dtypes: `buf = empty_like(rows); buf[row_order] = rows;
     (buf.view(T, K, H) * weights[..., None]).sum(1)` with one fixed rounding."""
     slot_row, offsets = _unpermute_plan(row_order, weights)
-    return combine_rows(rows, weights, slot_row, offsets, torch.promote_types(rows.dtype, weights.dtype))
+    return combine_rows(rows, weights, slot_row, offsets, torch.promote_types(rows.dtype, weights.dtype),
+                        fused(rows))
 
 
 @ep_combine.register_fake
@@ -178,7 +179,7 @@ def _ep_combine_fake(rows, row_order, weights):
                          schema="(Tensor grad_out, Tensor rows, Tensor row_order, Tensor weights) -> (Tensor, Tensor)")
 def ep_combine_backward(grad_out, rows, row_order, weights):
     slot_row, offsets = _unpermute_plan(row_order, weights)
-    return combine_rows_backward(grad_out, rows, weights, row_order.long(), slot_row, offsets)
+    return combine_rows_backward(grad_out, rows, weights, row_order.long(), slot_row, offsets, fused(rows))
 
 
 @ep_combine_backward.register_fake

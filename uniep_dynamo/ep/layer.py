@@ -25,7 +25,7 @@ import torch
 from ..spec import decode_spec
 from .config import knobs_from_json
 from .exchange import exchange_backward, exchange_forward
-from .plan import fused, plan_and_gather
+from .plan import layer_fused, plan_and_gather
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 
 
@@ -39,13 +39,14 @@ _LAYER_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-# The received rows and up projection of each forward call, for its backward: keyed by the call's host table (an
-# output the backward is handed back), dropped when the table dies (a forward without
+# The received rows and up projection of each forward call, and whether it ran the MegaKernel's routing kernels
+# (plan.layer_fused, decided at run time: setup_context sees fake tensors under AOTAutograd), for its backward: keyed
+# by the call's host table (an output the backward is handed back), dropped when the table dies (a forward without
 # a backward: inference, or a graph that never runs backward).
 _SAVED: dict = {}
 
 
-def _keep(table, x, up):
+def _keep(table, x, up, fused_kernels: bool):
     import weakref
 
     key = id(table)
@@ -53,15 +54,15 @@ def _keep(table, x, up):
     def forget(ref, key=key):
         if _SAVED.get(key, (None,))[0] is ref:
             _SAVED.pop(key, None)
-    _SAVED[key] = (weakref.ref(table, forget), x, up)
+    _SAVED[key] = (weakref.ref(table, forget), x, up, fused_kernels)
 
 
 def _take(table):
-    ref, x, up = _SAVED.get(id(table), (None, None, None))
+    ref, x, up, fused_kernels = _SAVED.get(id(table), (None, None, None, None))
     if ref is None or ref() is not table:
         raise RuntimeError("uniep.ep_layer_backward: the forward call's received rows are gone (its host table is "
                            "not the one the forward returned)")
-    return x, up
+    return x, up, fused_kernels
 
 
 def _out_dtype(spec, weights):
@@ -86,14 +87,15 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     s = decode_spec(spec)
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0] * world
-    row_order, slot_row, offsets, counts, recv = plan_and_gather(topk_ids, num_experts, world, group)
+    fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
+    row_order, slot_row, offsets, counts, recv = plan_and_gather(topk_ids, num_experts, world, group, fused_kernels)
     if topk_ids.numel():  # what eager's scatter_add of the counts would fault on, checked on the device
         torch._assert_async(offsets[-1] == topk_ids.numel(),
                             f"uniep.ep_layer: an expert id lies outside [0, {num_experts})")
     sizes = torch.stack([counts.sum(1), recv.sum(1)]).cpu()  # the layer's one host synchronization
     send_sizes, recv_sizes = sizes.tolist()
     routed = sum(send_sizes)
-    if fused(hidden):
+    if fused_kernels:
         from ..kernels.triton_routing import gather_rows
         send = gather_rows(hidden, row_order, top_k)[:routed]
     else:
@@ -102,8 +104,8 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
                                           recv_sizes, knobs_from_json(knobs), sequential=not overlap)
     y_rows = torch.cat([back.to(s.out_dtype), back.new_zeros(topk_ids.numel() - routed, hidden.shape[1],
                                                               dtype=s.out_dtype)])
-    out = combine_rows(y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights))
-    _keep(table, x, up)
+    out = combine_rows(y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights), fused_kernels)
+    _keep(table, x, up, fused_kernels)
     return out, y_rows, row_order, slot_row, offsets, recv, table, sizes
 
 
@@ -134,16 +136,17 @@ def ep_layer_backward(grad_out, topk_weights, y_rows, row_order, slot_row, exper
                       hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
     """(d_hidden, d_topk_weights, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]) of ep_layer.
     ``hidden_like``: a 0-row tensor of the hidden states' dtype."""
-    x, up = _take(table)
+    x, up, fused_kernels = _take(table)
     num_tokens, top_k = topk_weights.shape
     send_sizes, recv_sizes = sizes.tolist()  # on the host: no synchronization
     routed = sum(send_sizes)
-    d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, expert_offsets)
+    d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, expert_offsets,
+                                              fused_kernels)
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         d_rows[:routed].to(x.dtype), x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
         _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs))
     d_send = torch.cat([d_send, d_send.new_zeros(slot_row.numel() - routed, d_send.shape[1])])
-    d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, x.dtype)
+    d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, x.dtype, fused_kernels)
     return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 
 

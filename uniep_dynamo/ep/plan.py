@@ -10,7 +10,9 @@ order; rank r's experts are contiguous in it, so it is also the send order). Wha
     overlapped layer    every rank's per-expert counts and token count, all-gathered and copied to the host, the
                         layer's one synchronization (count_table)
 
-``fused`` says whether the MegaKernel's own kernels run these steps (CUDA), so that EP rounds as the single-GPU op.
+``layer_fused`` says whether the MegaKernel's own kernels run the EP layer's routing steps (routing plan, gather,
+combine, routing-weight gradient): exactly where the single-process op runs the MegaKernel, so that EP rounds as that
+op does. ``fused`` says it for the piece-by-piece rewrite's ops, which see no expert weights (CUDA only).
 """
 from __future__ import annotations
 
@@ -32,34 +34,34 @@ class EPPlan:
     recv_expert: torch.Tensor  # [sum(recv_counts)] local expert of each received row
 
 
-def routing_plan(topk_ids: torch.Tensor, num_experts: int):
-    """(row_order, slot_row, expert_offsets) of the single-rank op: on CUDA its Triton counting sort (three
-    launches), elsewhere the reference's stable sort; the same integers either way."""
+def routing_plan(topk_ids: torch.Tensor, num_experts: int, fused_kernels: bool):
+    """(row_order, slot_row, expert_offsets) of the single-rank op: with ``fused_kernels`` its Triton counting sort
+    (three launches), else the reference's stable sort; the same integers either way."""
     from ..kernels import megakernel
 
-    if fused(topk_ids) and num_experts <= megakernel.MAX_EXPERTS:
+    if fused_kernels and num_experts <= megakernel.MAX_EXPERTS:
         from ..kernels.triton_routing import MAX_SLOTS, routing_plan
         if topk_ids.numel() < MAX_SLOTS:
             return routing_plan(topk_ids, num_experts, clamp=False)
     return reference.routing_plan(topk_ids, num_experts)
 
 
-def plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, group):
+def plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, group, fused_kernels: bool):
     """The single-rank routing plan (row_order, slot_row, expert_offsets) and the per-expert counts this
     rank sends and, exchanged over `group`, receives ([world, E / world] each)."""
-    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts)
+    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)
     return row_order, slot_row, offsets, counts, recv
 
 
-def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group):
+def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group, fused_kernels: bool):
     """plan_and_exchange with the counts all-gathered instead of exchanged: every rank's per-expert counts
     ([world, E], one collective, as the all_to_all was) give this rank's received counts, and the whole table
     goes to the host behind the model's own synchronization (stash_count_table), for the exchange
     of the next graph to lay out its transfers without a collective of its own."""
-    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts)
+    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     flat = torch.diff(offsets, prepend=offsets.new_zeros(1))
     table = flat.new_empty(world * num_experts)
     _all_gather_flat(table, flat, group=group)
@@ -75,20 +77,36 @@ def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None) -> EPPlan:
+def ep_plan(topk_ids: torch.Tensor, num_experts: int, group, fused_kernels: bool) -> EPPlan:
     world = dist.get_world_size(group)
     if num_experts % world:
         raise ValueError(f"uniep: {num_experts} experts do not split evenly over {world} ranks")
     e_local = num_experts // world
-    row_order, slot_row, offsets, counts, recv = plan_and_exchange(topk_ids, num_experts, world, group)
+    row_order, slot_row, offsets, counts, recv = plan_and_exchange(topk_ids, num_experts, world, group,
+                                                                   fused_kernels)
     recv_expert = torch.repeat_interleave(
         torch.arange(e_local, device=counts.device).repeat(world), recv.reshape(-1))
     return EPPlan(row_order, slot_row, offsets, counts.sum(1).tolist(), recv.sum(1).tolist(), recv_expert)
 
 
+def layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, spec, world: int) -> bool:
+    """Whether the single-process op over every rank's tokens and all E_local * world experts runs the MegaKernel
+    (megakernel.unsupported_reason: the kernel mode, the device or Triton's interpreter, the dtypes, the gate, the
+    expert count). Where it does, the EP layer's routing plan, gather, combine and routing-weight gradient are the
+    MegaKernel's own kernels, elsewhere the reference's, so that the layer rounds as that op does: the two
+    routing-weight gradients differ in the last bit (on CUDA, and in the interpreter under UNIEP_KERNELS=triton).
+    ``spec``: decoded; its gate and post program are the single-process op's. Only the slot count is this rank's
+    (that op holds every rank's against MAX_SLOTS, 2^31)."""
+    from ..kernels import megakernel
+
+    if w_up.shape[0] * world > megakernel.MAX_EXPERTS:
+        return False
+    return megakernel.unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, [], spec) is None
+
+
 def fused(t: torch.Tensor) -> bool:
-    """The MegaKernel's own gather/combine kernels on CUDA (so the EP layer rounds exactly as the
-    single-rank op does), the reference's elsewhere."""
+    """The piece-by-piece rewrite's ops (custom_ops.py: the dispatch and the combine, which see no expert weights):
+    the MegaKernel's own gather/combine kernels on CUDA, the reference's elsewhere (the interpreter included)."""
     from ..kernels import megakernel
 
     return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel.triton_available()

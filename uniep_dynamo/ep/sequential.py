@@ -21,7 +21,8 @@ bit. Each rank holds T tokens and E_local = E / world experts (rank r owns exper
 
 Backward runs the same way in reverse through autograd (the collectives are torch.distributed.nn's);
 the dispatch's and the combine's own backward are the single-rank op's fixed-order reductions, so no
-step adds in an order that depends on timing. On CUDA those steps are the MegaKernel's own kernels and
+step adds in an order that depends on timing. Where the single-rank op runs the MegaKernel (CUDA; the
+interpreter under UNIEP_KERNELS=triton; plan.layer_fused) those steps are the MegaKernel's own kernels and
 each expert's rows come in the single-rank order when each rank holds a contiguous shard of the
 tokens, so, for one tile configuration, the EP layer is meant to equal the single-GPU op bit for bit
 (tests/test_gpu_ep.py checks it). The compile rewrites' ops (custom_ops.py) reuse its gather and combine steps.
@@ -35,23 +36,26 @@ import torch.distributed as dist
 
 from ..kernels import reference
 from ..spec import decode_spec
-from .plan import ep_plan, fused
+from .plan import ep_plan, layer_fused
 
 
-def gather_sum(d_rows, slot_row, expert_offsets, num_tokens: int, top_k: int, dtype):
+# ``fused_kernels`` below: the MegaKernel's own routing kernels (plan.layer_fused, or plan.fused for the piece-by-piece
+# rewrite's ops), else the reference's.
+
+def gather_sum(d_rows, slot_row, expert_offsets, num_tokens: int, top_k: int, dtype, fused_kernels: bool):
     """d_hidden[t] = sum over k (in order, fp32) of the rows of token t's K slots: the backward of
     rows = hidden[row_order // K]."""
-    if fused(d_rows):
+    if fused_kernels:
         from ..kernels.triton_routing import combine
         return combine(d_rows.contiguous(), slot_row, None, expert_offsets, num_tokens, top_k, dtype)
     routed = reference.routed_rows_mask(expert_offsets, slot_row.numel())
     return reference.combine_slots(d_rows, slot_row, routed, None, num_tokens, top_k, dtype)
 
 
-def combine_rows(rows, weights, slot_row, expert_offsets, out_dtype):
+def combine_rows(rows, weights, slot_row, expert_offsets, out_dtype, fused_kernels: bool):
     """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows past the routed ones are 0."""
     num_tokens, top_k = weights.shape
-    if fused(rows):
+    if fused_kernels:
         from ..kernels.triton_routing import combine
         return combine(rows.contiguous(), slot_row, weights.contiguous(), expert_offsets, num_tokens, top_k,
                        out_dtype)
@@ -59,11 +63,11 @@ def combine_rows(rows, weights, slot_row, expert_offsets, out_dtype):
     return reference.combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
 
 
-def combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_offsets):
+def combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_offsets, fused_kernels: bool):
     """(d_rows, d_weights) of combine_rows: d_w from <grad_out, row> and d_rows = w * grad_out rows, as the
     single-rank op has them."""
     num_tokens, top_k = weights.shape
-    if fused(rows):
+    if fused_kernels:
         from ..kernels.triton_routing import gather_rows, routing_weight_grad
         grad_out = grad_out.contiguous()
         d_weights = routing_weight_grad(grad_out, rows.contiguous(), slot_row, expert_offsets, num_tokens, top_k,
@@ -79,29 +83,30 @@ class _Dispatch(torch.autograd.Function):
     """Token rows in plan order, [S, H]; backward: the sum over each token's K rows, k in order."""
 
     @staticmethod
-    def forward(ctx, hidden, row_order, slot_row, expert_offsets, top_k):
+    def forward(ctx, hidden, row_order, slot_row, expert_offsets, top_k, fused_kernels):
         ctx.save_for_backward(slot_row, expert_offsets)
-        ctx.shape = (hidden.shape[0], top_k, hidden.dtype)
+        ctx.shape = (hidden.shape[0], top_k, hidden.dtype, fused_kernels)
         return hidden[row_order // top_k]
 
     @staticmethod
     def backward(ctx, d_rows):
         slot_row, expert_offsets = ctx.saved_tensors
-        return gather_sum(d_rows, slot_row, expert_offsets, *ctx.shape), None, None, None, None
+        return gather_sum(d_rows, slot_row, expert_offsets, *ctx.shape), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """out[t] = sum_k w[t, k] * rows[slot_row[t*K + k]], k in order, in fp32; rows of dropped slots are 0."""
 
     @staticmethod
-    def forward(ctx, rows, weights, row_order, slot_row, expert_offsets, out_dtype):
+    def forward(ctx, rows, weights, row_order, slot_row, expert_offsets, out_dtype, fused_kernels):
         ctx.save_for_backward(rows, weights, row_order, slot_row, expert_offsets)
-        return combine_rows(rows, weights, slot_row, expert_offsets, out_dtype)
+        ctx.fused_kernels = fused_kernels
+        return combine_rows(rows, weights, slot_row, expert_offsets, out_dtype, fused_kernels)
 
     @staticmethod
     def backward(ctx, grad_out):
-        d_rows, d_weights = combine_rows_backward(grad_out, *ctx.saved_tensors)
-        return d_rows, d_weights, None, None, None, None
+        d_rows, d_weights = combine_rows_backward(grad_out, *ctx.saved_tensors, ctx.fused_kernels)
+        return d_rows, d_weights, None, None, None, None, None
 
 
 def ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec: str, group=None):
@@ -117,11 +122,12 @@ def ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec:
     num_experts = w_up.shape[0] * world
     top_k = topk_ids.shape[1]
     ids = topk_ids.clamp(0, num_experts - 1) if s.out_of_range == "clamp" else topk_ids
-    plan = ep_plan(ids, num_experts, group)
+    fused_kernels = layer_fused(hidden, ids, w_up, w_down, b_up, b_down, s, world)
+    plan = ep_plan(ids, num_experts, group, fused_kernels)
     routed_rows = sum(plan.send_counts)
     hidden_size = hidden.shape[1]
 
-    x_rows = _Dispatch.apply(hidden, plan.row_order, plan.slot_row, plan.expert_offsets, top_k)
+    x_rows = _Dispatch.apply(hidden, plan.row_order, plan.slot_row, plan.expert_offsets, top_k, fused_kernels)
     x_recv = all_to_all_single(x_rows.new_empty(sum(plan.recv_counts), hidden_size), x_rows[:routed_rows],
                                plan.recv_counts, plan.send_counts, group=group)
     # one expert per received row, routing weight 1: the op returns each row's down projection exactly
@@ -133,4 +139,5 @@ def ep_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec:
     y_back = all_to_all_single(y_recv.new_empty(routed_rows, hidden_size), y_recv, plan.send_counts,
                                plan.recv_counts, group=group)
     y_rows = torch.cat([y_back, y_back.new_zeros(ids.numel() - routed_rows, hidden_size)])
-    return _Combine.apply(y_rows, topk_weights, plan.row_order, plan.slot_row, plan.expert_offsets, s.out_dtype)
+    return _Combine.apply(y_rows, topk_weights, plan.row_order, plan.slot_row, plan.expert_offsets, s.out_dtype,
+                          fused_kernels)
