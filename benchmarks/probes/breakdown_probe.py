@@ -177,6 +177,65 @@ def labelled_pieces(run, T, H, I, E, K, floor):
     return out
 
 
+def sync_calls(run):
+    """The synchronizing CUDA calls one ``run()`` makes (torch's sync debug mode), each with the innermost frames
+    outside torch that made it."""
+    import traceback
+    import warnings
+
+    found = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            original = warnings.showwarning
+
+            def note(message, *args, **kwargs):
+                frames = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-2]
+                          if "/torch/" not in f.filename][-4:]
+                found.append((str(message)[:120], frames))
+
+            warnings.showwarning = note
+            try:
+                run()
+                torch.cuda.synchronize()
+            finally:
+                warnings.showwarning = original
+        for w in caught:  # record=True keeps them in the list rather than showing them
+            found.append((str(w.message)[:120], [f"{w.filename.split('/')[-1]}:{w.lineno}"]))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return found
+
+
+def busy_back_to_back(run, steps: int = 5):
+    """(GPU busy ms, wall ms) per step over ``steps`` steps issued back to back under the profiler: busy is the
+    union of the kernels' intervals, wall from the first kernel's start to the last one's end."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    wall = spans[-1][1] - spans[0][0] if spans else 0.0
+    return busy / 1e3 / steps, wall / 1e3 / steps
+
+
 def kernel_list(run):
     from torch.profiler import ProfilerActivity, profile
 
@@ -203,6 +262,12 @@ def main():
                         help="uniep again under these configs, comma separated: up_triton (the up projection by the "
                              "Triton GEMM with its activation epilogue), up_triton_gather (and every gather fused into "
                              "the GEMMs), all_triton (every GEMM by Triton), tma (tensor-descriptor tiles)")
+    parser.add_argument("--busy", action="store_true",
+                        help="5 steps back to back under the profiler: the GPU's busy time (union of kernel "
+                             "intervals) against the wall time, a step")
+    parser.add_argument("--sync-check", action="store_true",
+                        help="one more step of each provider under torch.cuda.set_sync_debug_mode('warn'): every "
+                             "synchronizing call it makes, with where it was made")
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel profiler listing")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "breakdown_probe.json"))
     args = parser.parse_args()
@@ -257,6 +322,16 @@ def main():
                       f"kernels {total:.3f} ms of {wall:.3f} ms profiled", flush=True)
                 for kname, kms in kernels:
                     print(f"   {kms:8.4f}  {kname}")
+                if args.busy:
+                    busy, wall = busy_back_to_back(run)
+                    entry["back_to_back_busy_ms"], entry["back_to_back_wall_ms"] = round(busy, 4), round(wall, 4)
+                    print(f"   back to back under the profiler: GPU busy {busy:.3f} ms of {wall:.3f} ms a step "
+                          f"({100 * busy / wall:.1f}%)", flush=True)
+                if args.sync_check:
+                    entry["sync_calls"] = sync_calls(run)
+                    print(f"   synchronizing calls in one step: {len(entry['sync_calls'])}")
+                    for message, frames in entry["sync_calls"]:
+                        print(f"     {message} at {' <- '.join(reversed(frames))}")
                 if p == "uniep":
                     entry["pieces"] = labelled_pieces(run, T, H, I, E, K, floor)
                     for v in filter(None, args.variants.split(",")):
