@@ -72,6 +72,14 @@ def single_process(hidden, ids, weights, w_up, w_down, b_up, b_down, spec):
     return out.detach(), [t.grad if t is not None else None for t in leaves]
 
 
+def sorted_by_reference(ids, num_experts, clamp):
+    """triton_routing.routing_plan's integers (tests/test_megakernel.py holds them equal) from the reference's sort,
+    for tests that run the Triton kernels in the interpreter to check floating-point bits: there the Triton counting
+    sort (a tl.sort of 1024 keys a block) takes some 2 s a call. Tests put it in triton_routing.routing_plan's place."""
+    from uniep_dynamo.kernels import reference
+    return reference.routing_plan(ids.clamp(0, num_experts - 1) if clamp else ids, num_experts)
+
+
 def _reference(case_args):
     return single_process(*_case(*case_args))
 

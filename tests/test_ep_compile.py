@@ -165,22 +165,14 @@ def _op_case():
                                                                                  reuse_saved=False)
 
 
-def _sorted_by_reference(ids, num_experts, clamp):
-    """The Triton counting sort's integers (tests/test_megakernel.py holds them equal) from the reference's sort: in
-    the interpreter the Triton sort (a tl.sort of 1024 keys a block) takes some 2 s a call, and it is not what the
-    bitwise test below is about (the floating-point routing kernels are)."""
-    from uniep_dynamo.kernels import reference
-    return reference.routing_plan(ids.clamp(0, num_experts - 1) if clamp else ids, num_experts)
-
-
 def _op_worker(rank, world, port, kernels, overlap, out_dir):
-    from test_ep import gloo_group, rank_leaves
+    from test_ep import gloo_group, rank_leaves, sorted_by_reference
 
     with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.kernels import triton_routing
 
-        triton_routing.routing_plan = _sorted_by_reference  # in this worker process, which ends with the test
+        triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
 
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
         tokens, e_local = hidden.shape[0] // world, w_up.shape[0] // world
@@ -206,15 +198,15 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, tmp_path, monkeypatc
     layer_fused; the Triton and the reference routing-weight gradients differ in the last bit). Within an expert the
     rows run in (source rank, token, k) order, and the combine sums the K = 3 partials in k order in fp32 (DESIGN
     contract 3): another row order changes the weight gradients' bits, another k order the output's. Both sides sort
-    the slots by the reference (_sorted_by_reference: the same integers, 2 s a call less)."""
+    the slots by the reference (test_ep.sorted_by_reference: the same integers, 2 s a call less)."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels on CPU tensors run only in the interpreter (TRITON_INTERPRET=1, which "
                     "conftest sets without a GPU)")
     monkeypatch.setenv("UNIEP_KERNELS", kernels)
-    from test_ep import single_process
+    from test_ep import single_process, sorted_by_reference
     from uniep_dynamo.kernels import triton_routing
 
-    monkeypatch.setattr(triton_routing, "routing_plan", _sorted_by_reference)
+    monkeypatch.setattr(triton_routing, "routing_plan", sorted_by_reference)
     ranks = run_workers(_op_worker, 2, (kernels, False), tmp_path)
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
