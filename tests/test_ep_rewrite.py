@@ -424,3 +424,39 @@ def test_combine_refuses_float64_with_a_reason():
     rows, weights = torch.randn(8, 5, dtype=torch.float64), torch.rand(4, 2, dtype=torch.float64)
     counts, misses = _rewrites(combine_side, rows, torch.randperm(8), weights)
     assert not counts.get("ep_combine") and any("float64" in m for m in misses), (counts, misses)
+
+
+def test_hf_ep_source_hash_reads_text_not_the_ast(tmp_path, monkeypatch):
+    """hf_ep.source_hash is a hash of the methods' text: blank and whole-line comment lines do not change it, code
+    does, and it does not go through ast.dump (whose output changed between Python 3.11 and 3.12, so an AST hash
+    taken on CI's Python declined the same transformers on the GPU machines' Python)."""
+    import ast
+    import importlib.util
+
+    from uniep_dynamo import hf_ep
+
+    body = '''
+class Layer:
+    def __call__(self, x):
+        return self._combine_tokens(self._dispatch_tokens(x))
+
+    def _dispatch_tokens(self, x):
+{extra}        return x * 2
+
+    def _combine_tokens(self, x):
+        return x + 1
+'''
+
+    def load(name, extra):
+        path = tmp_path / f"{name}.py"
+        path.write_text(body.format(extra=extra))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.Layer
+
+    plain = hf_ep.source_hash(load("plain", ""))
+    assert hf_ep.source_hash(load("commented", "        # a comment\n\n")) == plain
+    assert hf_ep.source_hash(load("changed", "        x = x - 1\n")) != plain
+    monkeypatch.setattr(ast, "dump", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ast.dump called")))
+    assert hf_ep.source_hash(load("again", "        y = x\n")) not in (plain, None)

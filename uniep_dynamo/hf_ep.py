@@ -18,7 +18,7 @@ HF's own call. Inside a trace it asks ``_layer_plan()``, which Dynamo runs at tr
    code, unchanged (Dynamo keeps its compiled code per backend, so uniep's never serves another backend);
 2. proves the layer, else declines with a reason in the ``uniep`` log (the layer is then traced as HF wrote it,
    and the piece-by-piece rewrite applies): the ``AllToAllEP`` methods are a version uniep was checked against
-   (their code, comments and docstrings aside, hashed), not overridden by a subclass; no tensor parallelism
+   (their source text, blank and comment lines aside, hashed), not overridden by a subclass; no tensor parallelism
    beside EP; no autocast; the experts forward is the class's own; and the experts computation is one the experts
    pattern proves: the experts forward, called as ``AllToAllEP`` calls it (top-1, weight 1), is captured by a
    nested Dynamo trace of its own and matched by patterns/experts.py, which yields the op's spec (gate, layout,
@@ -29,7 +29,6 @@ transformers 5.17's sentinel-mask EP has no ``AllToAllEP``: nothing is installed
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import hashlib
@@ -45,12 +44,12 @@ import torch
 log = logging.getLogger("uniep")
 
 _HF_MODULE = "transformers.distributed.expert_parallel"
-# AST hashes (docstrings dropped) of AllToAllEP.__call__, _dispatch_tokens and _combine_tokens that uniep.ep_layer
+# Source hashes (source_hash) of AllToAllEP.__call__, _dispatch_tokens and _combine_tokens that uniep.ep_layer
 # was checked against: what it computes is what these compute. 5.23 and 5.24 hash alike: their
 # distributed/expert_parallel.py, distributed/configuration_utils.py (DistributedConfig) and integrations/moe.py (the
 # experts classes' attributes _signature reads) are byte for byte the same; tests/test_ep_compile.py passes on both.
 KNOWN_SOURCES = {
-    "9d7eee64c66a": "transformers 5.23 and 5.24",
+    "b4c1844cdd90": "transformers 5.23 and 5.24",
 }
 _installed = False
 _PROBES: dict = {}  # experts signature -> (spec text, parameter names) or a decline reason (str)
@@ -63,19 +62,17 @@ class _Decline(Exception):
 
 @functools.lru_cache(maxsize=4)
 def source_hash(cls) -> str:
-    """A hash of the code of cls.__call__ (HF's, under the substitution), _dispatch_tokens and _combine_tokens,
-    docstrings and comments aside."""
+    """A hash of the source text of cls.__call__ (HF's, under the substitution), _dispatch_tokens and _combine_tokens:
+    dedented, blank and whole-line comment lines dropped, trailing spaces stripped. Text, not the AST: ``ast.dump``
+    differs between Python versions (3.12 added fields), so an AST hash taken on one Python declined the same
+    transformers on another. A docstring or inline comment change declines too, which errs on the safe side."""
     digest = hashlib.sha256()
     for name in ("__call__", "_dispatch_tokens", "_combine_tokens"):
         fn = getattr(cls, name)
         fn = getattr(fn, "_uniep_original", fn)
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
-                    isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
-        digest.update(ast.dump(tree, include_attributes=False).encode())
+        lines = (line.rstrip() for line in textwrap.dedent(inspect.getsource(fn)).splitlines())
+        digest.update("\n".join(line for line in lines if line and not line.lstrip().startswith("#")).encode())
+        digest.update(b"\0")
     return digest.hexdigest()[:12]
 
 
