@@ -106,7 +106,7 @@ def _patch(module) -> bool:
             if plan is not None:
                 signature, spec, group_name, world, overlap, knobs, names = plan
                 experts = self.experts_forward.__self__
-                if _signature(experts) == signature:  # read in the trace: Dynamo guards what the spec rests on
+                if _same(_signature(experts), signature):  # read in the trace: Dynamo guards what the spec rests on
                     w_up, w_down, b_up, b_down = (None if n is None else getattr(experts, n) for n in names)
                     return torch.ops.uniep.ep_layer(hidden_states, top_k_index, top_k_weights, w_up, w_down, b_up,
                                                     b_down, spec, group_name, world, overlap, knobs)[0]
@@ -150,9 +150,23 @@ class _PatchOnImport:
 # ---- the trace-time decision -------------------------------------------------------------------------------------
 
 def _signature(experts) -> tuple:
-    """The experts' attributes the probed spec rests on (read in the trace too, so Dynamo guards them)."""
-    return (type(experts), experts.config._experts_implementation, experts.has_gate, experts.has_bias,
-            experts.is_transposed, experts.is_concatenated, experts.has_post_expert_norm, experts.num_experts)
+    """The experts' attributes the probed spec rests on (read in the trace too, so Dynamo guards them): plain
+    strings, bools and ints, the class by its module and qualified name."""
+    cls = type(experts)
+    return (cls.__module__, cls.__qualname__, experts.config._experts_implementation, experts.has_gate,
+            experts.has_bias, experts.is_transposed, experts.is_concatenated, experts.has_post_expert_norm,
+            experts.num_experts)
+
+
+def _same(current: tuple, probed: tuple) -> bool:
+    """current == probed, one constant at a time: torch 2.11's Dynamo failed on the tuples' ``==`` (its polyfill
+    made a guard on a source that cannot have one: InternalTorchDynamoError), where it folds constants' ``!=``."""
+    if len(current) != len(probed):
+        return False
+    for a, b in zip(current, probed):
+        if a != b:
+            return False
+    return True
 
 
 def _warn(where: str, reason: str) -> None:
