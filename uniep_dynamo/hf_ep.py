@@ -260,8 +260,11 @@ def _prove(ep, hidden, ids, weights):
         raise _Decline(f"the experts hold {experts.num_experts} experts, the EP layer counts {ep.num_local_experts}")
     if not isinstance(hidden.shape[-1], int):
         raise _Decline("the hidden size is symbolic")
-    key = (signature, tuple((n, None if p is None else (tuple(_local(p).shape), _local(p).dtype, _local(p).device))
-                            for n, p in experts._parameters.items()), hidden.dtype, hidden.device)
+    # The class itself in the key (the signature names it by module and qualified name only, for the trace): a class
+    # redefined under the same name (a re-run notebook cell, importlib.reload) is probed again.
+    params = tuple((n, None if p is None else (tuple(_local(p).shape), _local(p).dtype, _local(p).device))
+                   for n, p in experts._parameters.items())
+    key = (type(experts), signature, params, hidden.dtype, hidden.device)
     if key not in _PROBES:
         try:
             _PROBES[key] = _probe(experts, hidden.dtype, hidden.shape[-1], hidden.device)

@@ -77,7 +77,10 @@ def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group,
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def ep_plan(topk_ids: torch.Tensor, num_experts: int, group, fused_kernels: bool) -> EPPlan:
+def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None, fused_kernels: bool | None = None) -> EPPlan:
+    """``fused_kernels``: run the MegaKernel's routing plan (layer_fused's answer); None: where ``fused`` says."""
+    if fused_kernels is None:
+        fused_kernels = fused(topk_ids)
     world = dist.get_world_size(group)
     if num_experts % world:
         raise ValueError(f"uniep: {num_experts} experts do not split evenly over {world} ranks")
