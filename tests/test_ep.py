@@ -80,6 +80,20 @@ def sorted_by_reference(ids, num_experts, clamp):
     return reference.routing_plan(ids.clamp(0, num_experts - 1) if clamp else ids, num_experts)
 
 
+def use_kernels(monkeypatch, kernels: str) -> None:
+    """UNIEP_KERNELS=kernels for this test ("reference" or "triton"). For "triton": skip unless Triton's interpreter
+    is on (the kernels on CPU tensors run only there), and sort the slots by sorted_by_reference. The reference mode
+    imports no triton, so it runs without triton installed."""
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors run only in the interpreter (TRITON_INTERPRET=1, which "
+                    "conftest sets without a GPU)")
+    monkeypatch.setenv("UNIEP_KERNELS", kernels)
+    if kernels == "triton":
+        from uniep_dynamo.kernels import triton_routing
+
+        monkeypatch.setattr(triton_routing, "routing_plan", sorted_by_reference)
+
+
 def _reference(case_args):
     return single_process(*_case(*case_args))
 

@@ -201,16 +201,9 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, tmp_path, monkeypatc
     rows run in (source rank, token, k) order, and the combine sums the K = 3 partials in k order in fp32 (DESIGN
     contract 3): another row order changes the weight gradients' bits, another k order the output's. Both sides sort
     the slots by the reference (test_ep.sorted_by_reference: the same integers, 2 s a call less)."""
-    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernels on CPU tensors run only in the interpreter (TRITON_INTERPRET=1, which "
-                    "conftest sets without a GPU)")
-    monkeypatch.setenv("UNIEP_KERNELS", kernels)
-    from test_ep import single_process, sorted_by_reference
+    from test_ep import single_process, use_kernels
 
-    if kernels == "triton":  # the reference mode runs without triton installed
-        from uniep_dynamo.kernels import triton_routing
-
-        monkeypatch.setattr(triton_routing, "routing_plan", sorted_by_reference)
+    use_kernels(monkeypatch, kernels)
     ranks = run_workers(_op_worker, 2, (kernels, False), tmp_path)
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"

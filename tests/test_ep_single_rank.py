@@ -185,16 +185,10 @@ CPU_CASES = [
 def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monkeypatch):
     """The GPU test's check on CPU: gloo, one rank. In the interpreter both sides sort the slots by the reference
     (test_ep.sorted_by_reference: the same integers, 2 s a call less)."""
-    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton kernels on CPU tensors run only in the interpreter (TRITON_INTERPRET=1, which "
-                    "conftest sets without a GPU)")
-    monkeypatch.setenv("UNIEP_KERNELS", kernels)
-    import uniep_dynamo  # noqa: F401
-    if kernels == "triton":  # the reference mode runs without triton installed
-        from test_ep import sorted_by_reference
-        from uniep_dynamo.kernels import triton_routing
+    from test_ep import use_kernels
 
-        monkeypatch.setattr(triton_routing, "routing_plan", sorted_by_reference)
+    use_kernels(monkeypatch, kernels)
+    import uniep_dynamo  # noqa: F401
     phases = record_phases(monkeypatch)
     case = qwen3_like_case(*CPU_SHAPE, dtype, torch.device("cpu"))
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
