@@ -184,28 +184,23 @@ def sync_calls(run):
     import warnings
 
     found = []
+
+    def note(message, *args, **kwargs):
+        frames = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-2]
+                  if "/torch/" not in f.filename][-4:]
+        found.append((str(message)[:120], frames))
+
     torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():  # restores showwarning and the filters on the way out
             warnings.simplefilter("always")
-            original = warnings.showwarning
-
-            def note(message, *args, **kwargs):
-                frames = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-2]
-                          if "/torch/" not in f.filename][-4:]
-                found.append((str(message)[:120], frames))
-
             warnings.showwarning = note
-            try:
-                run()
-                torch.cuda.synchronize()
-            finally:
-                warnings.showwarning = original
-        for w in caught:  # record=True keeps them in the list rather than showing them
-            found.append((str(w.message)[:120], [f"{w.filename.split('/')[-1]}:{w.lineno}"]))
+            run()
+            torch.cuda.synchronize()
     finally:
-        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.set_sync_debug_mode(mode)
     return found
 
 

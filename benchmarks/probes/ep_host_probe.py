@@ -59,11 +59,12 @@ def sync_calls(fn, leaves, grad):
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 step()
             finally:
-                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.set_sync_debug_mode(mode)
         counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
     return counts
 
