@@ -174,3 +174,40 @@ def test_kernels_refuse_float64_and_the_sequential_layer_runs(tmp_path):
     for overlapped, sequential in run_workers(_fallback_worker, 2, (), tmp_path):
         for a, b in zip(overlapped, sequential):
             assert a.dtype == torch.float64 and torch.equal(a, b)
+
+
+def _choice_worker(rank, world, port, max_experts, out_dir):
+    with gloo_group(rank, world, port, UNIEP_KERNELS="triton"):
+        from uniep_dynamo.ep import ep_experts_overlapped, overlap
+        from uniep_dynamo.kernels import megakernel
+
+        megakernel.MAX_EXPERTS = max_experts  # in this worker process, which ends with the test
+        # which layer runs is all this test asks: neither runs (no kernel in the interpreter, no collective)
+        overlap._OverlapEP.apply = lambda *args: "overlapped"
+        overlap.ep_experts = lambda *args, **kwargs: "sequential"
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(8, 16, 12, 4, 2)
+        mine, experts = slice(rank * 4, rank * 4 + 4), slice(rank * 2, rank * 2 + 2)
+        layer = ep_experts_overlapped(hidden[mine], ids[mine], weights[mine], w_up[experts], w_down[experts], None,
+                                      None, spec.encode())
+        # the single-process op's choice (ops.py: megakernel.use_megakernel) over all tokens and all experts
+        single = megakernel.unsupported_reason(hidden, ids, w_up, w_down, b_up, b_down, [], spec) is None
+        torch.save({"layer": layer, "single_process_fused": single}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("max_experts", [
+    4,  # every rank's experts within the MegaKernel's limit: the overlapped layer's Triton kernels run
+    2,  # this rank's 2 experts within it, all 4 past it: the single-process op runs the reference, so does the layer
+])
+def test_overlapped_layer_takes_its_kernels_where_the_single_process_op_does(max_experts, tmp_path, monkeypatch):
+    """ep_experts_overlapped runs its Triton kernels (the MegaKernel's routing plan, gather, combine and routing-weight
+    gradient) exactly where the single-process op over all ranks' experts runs the MegaKernel, as the sequential
+    layer's routing kernels do (ep/plan.py layer_fused): where E_local <= megakernel.MAX_EXPERTS < E, the sequential
+    layer runs (its routing kernels the reference's), else the routing-weight gradient would differ from that op's in
+    the last bit. The limit is lowered in the workers (1024 experts would not run in the interpreter)."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    ranks = run_workers(_choice_worker, 2, (max_experts,), tmp_path)
+    assert [r["single_process_fused"] for r in ranks] == [max_experts == 4] * 2, ranks  # the case is what it says
+    for r in ranks:
+        assert r["layer"] == ("overlapped" if r["single_process_fused"] else "sequential"), (max_experts, r)

@@ -18,7 +18,7 @@ from .chunks import Chunks, new_grads, zero_grads
 from .config import OverlapConfig, default_knobs
 from .layout import Layout
 from .pipeline import backward_phase, forward_phase, receive_buffer
-from .plan import count_table
+from .plan import count_table, layer_unsupported_reason
 from .sequential import ep_experts
 from .transfer import cached_window, copy_back
 
@@ -127,7 +127,9 @@ def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_
     """The EP experts layer of ep.ep_experts (same arguments and result), with its transfers overlapped
     with the GEMMs through symmetric memory. It runs the MegaKernel's Triton kernels (on CPU only in the
     interpreter, with UNIEP_KERNELS=triton); a call they do not take (a dtype, a gate, the CPU path) runs the
-    sequential ep.ep_experts instead, with one log line on CUDA."""
+    sequential ep.ep_experts instead, with one log line on CUDA. It takes them exactly where the single-process op
+    over all ranks' tokens and experts runs the MegaKernel (plan.layer_unsupported_reason: every rank's experts
+    counted, as for the sequential layer's routing kernels), so that its routing kernels are that op's."""
     from ..kernels import megakernel
 
     group = group if group is not None else dist.group.WORLD
@@ -136,7 +138,7 @@ def ep_experts_overlapped(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_
         raise ValueError("uniep: expert parallelism does not take post-expert programs yet")
     if w_up.shape[0] == 0:
         raise ValueError("uniep: every rank needs at least one expert")
-    reason = megakernel.unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, [], s)
+    reason = layer_unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, s, dist.get_world_size(group))
     if reason is not None:
         if hidden.is_cuda:
             megakernel.warn_once("ep_overlap", reason, "uniep: the overlapped EP layer runs the sequential one "

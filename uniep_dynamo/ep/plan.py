@@ -94,17 +94,25 @@ def ep_plan(topk_ids: torch.Tensor, num_experts: int, group=None, fused_kernels:
 
 def layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, spec, world: int) -> bool:
     """Whether the single-process op over every rank's tokens and all E_local * world experts runs the MegaKernel
-    (megakernel.unsupported_reason: the kernel mode, the device or Triton's interpreter, the dtypes, the gate, the
-    expert count). Where it does, the EP layer's routing plan, gather, combine and routing-weight gradient are the
-    MegaKernel's own kernels, elsewhere the reference's, so that the layer rounds as that op does: the two
-    routing-weight gradients differ in the last bit (on CUDA, and in the interpreter under UNIEP_KERNELS=triton).
-    ``spec``: decoded; its gate and post program are the single-process op's. Only the slot count is this rank's
-    (that op holds every rank's against MAX_SLOTS, 2^31)."""
+    (layer_unsupported_reason is None). Where it does, the EP layer's routing plan, gather, combine and routing-weight
+    gradient are the MegaKernel's own kernels, elsewhere the reference's, so that the layer rounds as that op does:
+    the two routing-weight gradients differ in the last bit (on CUDA, and in the interpreter under
+    UNIEP_KERNELS=triton)."""
+    return layer_unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, spec, world) is None
+
+
+def layer_unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, spec, world: int) -> str | None:
+    """None if the single-process op over every rank's tokens and all E_local * world experts runs the MegaKernel,
+    else why it runs the reference (megakernel.unsupported_reason: the kernel mode, the device or Triton's
+    interpreter, the dtypes, the gate; the expert count is all ranks' experts, not this rank's). ``spec``: decoded;
+    its gate and post program are the single-process op's. Only the slot count is this rank's (that op holds every
+    rank's against MAX_SLOTS, 2^31)."""
     from ..kernels import megakernel
 
     if w_up.shape[0] * world > megakernel.MAX_EXPERTS:
-        return False
-    return megakernel.unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, [], spec) is None
+        return (f"{w_up.shape[0] * world} experts over {world} ranks; the single-process op runs the MegaKernel for "
+                f"at most {megakernel.MAX_EXPERTS}")
+    return megakernel.unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, [], spec)
 
 
 def fused(t: torch.Tensor) -> bool:
