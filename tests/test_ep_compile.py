@@ -151,6 +151,68 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
                 torch.testing.assert_close(ind["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
 
 
+# ---- Dynamo guards what the probed spec rests on (hf_ep._signature, compared in the trace by hf_ep._same) --------
+
+def _guard_worker(rank, world, port, model_dir, out_dir):
+    _init(rank, world, port)
+    import logging
+
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo import hf_ep
+
+    assert hf_ep.install()
+    from test_distributed_training import _counting_backend
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    declines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: declines.append(record.getMessage())
+    logging.getLogger("uniep").addHandler(handler)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
+        ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
+    input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+    inner, graphs = _counting_backend()
+    run = torch.compile(model, backend="uniep", options={"inner_backend": inner})
+    calls = []
+    try:
+        for implementation in ("grouped_mm", "eager", "grouped_mm"):
+            model.set_experts_implementation(implementation)
+            compiled, ran = len(graphs["forward"]), graphs["ran"]
+            ran.clear()
+            with torch.no_grad():  # which path the forward takes is the question; no backward compiles
+                loss = run(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+                eager = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            calls.append({"implementation": implementation, "loss": loss, "eager": eager, "ran": dict(ran),
+                          "compiled": len(graphs["forward"]) - compiled, "declines": list(declines)})
+        torch.save(calls, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_hf_ep_layer_follows_the_experts_implementation(tmp_path):
+    """The experts' implementation switched after the first compiled call (config._experts_implementation, which
+    hf_ep._signature reads): Dynamo's guard on it recompiles, the trace proves the layer again, and the call runs
+    what the new implementation is. HF's "eager" experts forward (a loop over the hit experts) does not trace into
+    one graph, so hf_ep declines it: no uniep.ep_layer runs, HF's layer is traced as written (a stale cache entry would
+    run the grouped_mm experts' ep_layer). Every call's loss is the uncompiled model's."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        _save_model("qwen3_moe", model_dir, 4)
+        ranks = run_workers(_guard_worker, 2, (model_dir,), tmp_path, timeout=600)
+    layers = 2  # tests/hf_models.py: two MoE layers
+    for first, switched, back in ranks:
+        assert first["ran"].get("forward ep_layer") == layers, first["ran"]
+        assert switched["compiled"] >= 1, "no recompile after the experts implementation changed"
+        assert not switched["ran"].get("forward ep_layer"), switched["ran"]  # the stale entry did not serve
+        assert any("does not trace into one graph" in m for m in switched["declines"][len(first["declines"]):]), \
+            switched["declines"]
+        # switched back, only the loss is asserted: the cache entry traced after the decline serves the call (a decline
+        # reads no signature, so that entry has no guard on the implementation) and ep_layer does not come back
+        for call in (first, switched, back):
+            torch.testing.assert_close(call["loss"], call["eager"], atol=1e-5, rtol=1e-5, msg=call["implementation"])
+
+
 # ---- the op against the single-process op, bit for bit (issue 37; DESIGN contract 3) ----------------------------
 
 def _op_case():
