@@ -25,7 +25,7 @@ def probe_path(monkeypatch):
     for sub in ("benchmarks", os.path.join("benchmarks", "probes")):
         monkeypatch.syspath_prepend(os.path.join(ROOT, sub))
     yield
-    for name in ("cublas_loop_probe", "bench_moe_layer"):
+    for name in ("cublas_loop_probe", "breakdown_probe", "bench_moe_layer"):
         sys.modules.pop(name, None)
 
 
@@ -47,3 +47,34 @@ def test_six_gemms_providers_compute_the_same_gemms(probe_path, E, K, tokens, id
         assert torch.allclose(tri, loop, rtol=1e-5, atol=1e-6), name  # no NaN left: every element written
         assert torch.allclose(grouped, loop, rtol=1e-5, atol=1e-6), name
         assert flops > 0 and loop.abs().sum() > 0, name
+
+
+def test_breakdown_probe_labels_keyword_calls_as_positional_ones(probe_path):
+    """breakdown_probe.py labels each timed piece by the arguments of uniep's kernel entry point, bound by its
+    signature: an argument passed by keyword gets the label it gets passed by position (read by position, it was
+    missed, and the provider's cell became "ERR")."""
+    import inspect
+    from types import SimpleNamespace
+
+    from breakdown_probe import call_label, piece_labels
+    from uniep_dynamo.kernels.config import GEMMS
+
+    entry = {name: (getattr(module, name), label_of) for module, name, label_of in piece_labels()}
+    layer = SimpleNamespace(config=SimpleNamespace(**{g: object() for g in GEMMS}))
+    rows = weights = torch.zeros(1)
+    cases = [  # (entry point, its leading arguments, label): the labels that read an argument
+        ("rows_gemm", (layer, layer.config.down), "down"),
+        ("weight_grad", (layer, layer.config.wgrad_up), "wgrad_up"),
+        ("gather_rows", (rows, None, 2, weights), "gather_rows_scaled"),
+        ("gather_rows", (rows, None, 2), "gather_rows"),  # weights left to the default
+        ("combine", (rows, None, weights, None, 1, 2, torch.float32), "combine"),
+        ("combine", (rows, None, None, None, 1, 2, torch.float32), "combine_grad"),
+    ]
+    for name, args, label in cases:
+        fn, label_of = entry[name]
+        signature = inspect.signature(fn)
+        params = list(signature.parameters.values())
+        required = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+        by_position = call_label(signature, label_of, args, required)
+        by_name = call_label(signature, label_of, (), {**{p.name: a for p, a in zip(params, args)}, **required})
+        assert by_position == by_name == label, (name, by_position, by_name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -48,6 +49,13 @@ def bmm_floor(T, H, I, E, K, iters):
     return out
 
 
+def call_label(signature, label_of, args, kwargs):
+    """label_of(the call's arguments by name, defaults filled in): positional and keyword calls get the same label."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return label_of(bound.arguments)
+
+
 class Timeline:
     """CUDA events around uniep's kernel entry points, nested: exclusive time per label."""
 
@@ -57,9 +65,10 @@ class Timeline:
 
     def wrap(self, module, name, label_of):
         original = getattr(module, name)
+        signature = inspect.signature(original)
 
         def wrapped(*args, **kwargs):
-            label = label_of(*args, **kwargs)
+            label = call_label(signature, label_of, args, kwargs)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             index = len(self.records)
             self.records.append(None)
@@ -91,30 +100,34 @@ class Timeline:
         return rows
 
 
-def gemm_label(layer, cfg, *args, **kwargs):
+def gemm_label(arguments):
     from uniep_dynamo.kernels.config import GEMMS
 
     for g in GEMMS:
-        if getattr(layer.config, g) is cfg:
+        if getattr(arguments["layer"].config, g) is arguments["cfg"]:
             return g
     return "gemm?"
 
 
-@contextlib.contextmanager
-def labelled(timeline):
+def piece_labels():
+    """(module, entry point, label of its call's arguments by name) for each of uniep's pieces the probe times."""
     from uniep_dynamo.kernels import megakernel, triton_routing
 
-    patches = [
-        timeline.wrap(megakernel, "rows_gemm", gemm_label),
-        timeline.wrap(megakernel, "weight_grad", gemm_label),
-        timeline.wrap(megakernel, "_act_forward", lambda *a, **k: "act_forward"),
-        timeline.wrap(megakernel, "act_backward", lambda *a, **k: "act_backward"),
-        timeline.wrap(triton_routing, "routing_plan", lambda *a, **k: "routing_plan"),
-        timeline.wrap(triton_routing, "gather_rows", lambda *a, **k: "gather_rows" + ("_scaled" if len(a) > 3 and
-                                                                                     a[3] is not None else "")),
-        timeline.wrap(triton_routing, "combine", lambda *a, **k: "combine" if a[2] is not None else "combine_grad"),
-        timeline.wrap(triton_routing, "routing_weight_grad", lambda *a, **k: "routing_weight_grad"),
+    return [
+        (megakernel, "rows_gemm", gemm_label),
+        (megakernel, "weight_grad", gemm_label),
+        (megakernel, "_act_forward", lambda a: "act_forward"),
+        (megakernel, "act_backward", lambda a: "act_backward"),
+        (triton_routing, "routing_plan", lambda a: "routing_plan"),
+        (triton_routing, "gather_rows", lambda a: "gather_rows_scaled" if a["weights"] is not None else "gather_rows"),
+        (triton_routing, "combine", lambda a: "combine" if a["weights"] is not None else "combine_grad"),
+        (triton_routing, "routing_weight_grad", lambda a: "routing_weight_grad"),
     ]
+
+
+@contextlib.contextmanager
+def labelled(timeline):
+    patches = [timeline.wrap(module, name, label_of) for module, name, label_of in piece_labels()]
     try:
         yield
     finally:
