@@ -91,7 +91,8 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
     for the GEMMs included (it must really run: a spy counts its calls)."""
     args = cuda_args(*case)
     # Triton for every GEMM, so that the tile knobs below are exercised
-    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False)
+    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False,
+                                                                                                 quack="")
     with kconfig.use_config(base):
         expected = fwd_bwd(args)
     calls = []
@@ -116,6 +117,42 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
             assert len(calls) == (2 if case[7] else 6) - (knob == "grouped_mm_in_place"), knob
         for i, (a, b) in enumerate(zip(got, expected)):
             assert torch.equal(a, b), f"{knob}={value} changed tensor {i}"
+
+
+QUACK_SWEEP = {"heuristic": kconfig.QUACK_CONFIGS,  # each GEMM its own; the up projection's two gather
+               "default": "128x192/pingpong/2x1",  # QuACK's default config, gathering
+               "cluster_n2": "192x128/pingpong/1x2"}  # cannot gather: the gathered GEMMs read materialized rows
+
+
+@pytest.mark.parametrize("sweep", list(QUACK_SWEEP))
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=["qwen_like", "e256_io", "gpt_oss_bias"])
+def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
+    """The quack knob (QuACK's grouped GEMMs, its row gathers included) gives the Triton GEMMs' bits, in every GEMM it
+    can take (a spy counts them: all six, or the two without a bias), with its tile configs, in place or not."""
+    from uniep_dynamo.kernels import quack_gemm
+
+    reason = quack_gemm.unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"QuACK does not run here: {reason}")
+    args = cuda_args(*case)
+    if in_place:
+        args = args[:7] + (dataclasses.replace(args[7], reuse_saved=True),)
+    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False,
+                                                                                                 quack="")
+    with kconfig.use_config(base):
+        expected = fwd_bwd(args)
+    configs = QUACK_SWEEP[sweep]
+    per_gemm = configs if isinstance(configs, dict) else dict.fromkeys(kconfig.GEMMS, configs)
+    cfg = dataclasses.replace(base, **{g: dataclasses.replace(getattr(base, g), quack=per_gemm[g])
+                                       for g in kconfig.GEMMS})
+    counters.clear()
+    with kconfig.use_config(cfg):
+        got = fwd_bwd(args)
+        again = fwd_bwd(args)
+    assert counters["uniep_kernels"]["quack_gemms"] == 2 * (2 if case[7] else 6)
+    for i, (a, b, c) in enumerate(zip(got, expected, again)):
+        assert torch.equal(a, b) and torch.equal(a, c), f"quack {sweep} changed tensor {i}"
 
 
 def test_forward_and_backward_capture_in_a_cuda_graph():

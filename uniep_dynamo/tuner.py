@@ -63,6 +63,10 @@ SPACE = {
 }
 # Besides the tiles, each GEMM may run as torch._grouped_mm (GemmConfig.grouped_mm: CUTLASS, the same bits on
 # Hopper); gemm_candidates offers the heuristic's tiles with the other implementation first.
+# QuACK's tile configs a GEMM may take (GemmConfig.quack; kernels/quack_gemm.py): the winners of QuACK's own Hopper
+# search for the six GEMMs of the Qwen3-30B-A3B shape on an H100 (benchmarks/probes/quack_probe.py), and its default.
+QUACK_SPACE = ("128x256/coop/2x1", "128x208/pingpong/1x2", "192x128/pingpong/1x2", "256x128/coop/2x1",
+               "128x192/pingpong/2x1")
 LAYER_SPACE = {"fuse_gather": (False, True), "pack_gate_up": (True, False), "tma": (True, False),
                "tma_weight_grad": (False, True)}
 SMEM_LIMIT = {9: 227 * 1024}  # bytes of shared memory a block may use, by compute capability major (Hopper)
@@ -73,18 +77,25 @@ MAX_ACC_REGS = 128  # fp32 accumulator registers per thread; more spills (255 is
 # ---- the space -------------------------------------------------------------------------------------
 
 def gemm_candidates(base: GemmConfig, *, n_dim: int, smem_limit: int, sm_count: int, elem_bytes: int = 2,
-                    n_factor: int = 1) -> list[GemmConfig]:
+                    n_factor: int = 1, quack: bool = True) -> list[GemmConfig]:
     """Every valid point of SPACE for one GEMM, with ``base``'s block_k; ``base`` first, then ``base`` with the
-    other GEMM implementation (``grouped_mm`` flipped), then Triton's tiles. ``n_factor`` = 2 for the packed gated
-    up projection, whose accumulator spans two ``block_n`` blocks."""
-    flipped = dataclasses.replace(base, grouped_mm=not base.grouped_mm)
+    other of torch._grouped_mm and Triton (``grouped_mm`` flipped, no QuACK), then (``quack``: QuACK runs here)
+    ``base`` without QuACK and with each of QUACK_SPACE's configs, then Triton's tiles. ``n_factor`` = 2 for the
+    packed gated up projection, whose accumulator spans two ``block_n`` blocks."""
+    flipped = dataclasses.replace(base, grouped_mm=not base.grouped_mm, quack="")
     out, seen = [base, flipped], {base, flipped}
+    if quack:
+        for q in ("",) + QUACK_SPACE:
+            cfg = dataclasses.replace(base, quack=q)
+            if cfg not in seen:
+                seen.add(cfg)
+                out.append(cfg)
     for values in itertools.product(*SPACE.values()):
         knobs = dict(zip(SPACE, values))
         if knobs["num_programs"] != "sms" and (knobs["flatten"] or knobs["warp_specialize"]):
             continue  # a program per tile: the tile loop runs once, so its loop options schedule nothing
         knobs["num_programs"] = sm_count if knobs["num_programs"] == "sms" else 0
-        cfg = dataclasses.replace(base, grouped_mm=False, **knobs)
+        cfg = dataclasses.replace(base, grouped_mm=False, quack="", **knobs)
         if cfg not in seen and prune_reason(cfg, n_dim=n_dim, smem_limit=smem_limit, elem_bytes=elem_bytes,
                                             n_factor=n_factor) is None:
             seen.add(cfg)
@@ -264,11 +275,14 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
             best, best_ms = cfg, ms
 
     groups = []
+    from .kernels import quack_gemm
+
+    quack = quack_gemm.unavailable_reason(hidden_states.device) is None
     dims = _gemm_dims(hidden, inter, gated=True, pack=heuristic.pack_gate_up)
     for gemm in GEMMS:
         n_dim, n_factor = dims[gemm]
         cands = gemm_candidates(getattr(heuristic, gemm), n_dim=n_dim, smem_limit=smem_limit,
-                                sm_count=props.multi_processor_count, n_factor=n_factor)[1:]
+                                sm_count=props.multi_processor_count, n_factor=n_factor, quack=quack)[1:]
         if gemm == "grad_input":  # in place it writes into a saved buffer, so it runs Triton either way:
             cands = cands[1:]     # the flipped implementation would time the same kernel again
         groups.append((gemm, _spread(cands, budget)))

@@ -35,6 +35,12 @@ Numerics contract (what a tuner may change freely):
   (benchmarks/probes/cublas_loop_probe.py), 9% faster in all. Where the counts cannot be read (a CUDA graph
   being captured) or the GEMM does not qualify (a fused gather, a bias, an epilogue beyond a plain store, a GEMM
   that stores into EP peers), the GEMM takes the other knobs' path.
+- ``quack`` runs a GEMM by QuACK's grouped GEMM (``quack-kernels``, the ``uniep[quack]`` extra; kernels/quack_gemm.py)
+  at the tile config it names. A scheduling knob: on an H100 its six GEMMs of the Qwen3-30B-A3B shape gave
+  torch._grouped_mm's bits (benchmarks/probes/quack_probe.py), being the same wgmma chain over K in order with one
+  rounding; tests/test_gpu_megakernel.py sweeps it with the other scheduling knobs. It runs bf16 on a Hopper GPU
+  with QuACK importable; the up projection's and its weight gradient's token-row gathers then happen in its loads
+  (no permuted copy). A bias, a scaled gather, a scattered or in-place output elsewhere take the other knobs' path.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ from dataclasses import dataclass
 
 NUMERICS_KNOBS = ("block_k", "per_expert_mm")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
-                    "warp_specialize", "grouped_mm")
+                    "warp_specialize", "grouped_mm", "quack")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
@@ -73,6 +79,12 @@ class GemmConfig:
     # Run this GEMM as one cuBLAS matmul per expert (a numerics knob: see the module docstring); it takes
     # precedence over grouped_mm where it applies.
     per_expert_mm: bool = False
+    # Run this GEMM by QuACK's grouped GEMM (kernels/quack_gemm.py: CuTe DSL, persistent, warp-specialized; the
+    # token-row gathers of the up projection and its weight gradient inside the GEMM) with this tile config,
+    # "<tile_m>x<tile_n>/<pingpong|coop>/<cluster_m>x<cluster_n>"; "" runs the other knobs' path, as does a GPU or
+    # call QuACK cannot take. Same bits as torch._grouped_mm (see the module docstring). Precedence:
+    # per_expert_mm, then quack, then grouped_mm, then Triton.
+    quack: str = ""
 
     def validate(self, interpret: bool = False) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -83,6 +95,10 @@ class GemmConfig:
             raise ValueError("uniep: block_m >= 64 and num_warps >= 4 keep one tensor-core path (see config.py)")
         if self.group_m < 1 or self.num_stages < 1 or self.num_programs < 0:
             raise ValueError(f"uniep: bad GEMM config {self}")
+        if self.quack:
+            from .quack_gemm import parse_config
+
+            parse_config(self.quack)
 
 
 @dataclass(frozen=True)
@@ -161,8 +177,19 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # 128 of 512 (Qwen3-30B-A3B) 0.19-0.41x (benchmarks/probes/cublas_loop_probe.py).
     per_expert = {"down", "grad_act", "grad_input", "wgrad_up", "wgrad_down"} \
         if num_experts <= 16 and num_rows >= 1024 * num_experts else set()
-    return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert)
+    # QuACK's grouped GEMM (the quack knob; it runs only where quack-kernels is installed on a Hopper GPU) for every
+    # GEMM that is not one cuBLAS matmul per expert. Its configs: the fastest of QuACK's Hopper configs for each GEMM
+    # on an H100 (bf16, Qwen3-30B-A3B shape at T = 8192; benchmarks/probes/quack_probe.py): 3.29 ms for the six
+    # against 3.68 ms for torch._grouped_mm / Triton with their two row gathers.
+    quack = {g: c for g, c in QUACK_CONFIGS.items() if g not in per_expert}
+    return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
+                                                      quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma)
+
+
+QUACK_CONFIGS = {"up": "128x256/coop/2x1", "down": "128x208/pingpong/1x2", "grad_act": "192x128/pingpong/1x2",
+                 "grad_input": "192x128/pingpong/1x2", "wgrad_up": "256x128/coop/2x1",
+                 "wgrad_down": "192x128/pingpong/1x2"}
 
 
 _OVERRIDE: list[MegaKernelConfig] = []

@@ -213,6 +213,7 @@ class Layer:
         self.block_e = max(16, config_mod.next_pow2(self.num_experts))
         self._offsets_i32 = None
         self._host_bounds = None  # (offsets, [0, each expert's end row]) for the per_expert_mm GEMMs
+        self._cu_seqlens = self._token_rows = None  # QuACK's group bounds and gather index, by cu_seqlens/token_rows
 
     def host_bounds(self, offsets):
         """[0, expert 0's end row, ..., expert E-1's end row] of ``offsets`` on the host, for the GEMMs that run one
@@ -228,6 +229,18 @@ class Layer:
     def set_host_bounds(self, offsets, ends):
         """The host's copy of ``offsets`` (each expert's end row), where the caller has it (the EP layout)."""
         self._host_bounds = (offsets, [0, *ends])
+
+    def cu_seqlens(self, offsets):
+        """[0, each expert's end row] as int32: the group bounds QuACK's variable-length GEMMs take; once a call."""
+        if self._cu_seqlens is None or self._cu_seqlens[0] is not offsets:
+            self._cu_seqlens = (offsets, torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32))
+        return self._cu_seqlens[1]
+
+    def token_rows(self, row_order):
+        """The token of each expert-sorted row (row_order // top_k) as int32: QuACK's gather index; once a call."""
+        if self._token_rows is None or self._token_rows[0] is not row_order:
+            self._token_rows = (row_order, torch.div(row_order, self.top_k, rounding_mode="floor").to(torch.int32))
+        return self._token_rows[1]
 
     def offsets_i32(self, offsets):
         """``offsets`` (each expert's end row) as torch._grouped_mm takes them: int32, converted once a call."""
@@ -298,6 +311,24 @@ def _per_expert_bounds(layer: Layer, cfg, offsets, *operands):
     return layer.host_bounds(offsets)
 
 
+def _use_quack(layer: Layer, cfg, a, b, out=None, gather: bool = False) -> bool:
+    """Run this rows GEMM (``a`` [rows or tokens, K] k-major, ``b`` [E, K, N], ``out`` [rows, N] or None) by QuACK
+    (``cfg.quack``; kernels/quack_gemm.py), gathering ``a``'s rows by token where ``gather``?"""
+    from . import quack_gemm
+
+    if not cfg.quack or layer.num_slots == 0 or layer.interpret or cfg.per_expert_mm:
+        return False
+    if gather and not quack_gemm.gathers(cfg.quack):
+        return False
+    return (quack_gemm.usable(a.device, cfg.quack) and a.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
+            and quack_gemm.operands_ok(a, b, out))
+
+
+def quack_gathers_rows(layer: Layer, cfg, hidden, b) -> bool:
+    """The up projection reads its token rows from ``hidden`` itself (QuACK's gather), so no gathered copy is made."""
+    return _use_quack(layer, cfg, hidden, b, gather=True)
+
+
 def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, w=None,
               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
@@ -333,6 +364,19 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
                 torch.mm(a[lo:hi], b[e], out=c[lo:hi])
+        if epilogue == GLU_FWD:
+            _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
+                         up_shift=up_shift)
+        return c
+    if scatter is None and epilogue in (STORE, GLU_FWD) and not a_scale and bias is None \
+            and _use_quack(layer, cfg, a, b, c, gather):
+        from . import quack_gemm
+
+        counters["uniep_kernels"]["quack_gemms"] += 1
+        if c is None:
+            c = torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
+        quack_gemm.rows(a, b, c, layer.cu_seqlens(offsets), cfg.quack,
+                        a_idx=layer.token_rows(row_order) if gather else None)
         if epilogue == GLU_FWD:
             _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
                          up_shift=up_shift)
@@ -448,6 +492,39 @@ def act_backward(layer: Layer, *, d_act, up, d_up, act=None, **halves):
     _act_pass(layer, kernel, (d_act, up, d_up, act if act is not None else d_act), **halves)
 
 
+# QuACK writes a weight gradient whose gathered operand is P and whose layout puts P's columns second ([E, Q's, P's]
+# columns: HF's [out, in] weights) through a transposed (m-major) view of the gradient.
+QUACK_M_MAJOR_OUT = True
+
+
+def _quack_wgrad_operands(layer: Layer, cfg, p, q, p_gather: bool, m_dim: int):
+    """(A^T [M, rows] m-major, B [rows, N], whether the gradient is written through its transpose) to run this
+    weight gradient by QuACK (``cfg.quack``), gathering P's rows by token where ``p_gather``; None where it cannot."""
+    from . import quack_gemm
+
+    if not cfg.quack or layer.num_slots == 0 or layer.interpret or cfg.per_expert_mm:
+        return None
+    if p_gather and not quack_gemm.gathers(cfg.quack):
+        return None
+    if m_dim == 1:
+        a_t, b, transposed = p.t(), q, False
+    elif not p_gather:
+        a_t, b, transposed = q.t(), p, False
+    elif QUACK_M_MAJOR_OUT:
+        a_t, b, transposed = p.t(), q, True
+    else:
+        return None
+    if not (quack_gemm.usable(p.device, cfg.quack) and a_t.stride(-2) == 1 and b.stride(-1) == 1
+            and quack_gemm.operands_ok(a_t, b)):
+        return None
+    return a_t, b, transposed
+
+
+def quack_gathers_weight_rows(layer: Layer, cfg, hidden, d_up, m_dim: int) -> bool:
+    """The up projection's weight gradient reads its token rows from ``hidden`` itself (QuACK's gather)."""
+    return _quack_wgrad_operands(layer, cfg, hidden, d_up, True, m_dim) is not None
+
+
 def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
                 n_dim, bias_grad=None):
     """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e; returns grad. ``grad``
@@ -470,6 +547,17 @@ def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_ord
                 torch.mm(a[lo:hi].t(), b[lo:hi], out=grad[e])
             else:  # an expert without rows
                 grad[e].zero_()
+        return grad
+    quack = _quack_wgrad_operands(layer, cfg, p, q, p_gather, m_dim) \
+        if not isinstance(grad, torch.Tensor) and not (q_gather or q_scale) and bias_grad is None else None
+    if quack is not None:
+        from . import quack_gemm
+
+        counters["uniep_kernels"]["quack_gemms"] += 1
+        a_t, b_rows, transposed = quack
+        grad = torch.empty(tuple(grad), dtype=p.dtype, device=p.device)
+        quack_gemm.wgrad(a_t, b_rows, grad.transpose(1, 2) if transposed else grad, layer.cu_seqlens(offsets),
+                         cfg.quack, a_idx=layer.token_rows(row_order) if p_gather else None)
         return grad
     if not isinstance(grad, torch.Tensor):
         shape = tuple(grad)
@@ -521,7 +609,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     device = hidden.device
     if layer.num_slots:
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
-        gather = cfg.fuse_gather
+        gather = cfg.fuse_gather or quack_gathers_rows(layer, cfg.up, hidden, layer.up_eff)
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
         up = rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
@@ -590,10 +678,11 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                            row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
                            n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
-    x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
-    if not gather:
+    x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0])
+    x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
+    if not x_gather:
         row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
-    d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=gather, q=d_up, q_gather=False, q_scale=False,
+    d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=x_gather, q=d_up, q_gather=False, q_scale=False,
                          row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
                          n_dim=up_dims[1], bias_grad=d_b_up)
     del x, row_order
