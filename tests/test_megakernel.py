@@ -401,3 +401,49 @@ def test_per_expert_mm_is_a_numerics_knob_and_the_heuristics_pick_it_for_few_lar
         assert not any(getattr(cfg, g).per_expert_mm for g in kconfig.GEMMS), (rows, experts)
     assert not any(getattr(kconfig.heuristic_config(16384, 8, 64, 64, interpret=True), g).per_expert_mm
                    for g in kconfig.GEMMS)
+
+
+def test_quack_knob_config_and_heuristics(monkeypatch):
+    """The quack knob: its config strings parse or are refused with the expected form; it is a scheduling knob
+    (not in numerics_key); the GPU heuristics set it on every GEMM of many-expert shapes and on none of the Mixtral
+    shape's (one matmul per expert there), the interpreter's on none; cache entries written before it read as off;
+    and it stays off, with the reason, where QuACK cannot run (here: no CUDA device, or UNIEP_QUACK=0)."""
+    from uniep_dynamo.kernels import quack_gemm
+
+    assert quack_gemm.parse_config("192x128/pingpong/1x2") == (192, 128, True, 1, 2)
+    assert quack_gemm.gathers("128x256/coop/2x1") and not quack_gemm.gathers("192x128/pingpong/1x2")
+    for bad in ("192x128", "192x128/fast/1x2", "100x128/coop/1x1", "128x128/coop/2x2", "128x250/coop/1x1"):
+        with pytest.raises(ValueError, match="quack config"):
+            quack_gemm.parse_config(bad)
+        with pytest.raises(ValueError, match="quack config"):
+            kconfig.GemmConfig(quack=bad).validate()
+    qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
+    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == kconfig.QUACK_CONFIGS
+    assert qwen.numerics_key() == qwen.replace_gemms(quack="").numerics_key()
+    assert "quack" in kconfig.SCHEDULING_KNOBS
+    assert not any(getattr(kconfig.heuristic_config(16384, 8, 4096, 14336), g).quack for g in kconfig.GEMMS)
+    assert not any(getattr(kconfig.heuristic_config(65536, 128, 2048, 768, interpret=True), g).quack
+                   for g in kconfig.GEMMS)
+    entry = kconfig.config_to_dict(qwen)
+    assert kconfig.config_from_dict(entry) == qwen
+    old = {**entry, **{g: {k: v for k, v in entry[g].items() if k != "quack"} for g in kconfig.GEMMS}}
+    assert kconfig.config_from_dict(old) == qwen.replace_gemms(quack="")
+    assert quack_gemm.unavailable_reason(torch.device("cpu")) == "not a CUDA device"
+    assert not quack_gemm.usable(torch.device("cpu"), "192x128/pingpong/1x2")
+    assert not quack_gemm.usable(torch.device("cpu"), "")
+    monkeypatch.setenv("UNIEP_QUACK", "0")
+    assert quack_gemm.unavailable_reason(torch.device("cuda")) == "UNIEP_QUACK=0"
+
+
+def test_quack_knob_in_the_interpreter_keeps_the_triton_path(monkeypatch):
+    """A config asking for QuACK in Triton's interpreter (CPU) runs the Triton GEMMs: the same bits as without it."""
+    args = make(37, 32, 16, 6, 4, SILU_GLU, "oi", False)
+    base = kconfig.heuristic_config(37 * 4, 6, 32, 16, interpret=True)
+    with kconfig.use_config(base):
+        expected = run(args, "triton", monkeypatch)
+    counters.clear()
+    with kconfig.use_config(dataclasses.replace(base, **{g: dataclasses.replace(getattr(base, g), quack=q)
+                                                         for g, q in kconfig.QUACK_CONFIGS.items()})):
+        got = run(args, "triton", monkeypatch)
+    assert counters["uniep_kernels"]["quack_gemms"] == 0 and counters["uniep_kernels"]["triton_backward"] == 1
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, expected))

@@ -150,3 +150,18 @@ def test_tune_command_arguments(capsys):
     if not torch.cuda.is_available():
         assert cli.uniep_main(["tune", "--shape", "64,32,4,2"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_candidates_offer_quack_configs_only_where_quack_runs():
+    """Where QuACK runs, a GEMM's candidates are its base, the other of torch._grouped_mm / Triton without QuACK, the
+    base without QuACK and with each of QUACK_SPACE's configs, then Triton tiles (no QuACK); elsewhere none with it."""
+    base = kconfig.heuristic_config(65536, 128, 2048, 768).down
+    assert base.quack
+    cands = tuner.gemm_candidates(base, n_dim=2048, **H100)
+    assert cands[0] == base and cands[1] == dataclasses.replace(base, grouped_mm=not base.grouped_mm, quack="")
+    quack = [c.quack for c in cands if c.quack]
+    assert set(quack) == set(tuner.QUACK_SPACE) and len(quack) == len(tuner.QUACK_SPACE)
+    assert dataclasses.replace(base, quack="") in cands
+    assert all(not c.quack for c in cands if not c.grouped_mm and c != base)
+    without = tuner.gemm_candidates(base, n_dim=2048, quack=False, **H100)
+    assert [c for c in without if c.quack] == [base]

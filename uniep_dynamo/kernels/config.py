@@ -178,10 +178,13 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     per_expert = {"down", "grad_act", "grad_input", "wgrad_up", "wgrad_down"} \
         if num_experts <= 16 and num_rows >= 1024 * num_experts else set()
     # QuACK's grouped GEMM (the quack knob; it runs only where quack-kernels is installed on a Hopper GPU) for every
-    # GEMM that is not one cuBLAS matmul per expert. Its configs: the fastest of QuACK's Hopper configs for each GEMM
-    # on an H100 (bf16, Qwen3-30B-A3B shape at T = 8192; benchmarks/probes/quack_probe.py): 3.29 ms for the six
-    # against 3.68 ms for torch._grouped_mm / Triton with their two row gathers.
-    quack = {g: c for g, c in QUACK_CONFIGS.items() if g not in per_expert}
+    # GEMM of a layer with many experts. Its configs: the fastest of QuACK's Hopper configs for each GEMM on an H100
+    # (bf16, Qwen3-30B-A3B shape at T = 8192; benchmarks/probes/quack_probe.py, each GEMM timed alone in one run):
+    # 3.83 ms for the six against 4.41 ms for torch._grouped_mm with the two row gathers it needs. The layer, forward + backward, on an H100 (two
+    # alternating rounds, BENCHMARKS.md): Qwen3-30B-A3B 4.58 -> 4.17-4.20 ms back to back at T = 8192, 16.08-16.17 ->
+    # 14.77-14.90 at T = 32768. Not where the experts are few and large (per_expert_mm): Mixtral-8x7B's up projection
+    # by QuACK made its layer 26.57-27.08 -> 27.30-27.82 ms.
+    quack = {} if per_expert else QUACK_CONFIGS
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma)

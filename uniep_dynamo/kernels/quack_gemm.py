@@ -2,8 +2,8 @@
 with variable-length groups and a gathered A operand), a scheduling knob of each GEMM (``GemmConfig.quack``).
 
 Why: on an H100 (bf16, Qwen3-30B-A3B shape, T = 8192; benchmarks/probes/quack_probe.py, BENCHMARKS.md 2026-11-25) its
-grouped GEMMs run the six GEMMs of a layer in 3.29 ms against 3.68 ms for what uniep ran before (torch._grouped_mm,
-Triton, and two row gathers that QuACK does inside the GEMM), with the same bits: like torch._grouped_mm and the
+grouped GEMMs run the six GEMMs of a layer in 3.83 ms against 4.41 ms for torch._grouped_mm and the two row gathers
+that QuACK does inside the GEMM (each timed alone, synchronized, in one run), with the same bits: like torch._grouped_mm and the
 Triton GEMMs it is a chain of wgmma instructions over K in order into an fp32 accumulator, rounded once, with no split
 over K (config.py's numerics contract).
 
