@@ -68,14 +68,15 @@ def _worker(rank, world, port, case, out_dir):
             grouped_mm = []  # torch._grouped_mm calls of each overlapped run (the chunks' GEMMs with outputs of their own)
             scattered = []  # GEMMs of each overlapped run that stored their rows into the peers
             # per_expert_mm: cuBLAS matmuls per expert instead of torch._grouped_mm (it takes precedence)
-            gemm_counter = "per_expert_mm_gemms" if "per_expert_mm" in flags else "grouped_mm_gemms"
+            # QuACK's GEMMs (the quack knob, where quack-kernels is installed) give torch._grouped_mm's bits too
+            gemm_counters = ("per_expert_mm_gemms",) if "per_expert_mm" in flags else ("grouped_mm_gemms", "quack_gemms")
             for knobs in OVERLAP_KNOBS:
-                before = counters["uniep_kernels"][gemm_counter]
+                before = sum(counters["uniep_kernels"][c] for c in gemm_counters)
                 pushes = counters["uniep_kernels"]["scattered_gemms"]
                 runs.append(_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine],
                                  lambda x, i, w, a, b: ep_experts_overlapped(x, i, w, a, b, None, None, spec,
                                                                              knobs=OverlapConfig(*knobs))))
-                grouped_mm.append(counters["uniep_kernels"][gemm_counter] - before)
+                grouped_mm.append(sum(counters["uniep_kernels"][c] for c in gemm_counters) - before)
                 scattered.append(counters["uniep_kernels"]["scattered_gemms"] - pushes)
             single = _run(hidden, ids, weights, w_up, w_down, grad,
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
