@@ -447,3 +447,87 @@ def test_quack_knob_in_the_interpreter_keeps_the_triton_path(monkeypatch):
         got = run(args, "triton", monkeypatch)
     assert counters["uniep_kernels"]["quack_gemms"] == 0 and counters["uniep_kernels"]["triton_backward"] == 1
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, expected))
+
+
+class _FakeQuackConfig:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+def _fake_quack_gemm(calls):
+    """QuACK's gemm_tuned.fn contract (quack 0.4.1's gemm_interface/gemm.py), computed by torch in fp32: varlen_m --
+    A k-major, out n-major, out[r] = A[A_idx[r] or r] @ B[e(r)]; varlen_k -- A [M, K rows] m-major, B [K rows, N]
+    n-major, out[e] = A[:, A_idx[k] or k over e's rows] @ B[e's rows]; gather needs cluster_n == 1."""
+    def gemm(A, B, out, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, config=None):
+        calls.append("m" if cu_seqlens_m is not None else "k")
+        assert A_idx is None or (config.cluster_n == 1 and A_idx.dtype == torch.int32)
+        cu = (cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k).tolist()
+        assert cu[0] == 0 and (cu_seqlens_m is None) != (cu_seqlens_k is None)
+        if cu_seqlens_m is not None:
+            assert A.stride(-1) == 1 and out.stride(-1) == 1
+            rows = A.float()[A_idx.long()] if A_idx is not None else A.float()
+            for e in range(len(cu) - 1):
+                out[cu[e]:cu[e + 1]] = (rows[cu[e]:cu[e + 1]] @ B[e].float()).to(out.dtype)
+        else:
+            assert A.stride(-2) == 1 and B.stride(-1) == 1
+            cols = A.float()[:, A_idx.long()] if A_idx is not None else A.float()
+            for e in range(len(cu) - 1):
+                out[e] = (cols[:, cu[e]:cu[e + 1]] @ B[cu[e]:cu[e + 1]].float()).to(out.dtype)
+    return gemm
+
+
+@pytest.mark.parametrize("layout", ["oi", "io"])
+def test_quack_calls_follow_its_operand_contract(layout, monkeypatch):
+    """Where the quack knob runs (a Hopper GPU; here a stand-in for QuACK's GEMM that checks its operand contract and
+    computes in torch), the rows GEMMs with and without the token gather, and both weight gradients (the gathered one
+    written through the gradient's transpose for [out, in] weights), give what the GEMMs compute."""
+    from uniep_dynamo.kernels import megakernel, quack_gemm
+    from uniep_dynamo.kernels.triton_gemm import STORE
+
+    calls = []
+    monkeypatch.setattr(quack_gemm, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(quack_gemm, "_module", lambda: ((_fake_quack_gemm(calls), _FakeQuackConfig), None))
+    T, H, I, E, K = 10, 16, 8, 4, 2
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[:, 0] = torch.where(ids[:, 0] == 3, 0, ids[:, 0])  # expert 3 may get fewer rows; an empty group is fine
+    w_up = torch.randn(*((E, 2 * I, H) if layout == "oi" else (E, H, 2 * I)), generator=g).bfloat16()
+    w_down = torch.randn(*((E, H, I) if layout == "oi" else (E, I, H)), generator=g).bfloat16()
+    spec = ExpertsSpec(layout, layout, SILU_GLU, torch.bfloat16)
+    cfg = kconfig.heuristic_config(T * K, E, H, I)  # the GPU heuristics: QuACK on every GEMM
+    layer = megakernel.Layer(hidden, ids, w_up, w_down, spec, config=cfg)
+    layer.interpret = False  # as on a GPU
+    row_order = torch.argsort(ids.reshape(-1), stable=True)
+    offsets = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0)
+    bounds = [0, *offsets.tolist()]
+    tok = row_order // K
+    d_up = torch.randn(T * K, 2 * I, generator=g).bfloat16()
+    dy = torch.randn(T * K, H, generator=g).bfloat16()
+
+    def per_expert(fn):
+        return [fn(slice(bounds[e], bounds[e + 1]), e) for e in range(E)]
+
+    assert megakernel.quack_gathers_rows(layer, cfg.up, hidden, layer.up_eff)
+    up = megakernel.rows_gemm(layer, cfg.up, a=hidden, gather=True, row_order=row_order, b=layer.up_eff, n=2 * I, k=H,
+                              epilogue=STORE, offsets=offsets)
+    want = torch.cat(per_expert(lambda s, e: (hidden[tok[s]].float() @ layer.up_eff[e].float()).bfloat16()))
+    assert torch.equal(up, want)
+    down_b = layer.down_eff.transpose(1, 2)
+    act = megakernel.rows_gemm(layer, cfg.grad_act, a=dy, gather=False, row_order=row_order, b=down_b, n=I, k=H,
+                               epilogue=STORE, offsets=offsets)
+    assert torch.equal(act, torch.cat(per_expert(lambda s, e: (dy[s].float() @ down_b[e].float()).bfloat16())))
+    dims = (1, 2) if layout == "io" else (2, 1)
+    assert megakernel.quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, dims[0])
+    d_w_up = megakernel.weight_grad(layer, cfg.wgrad_up, p=hidden, p_gather=True, q=d_up, q_gather=False,
+                                    q_scale=False, row_order=row_order, w=None, offsets=offsets, grad=w_up.shape,
+                                    m_dim=dims[0], n_dim=dims[1])
+    want = torch.stack(per_expert(lambda s, e: (hidden[tok[s]].float().t() @ d_up[s].float()).bfloat16()))
+    assert torch.equal(d_w_up, want if layout == "io" else want.transpose(1, 2))
+    d_w_down = megakernel.weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=False,
+                                      q_scale=False, row_order=row_order, w=None, offsets=offsets, grad=w_down.shape,
+                                      m_dim=dims[0], n_dim=dims[1])
+    want = torch.stack(per_expert(lambda s, e: (act[s].float().t() @ dy[s].float()).bfloat16()))
+    assert torch.equal(d_w_down, want if layout == "io" else want.transpose(1, 2))
+    assert d_w_up.is_contiguous() and d_w_down.is_contiguous()
+    assert calls == ["m", "m", "k", "k"]
