@@ -40,7 +40,8 @@ Numerics contract (what a tuner may change freely):
   torch._grouped_mm's bits (benchmarks/probes/quack_probe.py), being the same wgmma chain over K in order with one
   rounding; tests/test_gpu_megakernel.py sweeps it with the other scheduling knobs. It runs bf16 on a Hopper GPU
   with QuACK importable; the up projection's and its weight gradient's token-row gathers then happen in its loads
-  (no permuted copy). A bias, a scaled gather, a scattered or in-place output elsewhere take the other knobs' path.
+  (no permuted copy). A bias, a scaled gather (the weighted output-gradient rows), a GEMM that stores into EP peers
+  and a CUDA graph being captured take the other knobs' path.
 """
 from __future__ import annotations
 

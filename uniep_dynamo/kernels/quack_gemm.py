@@ -89,8 +89,9 @@ _WARNED: set = set()
 
 
 def usable(device, config: str) -> bool:
-    """A config is set and QuACK runs here; the first refusal of each kind is logged."""
-    if not config:
+    """A config is set and QuACK runs here; the first refusal of each kind is logged. Not while a CUDA graph is being
+    captured (its launch path was not measured under capture; the other GEMMs give the same bits)."""
+    if not config or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return False
     reason = unavailable_reason(device)
     if reason is not None and reason not in _WARNED:
