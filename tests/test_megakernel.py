@@ -531,3 +531,11 @@ def test_quack_calls_follow_its_operand_contract(layout, monkeypatch):
     assert torch.equal(d_w_down, want if layout == "io" else want.transpose(1, 2))
     assert d_w_up.is_contiguous() and d_w_down.is_contiguous()
     assert calls == ["m", "m", "k", "k"]
+    # Where QuACK's path would not compute the same thing, it stands aside: a bias (the gather then stays with the
+    # rows copy), an output buffer of other rows, a GEMM writing fewer columns than the weight has
+    assert not megakernel.quack_gathers_rows(layer, cfg.up, hidden, layer.up_eff, torch.zeros(E, 2 * I).bfloat16())
+    assert not megakernel.quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, dims[0],
+                                                    torch.zeros(E, 2 * I).bfloat16())
+    assert not megakernel._use_quack(layer, cfg.grad_act, dy, down_b, torch.empty(T * K + 8, I).bfloat16())
+    assert megakernel._use_quack(layer, cfg.grad_act, dy, down_b, torch.empty(T * K, I).bfloat16())
+    assert not megakernel._use_quack(layer, cfg.grad_act, torch.cat([dy, dy[:8]]), down_b)

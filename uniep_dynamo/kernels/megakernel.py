@@ -320,13 +320,18 @@ def _use_quack(layer: Layer, cfg, a, b, out=None, gather: bool = False) -> bool:
         return False
     if gather and not quack_gemm.gathers(cfg.quack):
         return False
+    # QuACK's output has exactly the plan's rows (its gather index's, or A's), and B's columns
+    if (not gather and a.shape[0] != layer.num_slots) or \
+            (out is not None and tuple(out.shape) != (layer.num_slots, b.shape[2])):
+        return False
     return (quack_gemm.usable(a.device, cfg.quack) and a.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
             and quack_gemm.operands_ok(a, b, out))
 
 
-def quack_gathers_rows(layer: Layer, cfg, hidden, b) -> bool:
-    """The up projection reads its token rows from ``hidden`` itself (QuACK's gather), so no gathered copy is made."""
-    return _use_quack(layer, cfg, hidden, b, gather=True)
+def quack_gathers_rows(layer: Layer, cfg, hidden, b, bias=None) -> bool:
+    """The up projection reads its token rows from ``hidden`` itself (QuACK's gather), so no gathered copy is made
+    (not with a bias: QuACK's path here takes none, and the gather would then fall to the slower Triton one)."""
+    return bias is None and _use_quack(layer, cfg, hidden, b, gather=True)
 
 
 def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, w=None,
@@ -368,7 +373,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
             _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
                          up_shift=up_shift)
         return c
-    if scatter is None and epilogue in (STORE, GLU_FWD) and not a_scale and bias is None \
+    if scatter is None and epilogue in (STORE, GLU_FWD) and not a_scale and bias is None and width == b.shape[2] \
             and _use_quack(layer, cfg, a, b, c, gather):
         from . import quack_gemm
 
@@ -520,9 +525,10 @@ def _quack_wgrad_operands(layer: Layer, cfg, p, q, p_gather: bool, m_dim: int):
     return a_t, b, transposed
 
 
-def quack_gathers_weight_rows(layer: Layer, cfg, hidden, d_up, m_dim: int) -> bool:
-    """The up projection's weight gradient reads its token rows from ``hidden`` itself (QuACK's gather)."""
-    return _quack_wgrad_operands(layer, cfg, hidden, d_up, True, m_dim) is not None
+def quack_gathers_weight_rows(layer: Layer, cfg, hidden, d_up, m_dim: int, bias_grad=None) -> bool:
+    """The up projection's weight gradient reads its token rows from ``hidden`` itself (QuACK's gather; not with a bias
+    gradient, which QuACK's path here does not compute)."""
+    return bias_grad is None and _quack_wgrad_operands(layer, cfg, hidden, d_up, True, m_dim) is not None
 
 
 def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
@@ -609,7 +615,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     device = hidden.device
     if layer.num_slots:
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
-        gather = cfg.fuse_gather or quack_gathers_rows(layer, cfg.up, hidden, layer.up_eff)
+        gather = cfg.fuse_gather or quack_gathers_rows(layer, cfg.up, hidden, layer.up_eff, b_up)
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
         up = rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
@@ -678,7 +684,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                            row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
                            n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
-    x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0])
+    x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0], d_b_up)
     x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
     if not x_gather:
         row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
