@@ -433,6 +433,14 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
     assert not quack_gemm.usable(torch.device("cpu"), "")
     monkeypatch.setenv("UNIEP_QUACK", "0")
     assert quack_gemm.unavailable_reason(torch.device("cuda")) == "UNIEP_QUACK=0"
+    monkeypatch.delenv("UNIEP_QUACK")
+    monkeypatch.setattr(quack_gemm, "_FAILED", [])
+    monkeypatch.setattr(quack_gemm, "_device_ok", lambda device: True)
+    monkeypatch.setattr(quack_gemm, "_module", lambda: ((None, None), None))
+    assert quack_gemm.unavailable_reason(torch.device("cuda")) is None
+    quack_gemm.failed(RuntimeError("no kernel image"))  # a QuACK call raised: off for the process, with the error
+    assert quack_gemm.unavailable_reason(torch.device("cuda")) == \
+        "a QuACK GEMM failed earlier (RuntimeError: no kernel image)"
 
 
 def test_quack_knob_in_the_interpreter_keeps_the_triton_path(monkeypatch):
@@ -539,3 +547,16 @@ def test_quack_calls_follow_its_operand_contract(layout, monkeypatch):
     assert not megakernel._use_quack(layer, cfg.grad_act, dy, down_b, torch.empty(T * K + 8, I).bfloat16())
     assert megakernel._use_quack(layer, cfg.grad_act, dy, down_b, torch.empty(T * K, I).bfloat16())
     assert not megakernel._use_quack(layer, cfg.grad_act, torch.cat([dy, dy[:8]]), down_b)
+    # A QuACK call that raises turns the knob off and the GEMM takes its other path (here, as on a GPU, a weight
+    # gradient with an output of its own: torch._grouped_mm, stood in by its per-expert products)
+    def raising(*args, **kwargs):
+        raise RuntimeError("compile failed")
+    monkeypatch.setattr(quack_gemm, "_FAILED", [])
+    monkeypatch.setattr(quack_gemm, "_module", lambda: ((raising, _FakeQuackConfig), None))
+    monkeypatch.setattr(megakernel, "_use_grouped_mm", lambda *args: True)
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: torch.stack(
+        per_expert(lambda s, e: (a[:, s].float() @ b[s].float()).bfloat16())))
+    again = megakernel.weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=False, q_scale=False,
+                                   row_order=row_order, w=None, offsets=offsets, grad=w_down.shape, m_dim=dims[0],
+                                   n_dim=dims[1])
+    assert torch.equal(again, d_w_down) and "compile failed" in quack_gemm._FAILED[0]

@@ -377,15 +377,18 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
             and _use_quack(layer, cfg, a, b, c, gather):
         from . import quack_gemm
 
-        counters["uniep_kernels"]["quack_gemms"] += 1
-        if c is None:
-            c = torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
-        quack_gemm.rows(a, b, c, layer.cu_seqlens(offsets), cfg.quack,
-                        a_idx=layer.token_rows(row_order) if gather else None)
-        if epilogue == GLU_FWD:
-            _act_forward(layer, up=c, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
-                         up_shift=up_shift)
-        return c
+        out = c if c is not None else torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
+        try:
+            quack_gemm.rows(a, b, out, layer.cu_seqlens(offsets), cfg.quack,
+                            a_idx=layer.token_rows(row_order) if gather else None)
+        except Exception as exc:  # noqa: BLE001 -- any QuACK failure: the knob goes off, the other path runs
+            quack_gemm.failed(exc)
+        else:
+            counters["uniep_kernels"]["quack_gemms"] += 1
+            if epilogue == GLU_FWD:
+                _act_forward(layer, up=out, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
+                             up_shift=up_shift)
+            return out
     if c is None and plain and _use_grouped_mm(layer, cfg, width, a, b):
         counters["uniep_kernels"]["grouped_mm_gemms"] += 1
         c = torch._grouped_mm(a, b, offs=layer.offsets_i32(offsets))
@@ -559,12 +562,16 @@ def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_ord
     if quack is not None:
         from . import quack_gemm
 
-        counters["uniep_kernels"]["quack_gemms"] += 1
         a_t, b_rows, transposed = quack
-        grad = torch.empty(tuple(grad), dtype=p.dtype, device=p.device)
-        quack_gemm.wgrad(a_t, b_rows, grad.transpose(1, 2) if transposed else grad, layer.cu_seqlens(offsets),
-                         cfg.quack, a_idx=layer.token_rows(row_order) if p_gather else None)
-        return grad
+        out = torch.empty(tuple(grad), dtype=p.dtype, device=p.device)
+        try:
+            quack_gemm.wgrad(a_t, b_rows, out.transpose(1, 2) if transposed else out, layer.cu_seqlens(offsets),
+                             cfg.quack, a_idx=layer.token_rows(row_order) if p_gather else None)
+        except Exception as exc:  # noqa: BLE001 -- any QuACK failure: the knob goes off, the other path runs
+            quack_gemm.failed(exc)
+        else:
+            counters["uniep_kernels"]["quack_gemms"] += 1
+            return out
     if not isinstance(grad, torch.Tensor):
         shape = tuple(grad)
         if not (p_gather or q_gather or q_scale) and bias_grad is None and \

@@ -74,10 +74,23 @@ def _device_ok(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+_FAILED: list = []  # the first error a QuACK GEMM raised in this process: the knob is off from then on
+
+
+def failed(exc: Exception) -> None:
+    """A QuACK call raised: turn the knob off for this process, with a warning naming the error (the caller then runs
+    the same GEMM by its other path, which gives the same bits)."""
+    if not _FAILED:
+        _FAILED.append(f"a QuACK GEMM failed earlier ({type(exc).__name__}: {str(exc)[:200]})")
+        log.warning("uniep: the quack GEMM knob is off for this process: %s", _FAILED[0])
+
+
 def unavailable_reason(device) -> str | None:
     """None where QuACK's GEMMs can run on ``device``, else why not."""
     if os.environ.get("UNIEP_QUACK", "1") == "0":
         return "UNIEP_QUACK=0"
+    if _FAILED:
+        return _FAILED[0]
     if device.type != "cuda":
         return "not a CUDA device"
     if not _device_ok(device):
