@@ -174,17 +174,27 @@ def _guard_worker(rank, world, port, model_dir, out_dir):
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
     inner, graphs = _counting_backend()
     run = torch.compile(model, backend="uniep", options={"inner_backend": inner})
-    calls = []
+
+    def call(implementation):
+        model.set_experts_implementation(implementation)
+        compiled, ran = len(graphs["forward"]), graphs["ran"]
+        ran.clear()
+        with torch.no_grad():  # which path the forward takes is the question; no backward compiles
+            loss = run(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            eager = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        return {"implementation": implementation, "loss": loss, "eager": eager, "ran": dict(ran),
+                "compiled": len(graphs["forward"]) - compiled, "declines": list(declines)}
     try:
-        for implementation in ("grouped_mm", "eager", "grouped_mm"):
-            model.set_experts_implementation(implementation)
-            compiled, ran = len(graphs["forward"]), graphs["ran"]
-            ran.clear()
-            with torch.no_grad():  # which path the forward takes is the question; no backward compiles
-                loss = run(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-                eager = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-            calls.append({"implementation": implementation, "loss": loss, "eager": eager, "ran": dict(ran),
-                          "compiled": len(graphs["forward"]) - compiled, "declines": list(declines)})
+        calls = [call(implementation) for implementation in ("grouped_mm", "eager", "grouped_mm")]
+        # an implementation registered with transformers that returns 2 * the grouped_mm experts' output: the experts
+        # pattern proves the grouped_mm region inside it, but uniep.ep_layer would compute that region alone
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+        def doubled_experts(experts, hidden_states, top_k_index, top_k_weights):
+            return 2 * grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+        ALL_EXPERTS_FUNCTIONS.register("uniep_test_doubled", doubled_experts)  # in this worker process only
+        torch._dynamo.reset()  # traced afresh: the entry traced after the "eager" decline has no guard on the experts
+        calls.append(call("uniep_test_doubled"))
         torch.save(calls, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -196,12 +206,15 @@ def test_hf_ep_layer_follows_the_experts_implementation(tmp_path):
     hf_ep._signature reads): Dynamo's guard on it recompiles, the trace proves the layer again, and the call runs
     what the new implementation is. HF's "eager" experts forward (a loop over the hit experts) does not trace into
     one graph, so hf_ep declines it: no uniep.ep_layer runs, HF's layer is traced as written (a stale cache entry would
-    run the grouped_mm experts' ep_layer). Every call's loss is the uncompiled model's."""
+    run the grouped_mm experts' ep_layer). Then, traced afresh, an implementation registered with transformers that
+    returns 2 * the grouped_mm experts' output: the experts pattern proves the region inside it, but the forward returns
+    more than the region (hf_ep._require_returns_root), so hf_ep declines it (before that check, ep_layer ran and gave
+    the plain experts' loss). Every call's loss is the uncompiled model's."""
     with tempfile.TemporaryDirectory() as model_dir:
         _save_model("qwen3_moe", model_dir, 4)
         ranks = run_workers(_guard_worker, 2, (model_dir,), tmp_path, timeout=600)
     layers = 2  # tests/hf_models.py: two MoE layers
-    for first, switched, back in ranks:
+    for first, switched, back, doubled in ranks:
         assert first["ran"].get("forward ep_layer") == layers, first["ran"]
         assert switched["compiled"] >= 1, "no recompile after the experts implementation changed"
         assert not switched["ran"].get("forward ep_layer"), switched["ran"]  # the stale entry did not serve
@@ -209,7 +222,11 @@ def test_hf_ep_layer_follows_the_experts_implementation(tmp_path):
             switched["declines"]
         # switched back, only the loss is asserted: the cache entry traced after the decline serves the call (a decline
         # reads no signature, so that entry has no guard on the implementation) and ep_layer does not come back
-        for call in (first, switched, back):
+        assert not doubled["ran"].get("forward ep_layer"), doubled["ran"]
+        assert any("does not return the experts' output" in m and "(mul)" in m
+                   for m in doubled["declines"][len(back["declines"]):]), doubled["declines"]
+        assert (doubled["eager"] - first["eager"]).abs() > 1e-4, "the doubling does not show in the loss"
+        for call in (first, switched, back, doubled):
             torch.testing.assert_close(call["loss"], call["eager"], atol=1e-5, rtol=1e-5, msg=call["implementation"])
 
 

@@ -3,6 +3,7 @@ processes: HF transformers' own AllToAllEP model (>= 5.23) and the same two step
 functions, compiled with backend="uniep" against eager: loss/outputs and every gradient, rewrite
 counts, and two compiled runs bitwise equal. Plus graphs that must not match."""
 import os
+import re
 import tempfile
 
 import pytest
@@ -424,6 +425,63 @@ def test_combine_refuses_float64_with_a_reason():
     rows, weights = torch.randn(8, 5, dtype=torch.float64), torch.rand(4, 2, dtype=torch.float64)
     counts, misses = _rewrites(combine_side, rows, torch.randperm(8), weights)
     assert not counts.get("ep_combine") and any("float64" in m for m in misses), (counts, misses)
+
+
+_RETURNS = {  # what an experts implementation returns of the grouped_mm experts' output `out` (hidden states `h`)
+    "contiguous": lambda out, h: out.contiguous(),
+    "view_roundtrip": lambda out, h: out.unsqueeze(1).view(h.shape[0], -1),
+    "same_dtype_cast": lambda out, h: out.to(out.dtype).clone(),
+    "doubled": lambda out, h: 2 * out,
+    "plus_one": lambda out, h: out + 1,
+    "detach": lambda out, h: out.detach(),
+    "flip": lambda out, h: out.flip(0),
+    "narrowing_cast": lambda out, h: out.to(torch.bfloat16),
+    "cast_roundtrip": lambda out, h: out.to(torch.bfloat16).to(torch.float32),
+    "tuple": lambda out, h: (out,),
+    "unsqueezed": lambda out, h: out.unsqueeze(0),
+    "hidden_instead": lambda out, h: h,
+}
+_PROBE_CASES = [  # (what the experts forward returns, the decline reason or None: proven), what it stresses
+    ("contiguous", None),  # steps that keep every value and the gradient path: proven, ep_layer serves
+    ("view_roundtrip", None),  # reshapes that end in the experts' [T, H]
+    ("same_dtype_cast", None),
+    ("doubled", "(mul) changes it"),  # arithmetic after the region: ep_layer computes the region alone
+    ("plus_one", "(add) changes it"),
+    ("detach", "(detach) changes it"),  # the same values, but eager sends no gradient to the experts
+    ("flip", "(flip) changes it"),  # the rows in another order
+    ("narrowing_cast", "cast from torch.float32 to torch.bfloat16"),  # another dtype than the hidden states'
+    ("cast_roundtrip", "cast from torch.bfloat16 to torch.float32"),  # a bf16 rounding the pattern reads as no cast
+    ("tuple", "returns tuple"),  # the graph's output, wrapped by Python code after the graph
+    ("unsqueezed", "returns shape [1, 8, 32]"),  # not the [T, H] AllToAllEP combines
+    ("hidden_instead", "is also read by"),  # the experts' output is not what the forward returns
+]
+
+
+@pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
+@pytest.mark.parametrize("returns,reason", _PROBE_CASES, ids=[returns for returns, _ in _PROBE_CASES])
+def test_hf_ep_probe_requires_the_experts_output_returned(returns, reason, monkeypatch):
+    """hf_ep's probe proves the experts computation AND that the experts forward returns it: only value-preserving
+    steps (a no-op cast, a reshape back to [T, H], a copy) may follow the proven region (hf_ep._require_returns_root).
+    In-process, the probe alone: a tiny Qwen3-MoE's experts with a registered implementation per case."""
+    from hf_models import build_model
+    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+    from uniep_dynamo import hf_ep
+
+    def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+        out = grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+        return _RETURNS[returns](out, hidden_states)
+    name = f"uniep_test_{returns}"
+    monkeypatch.setitem(ExpertsInterface._global_mapping, name, experts_forward)
+    model = build_model("qwen3_moe", implementation=name)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    probe_args = (experts, torch.float32, model.config.hidden_size, torch.device("cpu"))
+    if reason is None:
+        names = hf_ep._probe(*probe_args)[1]
+        assert names == ("gate_up_proj", "down_proj", None, None), names
+    else:
+        with pytest.raises(hf_ep._Decline, match=re.escape(reason)):
+            hf_ep._probe(*probe_args)
 
 
 def test_hf_ep_source_hash_reads_text_not_the_ast(tmp_path, monkeypatch):

@@ -22,8 +22,10 @@ HF's own call. Inside a trace it asks ``_layer_plan()``, which Dynamo runs at tr
    beside EP; no autocast; the experts forward is the class's own; and the experts computation is one the experts
    pattern proves: the experts forward, called as ``AllToAllEP`` calls it (top-1, weight 1), is captured by a
    nested Dynamo trace of its own and matched by patterns/experts.py, which yields the op's spec (gate, layout,
-   biases) and which parameters are the weights. The traced code re-reads the experts' attributes the spec
-   depends on, so Dynamo guards them.
+   biases) and which parameters are the weights, and the forward returns that computation itself: after the
+   proven region only a cast to the dtype it has, a reshape back to [T, H] or a copy (``_require_returns_root``;
+   ``2 * experts(...)`` declines). The traced code re-reads the experts' attributes the spec depends on, so Dynamo
+   guards them.
 
 transformers 5.17's sentinel-mask EP has no ``AllToAllEP``: nothing is installed, and the graph rewrite handles it.
 """
@@ -295,11 +297,15 @@ def _probe(experts, dtype, hidden_size: int, device):
     hidden = torch.randn(rows, hidden_size, dtype=dtype, device=device, requires_grad=True)
     ids = torch.arange(local, device=device).repeat(2).unsqueeze(-1)
     ones = torch.ones(rows, 1, dtype=dtype, device=device)
-    graphs = []
+    graphs, outputs = [], []
 
     def capture(gm, example_inputs):  # matched here: Dynamo drops the inputs' records once the compile returns
         graphs.append((gm, _match_probe(gm, twin, hidden, ids, ones)))
-        return gm.forward
+
+        def run(*args):
+            outputs.append(gm.forward(*args))
+            return outputs[-1]
+        return run
     forward = type(experts).forward
 
     def probe(module, h, i, w):
@@ -309,7 +315,7 @@ def _probe(experts, dtype, hidden_size: int, device):
                                probe.__closure__)
     try:
         with torch.enable_grad():
-            torch.compile(probe, backend=capture, fullgraph=True, dynamic=False)(twin, hidden, ids, ones)
+            returned = torch.compile(probe, backend=capture, fullgraph=True, dynamic=False)(twin, hidden, ids, ones)
     except Exception as exc:  # noqa: BLE001
         raise _Decline(f"the experts forward does not trace into one graph ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -318,7 +324,16 @@ def _probe(experts, dtype, hidden_size: int, device):
     found = graphs[0][1]
     if isinstance(found, str):
         raise _Decline(found)
+    # the graph's one output (_require_returns_root) is what the forward returns, not something Python code made of it
+    # after the graph ran (a tuple holding it, an input returned instead)
+    if len(outputs) != 1 or not isinstance(returned, torch.Tensor) or returned is not _only_output(outputs[0]):
+        raise _Decline(f"the experts forward returns {type(returned).__name__}, not the one tensor its graph computes")
     return found
+
+
+def _only_output(values):
+    flat = torch.utils._pytree.tree_leaves(values)
+    return flat[0] if len(flat) == 1 else None
 
 
 def _match_probe(gm, twin, hidden, ids, ones):
@@ -341,6 +356,7 @@ def _match_probe_or_decline(gm, twin, hidden, ids, ones):
         raise _Decline("post-expert programs (a norm after the experts) are not taken under EP yet")
     if match.compute_dtype is not None or match.out_cast is not None:
         raise _Decline("the experts run under autocast")
+    _require_returns_root(gm, match.root, tuple(hidden.shape))
     inputs = {id(t): name for name, t in (("hidden", hidden), ("ids", ids), ("weights", ones))}
     params = {id(p): n for n, p in twin._parameters.items() if p is not None}
     bound = {what: _bound_tensor(gm, node) for what, node in (("hidden", match.hidden), ("ids", match.topk_ids),
@@ -359,6 +375,55 @@ def _match_probe_or_decline(gm, twin, hidden, ids, ones):
         names.append(params[id(tensor)])
     spec = dataclasses.replace(match.spec, out_of_range="drop", reuse_saved=False)
     return spec.encode(), tuple(names)
+
+
+# Steps that may stand between the proven experts region and what the experts forward returns: each keeps every value
+# and the gradient path, given that a cast is to the dtype the value has and the reshapes end in the region's shape
+# (they keep the row-major order). Anything else (arithmetic, another cast, a transpose, detach) changes the result.
+_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double")
+_VALUE_PRESERVING = _CASTS + ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "clone")
+
+
+def _require_returns_root(gm, root, shape: tuple) -> None:
+    """_Decline unless the probe graph's one output is the experts region's root, up to value-preserving steps, each
+    the only reader of the step before, and the region's own casts after its K-sum keep the dtype: uniep.ep_layer
+    computes the experts alone, rounded once, so a forward that returns anything else of them (2 * the experts'
+    output, say) would be replaced by another value."""
+    from .patterns import graph_utils as gu
+
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    flat = torch.utils._pytree.tree_leaves(output.args)
+    if len(flat) != 1 or not isinstance(flat[0], torch.fx.Node):
+        raise _Decline(f"the experts forward's graph returns {len(flat)} values, not the experts' output alone")
+    want = gu.tensor_meta(root)
+    node, reader = flat[0], output
+    while True:  # from what the forward returns back to the root
+        if list(node.users) != [reader]:
+            others = ", ".join(u.name for u in node.users if u is not reader)
+            raise _Decline(f"{node.name}, what the experts forward returns (or the experts' output it is made from), "
+                           f"is also read by {others}: uniep.ep_layer returns the experts' output alone")
+        value = gu.tensor_meta(node)
+        if value is None or want is None or value.dtype != want.dtype or value.device != want.device:
+            raise _Decline(f"the experts forward returns {node.name} in another dtype or on another device than the "
+                           f"experts' output {root.name}")
+        if node is root:
+            break
+        name = gu.op_name(node)
+        if name not in _VALUE_PRESERVING or not node.args or node.all_input_nodes != [node.args[0]]:
+            raise _Decline(f"the experts forward does not return the experts' output {root.name} as computed: "
+                           f"{node.name} ({name or node.op}) changes it; uniep.ep_layer computes the experts alone")
+        node, reader = node.args[0], node
+    if tuple(gu.tensor_meta(flat[0]).shape) != shape:
+        raise _Decline(f"the experts forward returns shape {list(gu.tensor_meta(flat[0]).shape)}, not the hidden "
+                       f"states' {list(shape)}")
+    # the root is the last of the casts the pattern reads after the K-sum (fp32 -> bf16 -> fp32 is one Combined value
+    # to it): eager rounds at each, the op once, to the root's dtype
+    while gu.op_name(node) in _CASTS and node.args and isinstance(node.args[0], torch.fx.Node):
+        source = gu.tensor_meta(node.args[0])
+        if source is None or source.dtype != want.dtype:
+            raise _Decline(f"the experts' output is cast from {source.dtype if source is not None else '?'} to "
+                           f"{want.dtype} ({node.name}) after its K-sum: uniep.ep_layer rounds it once")
+        node = node.args[0]
 
 
 def _bound_tensor(gm, node):
