@@ -11,12 +11,24 @@ warnings; tests/test_ep_single_rank.py asserts at most one). Providers:
   ep_layer_overlap    the overlapped exchange (symmetric memory)
 
     python benchmarks/probes/ep_host_probe.py [--shape qwen3-30b-a3b] [--tokens 8192] [--calls 50]
+
+``--device cpu``: the same calls on CPU tensors over a one-rank gloo group, float32, the kernels UNIEP_KERNELS says
+(the reference on CPU either way): no GPU number, but the Python around the kernels is the same, so with a small
+``--hidden``/``--inter`` (the kernels' work negligible, E and K kept) it shows what the layer adds on the host
+(``--profile PROVIDER``: cProfile of its calls, the top frames by own and by cumulative time). On CPU the reference's
+grouped GEMM loops over the experts, so the kernels still take most of the time there; no sync counts.
+
+    python benchmarks/probes/ep_host_probe.py --device cpu --hidden 64 --inter 32 --tokens 512 --calls 200 \
+        --profile ep_layer
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -30,20 +42,25 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
+def _synchronize():
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def host_times(fn, leaves, grad, calls: int, warmup: int = 5):
     """(median forward µs, median backward µs) of out = fn(*leaves); out.backward(grad), host time only."""
     forward, backward = [], []
     for i in range(warmup + calls):
         inputs = [t.detach().requires_grad_() for t in leaves]
-        torch.cuda.synchronize()
+        _synchronize()
         t0 = time.perf_counter()
         out = fn(*inputs)
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        _synchronize()
         t2 = time.perf_counter()
         out.backward(grad)
         t3 = time.perf_counter()
-        torch.cuda.synchronize()
+        _synchronize()
         if i >= warmup:
             forward.append(t1 - t0)
             backward.append(t3 - t2)
@@ -69,6 +86,20 @@ def sync_calls(fn, leaves, grad):
     return counts
 
 
+def profile_calls(fn, leaves, grad, calls: int, top: int = 30) -> str:
+    """cProfile of ``calls`` forward and backward calls: the top frames by own time, then by cumulative time."""
+    inputs = [[t.detach().requires_grad_() for t in leaves] for _ in range(calls)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for leaf_inputs in inputs:
+        fn(*leaf_inputs).backward(grad)
+    profiler.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
+    return text.getvalue()
+
+
 def main():
     import bench_moe_layer as bench
 
@@ -81,12 +112,19 @@ def main():
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(bench.SHAPES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--hidden", type=int, help="H instead of the shape's (small on CPU: the kernels' work)")
+    parser.add_argument("--inter", type=int, help="I instead of the shape's")
+    parser.add_argument("--profile", help="a provider whose calls cProfile profiles (printed)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_host_probe.json"))
     args = parser.parse_args()
-    dev, dtype = torch.device("cuda", 0), torch.bfloat16
-    torch.cuda.set_device(dev)
+    cuda = args.device == "cuda"
+    dev, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    if cuda:
+        torch.cuda.set_device(dev)
     H, I, E, K = bench.SHAPES[args.shape]
-    x, ids, w, grad = bench.make_inputs(H, I, E, K, args.tokens, dtype, "cuda")
+    H, I = args.hidden or H, args.inter or I
+    x, ids, w, grad = bench.make_inputs(H, I, E, K, args.tokens, dtype, dev.type)
     w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
     w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
     spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
@@ -94,8 +132,11 @@ def main():
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
     store_dir = tempfile.mkdtemp()
-    dist.init_process_group("nccl", store=dist.FileStore(os.path.join(store_dir, "store"), 1), rank=0, world_size=1,
-                            device_id=dev)
+    store = dist.FileStore(os.path.join(store_dir, "store"), 1)
+    if cuda:
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+    else:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     group_name = dist.group.WORLD.group_name
     providers = {
         "moe_experts": lambda h, tw, a, b: torch.ops.uniep.moe_experts(h, ids, tw, a, b, None, None, [], spec)[0],
@@ -109,15 +150,19 @@ def main():
         for name, fn in providers.items():
             leaves = (x, w, w_up, w_down)
             forward_us, backward_us = host_times(fn, leaves, grad, args.calls)
-            forward_syncs, backward_syncs = sync_calls(fn, leaves, grad)
+            forward_syncs, backward_syncs = sync_calls(fn, leaves, grad) if cuda else (None, None)
             results[name] = {"forward_us": forward_us, "backward_us": backward_us, "forward_syncs": forward_syncs,
                              "backward_syncs": backward_syncs}
-            print(f"{name:18s} forward {forward_us:9.1f} µs ({forward_syncs} sync)   "
-                  f"backward {backward_us:9.1f} µs ({backward_syncs} sync)", flush=True)
+            syncs = [f" ({n} sync)" if n is not None else "" for n in (forward_syncs, backward_syncs)]
+            print(f"{name:18s} forward {forward_us:9.1f} µs{syncs[0]}   backward {backward_us:9.1f} µs{syncs[1]}",
+                  flush=True)
+            if name == args.profile:
+                print(profile_calls(fn, leaves, grad, args.calls), flush=True)
     finally:
         dist.destroy_process_group()
-    report = {"shape": args.shape, "tokens": args.tokens, "calls": args.calls, "gpu": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "host": results}
+    report = {"shape": args.shape, "hidden": H, "inter": I, "tokens": args.tokens, "calls": args.calls,
+              "device": args.device, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+              "kernels": os.environ.get("UNIEP_KERNELS", "auto"), "torch": torch.__version__, "host": results}
     print(json.dumps(report, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
