@@ -189,11 +189,21 @@ def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monke
 
     use_kernels(monkeypatch, kernels)
     import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.ep import exchange
+
     phases = record_phases(monkeypatch)
+    experts_forwards = []  # the sequential steps' experts-op forwards: one a layer call, none again in its backward
+    monkeypatch.setattr(exchange, "_sequential_experts", lambda *a, _run=exchange._sequential_experts:
+                        (experts_forwards.append(1), _run(*a))[1])
     case = qwen3_like_case(*CPU_SHAPE, dtype, torch.device("cpu"))
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
         got, _ = run_layer(ep_layer_fn(case[-1], group, overlap), case)
+        if not overlap:  # the backward without the forward's kept results runs the experts' forward again: same bits
+            monkeypatch.setattr(exchange, "_saved_sequential", lambda table, up: None)
+            recomputed, _ = run_layer(ep_layer_fn(case[-1], group, overlap), case)
+            assert_bitwise(recomputed, got, "ep_layer's sequential backward from a recomputed forward")
     want, _ = run_layer(single_op_fn(case[-1]), case)
     assert_bitwise(got, want, f"ep_layer at world size 1 (gloo, {kernels})")
     assert got[4][1].count_nonzero() == 0 and got[3][1].count_nonzero() == 0, "expert 1 got no token"
     assert phases == (["forward_phase", "backward_phase"] if overlap else []), phases
+    assert len(experts_forwards) == (0 if overlap else 1 + 2), experts_forwards

@@ -110,6 +110,32 @@ def _local_ids(recv_counts, rows: int):
     return ids.repeat_interleave(recv_counts.reshape(-1), output_size=rows).unsqueeze(-1)
 
 
+# The sequential path's experts-op results that its backward reads (ids, row_order, slot_row, expert_offsets, down),
+# keyed by the call's host table (which the backward is handed back), dropped when the table dies; the up projection
+# travels in the call's ``up`` output. So the backward does not run the experts' forward again.
+_SEQUENTIAL: dict = {}
+
+
+def _keep_sequential(table, saved) -> None:
+    import weakref
+
+    key = id(table)
+
+    def forget(ref, key=key):
+        if _SEQUENTIAL.get(key, (None,))[0] is ref:
+            _SEQUENTIAL.pop(key, None)
+    _SEQUENTIAL[key] = (weakref.ref(table, forget), *saved)
+
+
+def _saved_sequential(table, up):
+    """What _keep_sequential kept for this table, with the up projection it travelled beside, or None (none kept,
+    or an ``up`` that is not the forward's: the backward then runs the experts' forward again)."""
+    entry = _SEQUENTIAL.get(id(table))
+    if entry is None or entry[0]() is not table or entry[1] is not up:
+        return None
+    return entry[2:]
+
+
 def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
     """(ids, weights, the experts op's outputs) over the received rows, as the replaced graph ran it."""
     ids = _local_ids(recv_counts, x.shape[0])
@@ -157,9 +183,14 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
             megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
                                  "instead: %s")
         x = _all_to_all(send, recv_sizes, send_sizes, group)
-        back = _all_to_all(_sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec)[2][0], send_sizes,
-                           recv_sizes, group)
-        return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
+        ids, _, (y, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
+            x, recv_counts, w_up, w_down, b_up, b_down, spec)
+        back = _all_to_all(y, send_sizes, recv_sizes, group)
+        if tuple(up_rows.shape) != (received, up_width) or up_rows.dtype != w_up.dtype:
+            # (the reference saves nothing else of this shape only for exotic specs): the backward recomputes
+            return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
+        _keep_sequential(table, (up_rows, ids, row_order, slot_row, offsets, down_rows))
+        return back, x, up_rows, table
     knobs = knobs or cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
     offsets, transfers = layout.to_device(device)
@@ -182,18 +213,22 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
 def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
                       recv_sizes, knobs: OverlapConfig | None = None):
     """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
-    table says). The sequential path runs the experts op's forward again on the saved received rows, for what
-    its backward op reads."""
+    table says). The sequential path reads the experts op's saved results its forward kept (_keep_sequential), or,
+    where none were kept, runs that op's forward again on the saved received rows."""
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
     grad_back = grad_back.contiguous()
     rows, counts, _ = _split_host(table)
     if not all(row[world] for row in rows):
-        # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
-        ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
-            x, recv_counts, w_up, w_down, b_up, b_down, spec)
+        saved = _saved_sequential(table, up)
+        if saved is not None:  # the forward's experts-op results
+            ids, row_order, slot_row, offsets, down_rows = saved
+            up_rows, ones = up, torch.ones_like(ids, dtype=x.dtype)
+        else:  # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
+            ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
+                x, recv_counts, w_up, w_down, b_up, b_down, spec)
         d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
             d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
             spec, False)
