@@ -450,7 +450,7 @@ _PROBE_CASES = [  # (what the experts forward returns, the decline reason or Non
     ("detach", "(detach) changes it"),  # the same values, but eager sends no gradient to the experts
     ("flip", "(flip) changes it"),  # the rows in another order
     ("narrowing_cast", "cast from torch.float32 to torch.bfloat16"),  # another dtype than the hidden states'
-    ("cast_roundtrip", "cast from torch.bfloat16 to torch.float32"),  # a bf16 rounding the pattern reads as no cast
+    ("cast_roundtrip", "cast their K-sum's result"),  # a bf16 rounding and back: the match's op out dtype and out cast
     ("tuple", "returns tuple"),  # the graph's output, wrapped by Python code after the graph
     ("unsqueezed", "returns shape [1, 8, 32]"),  # not the [T, H] AllToAllEP combines
     ("hidden_instead", "is also read by"),  # the experts' output is not what the forward returns

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
 import uniep_dynamo  # noqa: F401
 from uniep_dynamo.report import count_uniep_ops
+from uniep_dynamo.spec import decode_spec
 from conftest import TOLERANCE, max_rel_err
 
 E, H, I, K = 4, 16, 8, 2
@@ -19,7 +20,7 @@ class HandWrittenExperts(nn.Module):
     """The HF grouped_mm experts forward written out by hand, with knobs that change one constant."""
 
     def __init__(self, dtype=torch.float32, descending=False, histc_min=0, swap_halves=False, gate_scale=None,
-                 leak_offsets=False, weights_as_buffers=False, combine="sum"):
+                 leak_offsets=False, weights_as_buffers=False, combine="sum", out_casts=()):
         super().__init__()
         up = torch.randn(E, 2 * I, H, dtype=dtype) * 0.2
         down = torch.randn(E, H, I, dtype=dtype) * 0.2
@@ -31,6 +32,7 @@ class HandWrittenExperts(nn.Module):
             self.down_proj = nn.Parameter(down)
         self.descending, self.histc_min, self.swap_halves = descending, histc_min, swap_halves
         self.gate_scale, self.leak_offsets, self.combine = gate_scale, leak_offsets, combine
+        self.out_casts = out_casts
 
     def forward(self, hidden, top_k_index, top_k_weights):
         k = top_k_index.size(-1)
@@ -55,6 +57,8 @@ class HandWrittenExperts(nn.Module):
         inv[perm] = torch.arange(perm.size(0))
         y = y[inv].view(tokens, k, -1)
         out = y.sum(dim=1) if self.combine == "sum" else y.mean(dim=1)
+        for dtype in self.out_casts:
+            out = out.to(dtype)
         if self.leak_offsets:
             return out, offsets
         return out
@@ -169,6 +173,54 @@ def test_must_not_match(knobs, reason, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "uniep"]
     assert len(messages) == 1, messages
     assert "runs unfused" in messages[0] and reason in messages[0]
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("dtype, out_casts, op_out, graph_cast", [
+    (FP32, (BF16, FP32), BF16, FP32),  # review finding: eager rounds the fp32 sum to bf16 and back; so must we
+    (FP32, (FP32,), FP32, None),       # x.to(x.dtype): no cast at all
+    (FP32, (BF16,), BF16, None),       # one narrowing at the end: the op's own rounding of its fp32 combine
+    (BF16, (FP32,), BF16, FP32),       # a bf16 sum widened: eager's bf16 rounding stays, the widening follows the op
+    (FP32, (BF16, FP16), BF16, FP16),  # two narrowings: the op rounds to bf16, the graph casts that to fp16
+], ids=["fp32-bf16-fp32", "fp32-fp32", "fp32-bf16", "bf16-fp32", "fp32-bf16-fp16"])
+def test_casts_after_the_k_sum_keep_every_rounding(dtype, out_casts, op_out, graph_cast):
+    """The root absorbs the casts after the K-sum; the op rounds its fp32 combine once (to its output dtype) and
+    one cast may follow it, so every rounding eager does along the chain is done, in eager's order."""
+    torch.manual_seed(0)
+    module, (x, ids, w) = HandWrittenExperts(dtype=dtype, out_casts=out_casts), routed(dtype=dtype)
+    capture = GraphCapture()
+    out = torch.compile(module, backend="uniep", options={"inner_backend": capture})(x, ids, w)
+    eager = module(x, ids, w)
+    assert out.dtype == eager.dtype and max_rel_err(out, eager) < TOLERANCE[dtype]
+    if dtype == FP32:
+        assert torch.equal(out, eager), "an fp32 sum, then its casts: eager's bits"
+    for rounded_to in {d for d in (dtype,) + out_casts if d != FP32}:
+        assert torch.equal(out, out.to(rounded_to).to(out.dtype)), f"eager's {rounded_to} rounding was skipped"
+    params = list(module.parameters())
+    grads = torch.autograd.grad(out.float().sum(), [x, w] + params)
+    for got, want in zip(grads, torch.autograd.grad(eager.float().sum(), [x, w] + params)):
+        assert max_rel_err(got, want) < TOLERANCE[dtype]
+    assert counters["uniep"]["moe_experts"] == 1
+    (call,) = [n for gm in capture.graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_experts.default]
+    assert decode_spec(call.args[-1]).out_dtype == op_out
+    (result,) = call.users
+    assert [u.args[1] for u in result.users if u.target == "to"] == ([graph_cast] if graph_cast else [])
+
+
+def test_a_cast_chain_the_op_cannot_round_like_eager_is_declined(caplog):
+    """fp32 sum -> fp16 -> fp32 -> bf16: the op rounds once and casts once; three roundings run unfused."""
+    torch.manual_seed(0)
+    module, (x, ids, w) = HandWrittenExperts(out_casts=(FP16, FP32, BF16)), routed()
+    capture = GraphCapture()
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        out = torch.compile(module, backend="uniep", options={"inner_backend": capture})(x, ids, w)
+    assert torch.equal(out, module(x, ids, w)), "the unfused graph must run unchanged"
+    assert counters["uniep"]["moe_experts"] == 0
+    assert torch.ops.uniep.moe_experts.default not in capture.targets()
+    text = " ".join(r.getMessage() for r in caplog.records if r.name == "uniep")
+    assert "runs unfused" in text and "float32 K-sum is cast float16 -> float32 -> bfloat16" in text, text
 
 
 def test_float64_is_refused_with_a_clear_message(caplog):

@@ -355,7 +355,8 @@ def _match_probe_or_decline(gm, twin, hidden, ids, ones):
     if match.spec.post is not None or match.post_operands:
         raise _Decline("post-expert programs (a norm after the experts) are not taken under EP yet")
     if match.compute_dtype is not None or match.out_cast is not None:
-        raise _Decline("the experts run under autocast")
+        raise _Decline("the experts run under autocast or cast their K-sum's result (the op's output and a cast "
+                       "after it; uniep.ep_layer takes neither yet)")
     _require_returns_root(gm, match.root, tuple(hidden.shape))
     inputs = {id(t): name for name, t in (("hidden", hidden), ("ids", ids), ("weights", ones))}
     params = {id(p): n for n, p in twin._parameters.items() if p is not None}
@@ -416,8 +417,9 @@ def _require_returns_root(gm, root, shape: tuple) -> None:
     if tuple(gu.tensor_meta(flat[0]).shape) != shape:
         raise _Decline(f"the experts forward returns shape {list(gu.tensor_meta(flat[0]).shape)}, not the hidden "
                        f"states' {list(shape)}")
-    # the root is the last of the casts the pattern reads after the K-sum (fp32 -> bf16 -> fp32 is one Combined value
-    # to it): eager rounds at each, the op once, to the root's dtype
+    # the root is the last of the casts the pattern reads after the K-sum: a chain the op reproduces with its output
+    # dtype and a cast after it was declined above (out_cast); one cast left is the op's output dtype, and
+    # uniep.ep_layer rounds once, to the hidden states' dtype
     while gu.op_name(node) in _CASTS and node.args and isinstance(node.args[0], torch.fx.Node):
         source = gu.tensor_meta(node.args[0])
         if source is None or source.dtype != want.dtype:

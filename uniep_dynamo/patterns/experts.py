@@ -128,8 +128,7 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
         if _ndim(operand) == 1 and not gu.same_int(_shape(operand)[0], hidden_size):
             raise Mismatch(f"post-projection vector {operand.name} has {_shape(operand)[0]} entries, not "
                            f"H={hidden_size}", f"[{hidden_size}]", list(_shape(operand)))
-    compute_dtype, out_dtype, out_cast = _autocast_dtypes(nodes, interp, hidden, weights, (("up", b_up), ("down", b_down)),
-                                                          value)
+    compute_dtype, out_dtype, out_cast = _autocast_dtypes(nodes, interp, hidden, weights, (("up", b_up), ("down", b_down)))
     spec = ExpertsSpec(up_layout, down_layout, gate, out_dtype, out_of_range, post)
     return ExpertsMatch(root, nodes, hidden, ids, weights, w_up, w_down, b_up, b_down, spec,
                         gu.module_path(root), spelling, post_operands, compute_dtype, out_cast)
@@ -142,7 +141,7 @@ def _input_rows(expr) -> bool:
     return expr[0] in ("x", "eid", "W", "B", "w", "weighted")
 
 
-def _autocast_dtypes(nodes, interp, hidden, weights, biases, value):
+def _autocast_dtypes(nodes, interp, hidden, weights, biases):
     """(compute dtype, op output dtype, cast after the op) of a region that may run under autocast.
 
     The GEMMs' recorded output dtype is the dtype eager computes them in: under autocast, `bmm` (and
@@ -150,15 +149,17 @@ def _autocast_dtypes(nodes, interp, hidden, weights, biases, value):
     `torch._grouped_mm` on CPU are not on autocast's lists and compute in fp32. The op then runs in that
     dtype (compute dtype: the hidden states and expert weights cast to it first, as autocast casts them)
     only where every other step of the region is recorded in the dtype the op computes it in; otherwise
-    the region runs unfused. Without autocast and without a cast, (None, the combined dtype, None)."""
+    the region runs unfused. Without autocast and without a GEMM cast, compute dtype None; the output dtypes
+    follow the casts after the K-sum either way (`_combine_dtypes`)."""
     h_dtype = _dtype(hidden)
     gemms = [n for n in nodes if gu.op_name(n) in ANCHOR_OPS]
     computed = sorted({_dtype(n) for n in gemms}, key=str)
     known, autocast = interp.autocast.at(gemms[0] if gemms else nodes[-1], device_type(hidden))
     cast = computed != [h_dtype]
     if not cast and known and autocast is None:
-        return None, value.dtype, None
-    label = describe(autocast) if known else "an autocast entered outside this graph" if cast else         "an autocast state that differs between the calls of this body"
+        return (None,) + _combine_dtypes(nodes, interp.env, describe(None))
+    label = describe(autocast) if known else "an autocast entered outside this graph" if cast else \
+        "an autocast state that differs between the calls of this body"
     _require(len(computed) == 1, f"the expert GEMMs return {', '.join(map(_dtype_name, computed))} under {label}; "
                                  "the op computes them in one dtype")
     compute = computed[0]
@@ -193,13 +194,30 @@ def _autocast_dtypes(nodes, interp, hidden, weights, biases, value):
             want = torch.promote_types(compute, _dtype(weights))
             _require(_dtype(node) == want, f"{node.name} weights {_dtype_name(compute)} rows into "
                                            f"{_dtype_name(_dtype(node))} under {label}, not {_dtype_name(want)}")
-    # The op rounds its combine once, to the dtype eager's K-sum returns (under CPU autocast the bf16 sum,
-    # which eager then casts back up; under CUDA autocast fp32, sum's fp32 policy); a cast after it is kept.
+    return ((compute if cast else None),) + _combine_dtypes(nodes, env, label)
+
+
+def _combine_dtypes(nodes, env, label):
+    """(op output dtype, cast after the op) that reproduce every rounding eager does from its K-sum to the root.
+
+    The region's root absorbs the casts after the K-sum (`x.sum(1).to(bf16).to(fp32)`: each is a Combined of
+    its own dtype), and eager rounds at each of them: the sum rounds to its dtype (bf16 under CPU autocast or
+    in a bf16 model, fp32 under CUDA autocast's sum policy or in an fp32 model), then every cast rounds again.
+    The op sums the K slots in fp32 and rounds once, to its output dtype; one cast may follow it in the graph.
+    An fp32 sum is the op's own accumulation, so its first cast is the op's one rounding; what remains must
+    be at most the op's output dtype and one cast, or the op would skip a rounding eager does."""
     chain = [env[n].dtype for n in nodes if isinstance(env.get(n), Combined)]
     steps = [d for i, d in enumerate(chain) if i == 0 or d != chain[i - 1]]
-    _require(len(steps) <= 2, f"the combined output is cast {' -> '.join(map(_dtype_name, steps))} under {label}")
-    out_dtype = steps[0]
-    return (compute if cast else None), out_dtype, (steps[-1] if len(steps) == 2 else None)
+    roundings = steps[1:] if steps[0] == torch.float32 and len(steps) > 1 else steps
+    _require(len(roundings) <= 2,
+             f"the {_dtype_name(steps[0])} K-sum is cast {' -> '.join(map(_dtype_name, steps[1:]))} under {label}: "
+             "eager rounds to each narrower dtype on the way, the op rounds its fp32 combine once and casts that "
+             "once more, so it would skip a rounding eager does",
+             f"at most {'two casts' if steps[0] == torch.float32 else 'one cast'} after the K-sum",
+             " -> ".join(map(_dtype_name, steps)))
+    _require(roundings[0] in SUPPORTED_DTYPES, f"the combined output is cast to {_dtype_name(roundings[0])} on the way; "
+                                               "the op's output dtypes are float32, float16, bfloat16")
+    return roundings[0], (roundings[1] if len(roundings) == 2 else None)
 
 
 _VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute", "expand", "contiguous",

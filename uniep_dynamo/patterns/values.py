@@ -171,7 +171,7 @@ class ExpertsMatch:
     spelling: str  # "grouped_mm" | "batched_mm"
     post_operands: list = field(default_factory=list)  # vectors the post program reads (a norm weight)
     # Under autocast (patterns/autocast.py): the dtype the GEMMs run in where autocast casts the hidden states and
-    # expert weights to it (None: they run in their own dtype), and the dtype eager casts the combined output to
-    # after its K-sum (None: none)
+    # expert weights to it (None: they run in their own dtype). With or without autocast: the dtype the graph casts
+    # the op's output to, as eager casts its K-sum's result (None: none; see experts._combine_dtypes)
     compute_dtype: torch.dtype | None = None
     out_cast: torch.dtype | None = None
