@@ -177,11 +177,13 @@ CPU_CASES = [
     ("reference", torch.bfloat16, False),  # CPU's default path, in the GPU test's dtype
     ("triton", torch.float32, True),  # the overlapped exchange at one rank (a shared file for the window), with the
                                       # MegaKernel's kernels in Triton's interpreter (its bf16 is broken)
+    ("triton", torch.float32, False),  # the sequential steps with the MegaKernel: its backward keeps no down rows
 ]
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
-@pytest.mark.parametrize("kernels,dtype,overlap", CPU_CASES, ids=["reference-bf16", "interpreter-overlapped"])
+@pytest.mark.parametrize("kernels,dtype,overlap", CPU_CASES,
+                         ids=["reference-bf16", "interpreter-overlapped", "interpreter-sequential"])
 def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monkeypatch):
     """The GPU test's check on CPU: gloo, one rank. In the interpreter both sides sort the slots by the reference
     (test_ep.sorted_by_reference: the same integers, 2 s a call less)."""
@@ -207,3 +209,41 @@ def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monke
     assert got[4][1].count_nonzero() == 0 and got[3][1].count_nonzero() == 0, "expert 1 got no token"
     assert phases == (["forward_phase", "backward_phase"] if overlap else []), phases
     assert len(experts_forwards) == (0 if overlap else 1 + 2), experts_forwards
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_ep_exchange_sequential_backward_reads_its_forward_in_eager_autograd(tmp_path, monkeypatch):
+    """The compile op uniep.ep_exchange under eager autograd (as inner_backend="eager" / "aot_eager" run it, where the
+    saved up projection comes back to the backward as another tensor object over the same storage): its sequential
+    backward reads the experts op's results its forward kept (one experts forward a call, none in the backward), with
+    the bits of the backward that runs that forward again."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "reference")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.ep import exchange
+
+    forwards = []
+    monkeypatch.setattr(exchange, "_sequential_experts", lambda *a, _run=exchange._sequential_experts:
+                        (forwards.append(1), _run(*a))[1])
+    hidden, ids, _, w_up, w_down, _, spec = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    flat = ids.reshape(-1)
+    send = hidden[torch.argsort(flat, stable=True) // ids.shape[1]]  # rows in send (expert) order
+    counts = torch.bincount(flat, minlength=w_up.shape[0]).view(1, -1)
+    grad = torch.randn(send.shape, generator=torch.Generator().manual_seed(7))
+
+    def run(group):
+        leaves = [t.clone().requires_grad_() for t in (send, w_up, w_down)]
+        back = torch.ops.uniep.ep_exchange(leaves[0], counts, leaves[1], leaves[2], None, None, spec,
+                                           group.group_name, [send.shape[0]], [send.shape[0]])[0]
+        back.backward(grad)
+        return [back.detach()] + [t.grad for t in leaves]
+
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        got = run(group)
+        assert len(forwards) == 1, forwards
+        monkeypatch.setattr(exchange, "_saved_sequential", lambda table, up: None)
+        recomputed = run(group)
+    assert len(forwards) == 3, forwards
+    for a, b in zip(got, recomputed):
+        assert torch.equal(a, b)

@@ -129,9 +129,14 @@ def _keep_sequential(table, saved) -> None:
 
 def _saved_sequential(table, up):
     """What _keep_sequential kept for this table, with the up projection it travelled beside, or None (none kept,
-    or an ``up`` that is not the forward's: the backward then runs the experts' forward again)."""
+    or an ``up`` that is not the forward's: the backward then runs the experts' forward again). The ``up`` handed to
+    the backward may be another tensor object over the same storage (autograd's saved outputs, outside inductor)."""
     entry = _SEQUENTIAL.get(id(table))
-    if entry is None or entry[0]() is not table or entry[1] is not up:
+    if entry is None or entry[0]() is not table:
+        return None
+    kept = entry[1]
+    if kept.data_ptr() != up.data_ptr() or kept.shape != up.shape or kept.stride() != up.stride() \
+            or kept.dtype != up.dtype:
         return None
     return entry[2:]
 
@@ -189,7 +194,10 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
         if tuple(up_rows.shape) != (received, up_width) or up_rows.dtype != w_up.dtype:
             # (the reference saves nothing else of this shape only for exotic specs): the backward recomputes
             return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
-        _keep_sequential(table, (up_rows, ids, row_order, slot_row, offsets, down_rows))
+        # down is read by the backward only on the reference path (the fused one takes weights_grad=False, so no
+        # routing-weight gradient, and no in-place scratch): kept only there
+        fused = megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s)
+        _keep_sequential(table, (up_rows, ids, row_order, slot_row, offsets, None if fused else down_rows))
         return back, x, up_rows, table
     knobs = knobs or cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
@@ -226,6 +234,8 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
         if saved is not None:  # the forward's experts-op results
             ids, row_order, slot_row, offsets, down_rows = saved
             up_rows, ones = up, torch.ones_like(ids, dtype=x.dtype)
+            if down_rows is None:  # the fused backward reads no down (weights_grad=False, not in place)
+                down_rows = d_rows.new_empty(0, size)
         else:  # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
             ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
                 x, recv_counts, w_up, w_down, b_up, b_down, spec)
