@@ -421,13 +421,20 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
     assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == kconfig.QUACK_CONFIGS
     assert qwen.numerics_key() == qwen.replace_gemms(quack="").numerics_key()
     assert "quack" in kconfig.SCHEDULING_KNOBS
-    assert not any(getattr(kconfig.heuristic_config(16384, 8, 4096, 14336), g).quack for g in kconfig.GEMMS)
+    for rows, experts, hidden, inter in ((16384, 8, 4096, 14336), (4096, 8, 4096, 14336), (64, 128, 2048, 768),
+                                         (16384, 128, 2048, 768), (65536, 256, 7168, 2048)):
+        # few experts (Mixtral-8x7B, measured slower), fewer than 512 rows an expert (unmeasured): off
+        cfg = kconfig.heuristic_config(rows, experts, hidden, inter)
+        assert not any(getattr(cfg, g).quack for g in kconfig.GEMMS), (rows, experts)
+    assert kconfig.heuristic_config(65536, 64, 2048, 1024).up.quack  # OLMoE at T = 8192
     assert not any(getattr(kconfig.heuristic_config(65536, 128, 2048, 768, interpret=True), g).quack
                    for g in kconfig.GEMMS)
     entry = kconfig.config_to_dict(qwen)
     assert kconfig.config_from_dict(entry) == qwen
     old = {**entry, **{g: {k: v for k, v in entry[g].items() if k != "quack"} for g in kconfig.GEMMS}}
     assert kconfig.config_from_dict(old) == qwen.replace_gemms(quack="")
+    with pytest.raises(ValueError, match="quack config"):  # a cache entry naming a malformed config: refused
+        kconfig.config_from_dict({**entry, "down": {**entry["down"], "quack": "128x128"}})
     assert quack_gemm.unavailable_reason(torch.device("cpu")) == "not a CUDA device"
     assert not quack_gemm.usable(torch.device("cpu"), "192x128/pingpong/1x2")
     assert not quack_gemm.usable(torch.device("cpu"), "")
@@ -469,15 +476,20 @@ def _fake_quack_gemm(calls):
     def gemm(A, B, out, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, config=None):
         calls.append("m" if cu_seqlens_m is not None else "k")
         assert A_idx is None or (config.cluster_n == 1 and A_idx.dtype == torch.int32)
-        cu = (cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k).tolist()
-        assert cu[0] == 0 and (cu_seqlens_m is None) != (cu_seqlens_k is None)
-        if cu_seqlens_m is not None:
+        bounds = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
+        assert bounds.dtype == torch.int32 and (cu_seqlens_m is None) != (cu_seqlens_k is None)
+        cu = bounds.tolist()
+        assert cu[0] == 0
+        if cu_seqlens_m is not None:  # its shape assertions: out [A_idx's or A's rows, B's columns]
             assert A.stride(-1) == 1 and out.stride(-1) == 1
+            assert tuple(out.shape) == ((A_idx if A_idx is not None else A).shape[0], B.shape[-1])
             rows = A.float()[A_idx.long()] if A_idx is not None else A.float()
             for e in range(len(cu) - 1):
                 out[cu[e]:cu[e + 1]] = (rows[cu[e]:cu[e + 1]] @ B[e].float()).to(out.dtype)
-        else:
+        else:  # out [E, A's rows, B's columns]; A's K (or the gather index) as long as B's rows
             assert A.stride(-2) == 1 and B.stride(-1) == 1
+            assert tuple(out.shape) == (len(cu) - 1, A.shape[0], B.shape[-1])
+            assert (A_idx.shape[0] if A_idx is not None else A.shape[1]) == B.shape[0]
             cols = A.float()[:, A_idx.long()] if A_idx is not None else A.float()
             for e in range(len(cu) - 1):
                 out[e] = (cols[:, cu[e]:cu[e + 1]] @ B[cu[e]:cu[e + 1]].float()).to(out.dtype)
@@ -503,7 +515,9 @@ def test_quack_calls_follow_its_operand_contract(layout, monkeypatch):
     w_up = torch.randn(*((E, 2 * I, H) if layout == "oi" else (E, H, 2 * I)), generator=g).bfloat16()
     w_down = torch.randn(*((E, H, I) if layout == "oi" else (E, I, H)), generator=g).bfloat16()
     spec = ExpertsSpec(layout, layout, SILU_GLU, torch.bfloat16)
-    cfg = kconfig.heuristic_config(T * K, E, H, I)  # the GPU heuristics: QuACK on every GEMM
+    cfg = kconfig.heuristic_config(T * K, E, H, I)  # the GPU heuristics, with QuACK's configs on every GEMM
+    cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), quack=q)
+                                      for g, q in kconfig.QUACK_CONFIGS.items()})
     layer = megakernel.Layer(hidden, ids, w_up, w_down, spec, config=cfg)
     layer.interpret = False  # as on a GPU
     row_order = torch.argsort(ids.reshape(-1), stable=True)

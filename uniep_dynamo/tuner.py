@@ -254,10 +254,15 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
     heuristic_ms = best_ms
     result = TuneResult(shape_key(dtype, num_rows, num_experts, hidden, inter), heuristic_ms, best_ms, heuristic)
 
+    from .kernels import quack_gemm
+
     def consider(name, cfg):
         nonlocal best, best_ms
+        quack_failed = bool(quack_gemm._FAILED)
         try:
             got = run(cfg)
+            if not quack_failed and quack_gemm._FAILED:  # a QuACK GEMM raised inside: it ran the other path
+                raise RuntimeError(quack_gemm._FAILED[0])
         except Exception as exc:  # noqa: BLE001 -- a config the compiler or the device refuses
             reason = f"failed: {type(exc).__name__}"
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
@@ -275,16 +280,14 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
             best, best_ms = cfg, ms
 
     groups = []
-    from .kernels import quack_gemm
-
     quack = quack_gemm.unavailable_reason(hidden_states.device) is None
     dims = _gemm_dims(hidden, inter, gated=True, pack=heuristic.pack_gate_up)
     for gemm in GEMMS:
         n_dim, n_factor = dims[gemm]
         cands = gemm_candidates(getattr(heuristic, gemm), n_dim=n_dim, smem_limit=smem_limit,
                                 sm_count=props.multi_processor_count, n_factor=n_factor, quack=quack)[1:]
-        if gemm == "grad_input":  # in place it writes into a saved buffer, so it runs Triton either way:
-            cands = cands[1:]     # the flipped implementation would time the same kernel again
+        if gemm == "grad_input":  # in place it writes into a saved buffer, so torch._grouped_mm cannot run it:
+            cands = cands[1:]     # the flipped implementation would time the same kernel again (QuACK can)
         groups.append((gemm, _spread(cands, budget)))
     layer = [dict(zip(LAYER_SPACE, v)) for v in itertools.product(*LAYER_SPACE.values())]
     groups.append(("layer", _spread(layer, budget)))
@@ -305,6 +308,9 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
                 progress(done, total, best_ms)
     # The winner's time is the least of many noisy measurements: time it and the heuristic again, in
     # alternation, and report those (keeping the heuristic where the winner does not hold up).
+    if quack_gemm._FAILED:  # QuACK went off in this process: what was timed ran without it, so none is kept
+        best = best.replace_gemms(quack="")
+        result.rejected["QuACK off after a failure"] = 1
     if best != heuristic:
         result.heuristic_ms, best, best_ms = _confirm(heuristic, best, timed)
     result.tuned_ms, result.config = best_ms, best

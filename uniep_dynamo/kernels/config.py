@@ -38,7 +38,8 @@ Numerics contract (what a tuner may change freely):
 - ``quack`` runs a GEMM by QuACK's grouped GEMM (``quack-kernels``, the ``uniep[quack]`` extra; kernels/quack_gemm.py)
   at the tile config it names. A scheduling knob: on an H100 its six GEMMs of the Qwen3-30B-A3B shape gave
   torch._grouped_mm's bits (benchmarks/probes/quack_probe.py), being the same wgmma chain over K in order with one
-  rounding; tests/test_gpu_megakernel.py sweeps it with the other scheduling knobs. It runs bf16 on a Hopper GPU
+  rounding; tests/test_gpu_megakernel.py::test_quack_gemms_are_bitwise_neutral holds it (2 of its 18 cases run on an
+  H100 so far: the Qwen3-like layer, saved and in-place backward, the heuristic configs). It runs bf16 on a Hopper GPU
   with QuACK importable; the up projection's and its weight gradient's token-row gathers then happen in its loads
   (no permuted copy). A bias, a scaled gather (the weighted output-gradient rows), a GEMM that stores into EP peers
   and a CUDA graph being captured take the other knobs' path.
@@ -179,13 +180,14 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     per_expert = {"down", "grad_act", "grad_input", "wgrad_up", "wgrad_down"} \
         if num_experts <= 16 and num_rows >= 1024 * num_experts else set()
     # QuACK's grouped GEMM (the quack knob; it runs only where quack-kernels is installed on a Hopper GPU) for every
-    # GEMM of a layer with many experts. Its configs: the fastest of QuACK's Hopper configs for each GEMM on an H100
-    # (bf16, Qwen3-30B-A3B shape at T = 8192; benchmarks/probes/quack_probe.py, each GEMM timed alone in one run):
-    # 3.83 ms for the six against 4.41 ms for torch._grouped_mm with the two row gathers it needs. The layer, forward + backward, on an H100 (two
-    # alternating rounds, BENCHMARKS.md): Qwen3-30B-A3B 4.58 -> 4.17-4.20 ms back to back at T = 8192, 16.08-16.17 ->
-    # 14.77-14.90 at T = 32768. Not where the experts are few and large (per_expert_mm): Mixtral-8x7B's up projection
-    # by QuACK made its layer 26.57-27.08 -> 27.30-27.82 ms.
-    quack = {} if per_expert else QUACK_CONFIGS
+    # GEMM of the shapes it was measured on: 64 or more experts with 512 or more rows each (a call of fewer rows pays
+    # its host dispatch, about 0.05 ms a GEMM, unmeasured against its gain). Its configs: the fastest of QuACK's
+    # Hopper configs for each GEMM on an H100 (bf16, Qwen3-30B-A3B shape at T = 8192; benchmarks/probes/quack_probe.py,
+    # each GEMM timed alone in one run): 3.83 ms for the six against 4.41 ms for torch._grouped_mm with the two row
+    # gathers it needs. The layer, forward + backward, on an H100 (two alternating rounds, BENCHMARKS.md):
+    # Qwen3-30B-A3B 4.58 -> 4.17-4.20 ms back to back at T = 8192, 16.08-16.17 -> 14.77-14.90 at T = 32768. Not where
+    # the experts are few and large: Mixtral-8x7B's up projection by QuACK made its layer 26.57-27.08 -> 27.30-27.82.
+    quack = QUACK_CONFIGS if num_experts >= 64 and num_rows >= 512 * num_experts and not per_expert else {}
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma)
@@ -250,6 +252,11 @@ def config_from_dict(data: dict) -> MegaKernelConfig:
     if data.get("act_grad_in_epilogue", False):
         raise ValueError("act_grad_in_epilogue=True: a numerics knob this uniep no longer has")
     gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
+    for g in gemms.values():  # a malformed QuACK config is refused here (cached_config then ignores the entry)
+        if g.quack:
+            from .quack_gemm import parse_config
+
+            parse_config(g.quack)
     layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up")}
     for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
         layer[knob] = bool(data.get(knob, False))

@@ -341,7 +341,9 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
     ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
 
     Where ``cfg.per_expert_mm`` asks and the GEMM qualifies (a plain or activation epilogue, materialized rows, no
-    bias, no scatter; ``c`` may be given), it runs as one torch.mm per expert instead, before either of those.
+    bias, no scatter; ``c`` may be given), it runs as one torch.mm per expert instead, before either of those; next,
+    where ``cfg.quack`` names a config and QuACK runs (_use_quack), by QuACK, gathered rows and a given ``c``
+    included.
 
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
     dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most MAX_PEERS), by Triton; returns None."""
@@ -381,7 +383,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
         try:
             quack_gemm.rows(a, b, out, layer.cu_seqlens(offsets), cfg.quack,
                             a_idx=layer.token_rows(row_order) if gather else None)
-        except Exception as exc:  # noqa: BLE001 -- any QuACK failure: the knob goes off, the other path runs
+        except Exception as exc:  # noqa: BLE001 -- a QuACK call that raises: the knob goes off, the other path runs
             quack_gemm.failed(exc)
         else:
             counters["uniep_kernels"]["quack_gemms"] += 1
@@ -567,7 +569,7 @@ def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_ord
         try:
             quack_gemm.wgrad(a_t, b_rows, out.transpose(1, 2) if transposed else out, layer.cu_seqlens(offsets),
                              cfg.quack, a_idx=layer.token_rows(row_order) if p_gather else None)
-        except Exception as exc:  # noqa: BLE001 -- any QuACK failure: the knob goes off, the other path runs
+        except Exception as exc:  # noqa: BLE001 -- a QuACK call that raises: the knob goes off, the other path runs
             quack_gemm.failed(exc)
         else:
             counters["uniep_kernels"]["quack_gemms"] += 1

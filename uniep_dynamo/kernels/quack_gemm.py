@@ -3,9 +3,9 @@ with variable-length groups and a gathered A operand), a scheduling knob of each
 
 Why: on an H100 (bf16, Qwen3-30B-A3B shape, T = 8192; benchmarks/probes/quack_probe.py, BENCHMARKS.md 2026-11-25) its
 grouped GEMMs run the six GEMMs of a layer in 3.83 ms against 4.41 ms for torch._grouped_mm and the two row gathers
-that QuACK does inside the GEMM (each timed alone, synchronized, in one run), with the same bits: like torch._grouped_mm and the
-Triton GEMMs it is a chain of wgmma instructions over K in order into an fp32 accumulator, rounded once, with no split
-over K (config.py's numerics contract).
+that QuACK does inside the GEMM (each timed alone, synchronized, in one run), with the same bits: like
+torch._grouped_mm and the Triton GEMMs it is a chain of wgmma instructions over K in order into an fp32 accumulator,
+rounded once, with no split over K (config.py's numerics contract).
 
 Two shapes of call:
 
@@ -21,6 +21,7 @@ caller takes its other path; ``UNIEP_QUACK=0`` turns the knob off everywhere.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -119,17 +120,24 @@ def _config(text: str):
                            is_dynamic_persistent=False, device_capacity=9)
 
 
+def _on(device):
+    """QuACK's launch takes the current device's context and stream: make ``device`` current for it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def rows(a, b, out, cu_seqlens, config: str, a_idx=None):
     """out [rows, N] = a[a_idx or rows] @ b[e] per expert group of ``cu_seqlens`` ([E + 1] int32, from 0)."""
     gemm, _ = _module()[0]
-    gemm(a, b, out, cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config))
+    with _on(a.device):
+        gemm(a, b, out, cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config))
     return out
 
 
 def wgrad(a_t, b, out, cu_seqlens, config: str, a_idx=None):
     """out [E, M, N] = a_t[:, group] @ b[group] per expert group of rows; ``a_t`` [M, rows or tokens], m-major."""
     gemm, _ = _module()[0]
-    gemm(a_t, b, out, cu_seqlens_k=cu_seqlens, A_idx=a_idx, config=_config(config))
+    with _on(a_t.device):
+        gemm(a_t, b, out, cu_seqlens_k=cu_seqlens, A_idx=a_idx, config=_config(config))
     return out
 
 
