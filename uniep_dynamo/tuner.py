@@ -258,11 +258,11 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
 
     def consider(name, cfg):
         nonlocal best, best_ms
-        quack_failed = bool(quack_gemm._FAILED)
+        quack_failed = quack_gemm.failure() is not None
         try:
             got = run(cfg)
-            if not quack_failed and quack_gemm._FAILED:  # a QuACK GEMM raised inside: it ran the other path
-                raise RuntimeError(quack_gemm._FAILED[0])
+            if not quack_failed and quack_gemm.failure():  # a QuACK GEMM raised inside: it ran the other path
+                raise RuntimeError(quack_gemm.failure())
         except Exception as exc:  # noqa: BLE001 -- a config the compiler or the device refuses
             reason = f"failed: {type(exc).__name__}"
             result.rejected[reason] = result.rejected.get(reason, 0) + 1
@@ -308,7 +308,7 @@ def tune_shape(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k
                 progress(done, total, best_ms)
     # The winner's time is the least of many noisy measurements: time it and the heuristic again, in
     # alternation, and report those (keeping the heuristic where the winner does not hold up).
-    if quack_gemm._FAILED:  # QuACK went off in this process: what was timed ran without it, so none is kept
+    if quack_gemm.failure():  # QuACK went off in this process: what was timed ran without it, so none is kept
         best = best.replace_gemms(quack="")
         result.rejected["QuACK off after a failure"] = 1
     if best != heuristic:

@@ -86,6 +86,11 @@ def failed(exc: Exception) -> None:
         log.warning("uniep: the quack GEMM knob is off for this process: %s", _FAILED[0])
 
 
+def failure() -> str | None:
+    """What turned the knob off for this process (failed), or None."""
+    return _FAILED[0] if _FAILED else None
+
+
 def unavailable_reason(device) -> str | None:
     """None where QuACK's GEMMs can run on ``device``, else why not."""
     if os.environ.get("UNIEP_QUACK", "1") == "0":
