@@ -192,7 +192,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
             x, recv_counts, w_up, w_down, b_up, b_down, spec)
         back = _all_to_all(y, send_sizes, recv_sizes, group)
         if tuple(up_rows.shape) != (received, up_width) or up_rows.dtype != w_up.dtype:
-            # (the reference saves nothing else of this shape only for exotic specs): the backward recomputes
+            # an up projection of another shape or dtype than the op's output (a bias of another dtype promotes
+            # it): an empty buffer in its place, and the backward runs the experts' forward again
             return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
         # down is read by the backward only on the reference path (the fused one takes weights_grad=False, so no
         # routing-weight gradient, and no in-place scratch): kept only there
