@@ -110,35 +110,47 @@ def _local_ids(recv_counts, rows: int):
     return ids.repeat_interleave(recv_counts.reshape(-1), output_size=rows).unsqueeze(-1)
 
 
-# The sequential path's experts-op results that its backward reads (ids, row_order, slot_row, expert_offsets, down),
-# keyed by the call's host table (which the backward is handed back), dropped when the table dies; the up projection
-# travels in the call's ``up`` output. So the backward does not run the experts' forward again.
-_SEQUENTIAL: dict = {}
+class KeptByTable:
+    """Values kept beside a call's host table (an output the call's backward is handed back): found by that table
+    object, dropped when it dies (a forward without a backward: inference, or a graph that never runs backward)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def keep(self, table, value) -> None:
+        import weakref
+
+        key = id(table)
+
+        def forget(ref, key=key):
+            if self._entries.get(key, (None,))[0] is ref:
+                self._entries.pop(key, None)
+        self._entries[key] = (weakref.ref(table, forget), value)
+
+    def get(self, table):
+        """The value kept beside this table object, or None."""
+        entry = self._entries.get(id(table))
+        return entry[1] if entry is not None and entry[0]() is table else None
 
 
-def _keep_sequential(table, saved) -> None:
-    import weakref
-
-    key = id(table)
-
-    def forget(ref, key=key):
-        if _SEQUENTIAL.get(key, (None,))[0] is ref:
-            _SEQUENTIAL.pop(key, None)
-    _SEQUENTIAL[key] = (weakref.ref(table, forget), *saved)
+# The sequential path's experts-op results that its backward reads (up, then ids, row_order, slot_row,
+# expert_offsets, down), beside the call's host table; the up projection travels in the call's ``up`` output too. So
+# the backward does not run the experts' forward again.
+_SEQUENTIAL = KeptByTable()
 
 
 def _saved_sequential(table, up):
-    """What _keep_sequential kept for this table, with the up projection it travelled beside, or None (none kept,
+    """What _SEQUENTIAL keeps for this table, with the up projection it travelled beside, or None (none kept,
     or an ``up`` that is not the forward's: the backward then runs the experts' forward again). The ``up`` handed to
     the backward may be another tensor object over the same storage (autograd's saved outputs, outside inductor)."""
-    entry = _SEQUENTIAL.get(id(table))
-    if entry is None or entry[0]() is not table:
+    entry = _SEQUENTIAL.get(table)
+    if entry is None:
         return None
-    kept = entry[1]
+    kept, *saved = entry
     if kept.data_ptr() != up.data_ptr() or kept.shape != up.shape or kept.stride() != up.stride() \
             or kept.dtype != up.dtype:
         return None
-    return entry[2:]
+    return saved
 
 
 def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
@@ -198,7 +210,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
         # down is read by the backward only on the reference path (the fused one takes weights_grad=False, so no
         # routing-weight gradient, and no in-place scratch): kept only there
         fused = megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s)
-        _keep_sequential(table, (up_rows, ids, row_order, slot_row, offsets, None if fused else down_rows))
+        _SEQUENTIAL.keep(table, (up_rows, ids, row_order, slot_row, offsets, None if fused else down_rows))
         return back, x, up_rows, table
     knobs = knobs or cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
@@ -222,7 +234,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
 def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
                       recv_sizes, knobs: OverlapConfig | None = None):
     """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
-    table says). The sequential path reads the experts op's saved results its forward kept (_keep_sequential), or,
+    table says). The sequential path reads the experts op's saved results its forward kept (_SEQUENTIAL), or,
     where none were kept, runs that op's forward again on the saved received rows."""
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)

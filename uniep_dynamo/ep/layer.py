@@ -24,7 +24,7 @@ import torch
 
 from ..spec import decode_spec
 from .config import knobs_from_json
-from .exchange import exchange_backward, exchange_forward
+from .exchange import KeptByTable, exchange_backward, exchange_forward
 from .plan import layer_fused, plan_and_gather
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 
@@ -40,29 +40,21 @@ _LAYER_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w
 
 
 # The received rows and up projection of each forward call, and whether it ran the MegaKernel's routing kernels
-# (plan.layer_fused, decided at run time: setup_context sees fake tensors under AOTAutograd), for its backward: keyed
-# by the call's host table (an output the backward is handed back), dropped when the table dies (a forward without
-# a backward: inference, or a graph that never runs backward).
-_SAVED: dict = {}
+# (plan.layer_fused, decided at run time: setup_context sees fake tensors under AOTAutograd), for its backward: kept
+# beside the call's host table (an output the backward is handed back), dropped when the table dies.
+_SAVED = KeptByTable()
 
 
 def _keep(table, x, up, fused_kernels: bool):
-    import weakref
-
-    key = id(table)
-
-    def forget(ref, key=key):
-        if _SAVED.get(key, (None,))[0] is ref:
-            _SAVED.pop(key, None)
-    _SAVED[key] = (weakref.ref(table, forget), x, up, fused_kernels)
+    _SAVED.keep(table, (x, up, fused_kernels))
 
 
 def _take(table):
-    ref, x, up, fused_kernels = _SAVED.get(id(table), (None, None, None, None))
-    if ref is None or ref() is not table:
+    saved = _SAVED.get(table)
+    if saved is None:
         raise RuntimeError("uniep.ep_layer_backward: the forward call's received rows are gone (its host table is "
                            "not the one the forward returned)")
-    return x, up, fused_kernels
+    return saved
 
 
 def _out_dtype(spec, weights):

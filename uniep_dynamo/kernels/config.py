@@ -97,6 +97,10 @@ class GemmConfig:
             raise ValueError("uniep: block_m >= 64 and num_warps >= 4 keep one tensor-core path (see config.py)")
         if self.group_m < 1 or self.num_stages < 1 or self.num_programs < 0:
             raise ValueError(f"uniep: bad GEMM config {self}")
+        self.validate_quack()
+
+    def validate_quack(self) -> None:
+        """A malformed QuACK config raises ValueError (quack_gemm.parse_config)."""
         if self.quack:
             from .quack_gemm import parse_config
 
@@ -253,10 +257,7 @@ def config_from_dict(data: dict) -> MegaKernelConfig:
         raise ValueError("act_grad_in_epilogue=True: a numerics knob this uniep no longer has")
     gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
     for g in gemms.values():  # a malformed QuACK config is refused here (cached_config then ignores the entry)
-        if g.quack:
-            from .quack_gemm import parse_config
-
-            parse_config(g.quack)
+        g.validate_quack()
     layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up")}
     for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
         layer[knob] = bool(data.get(knob, False))

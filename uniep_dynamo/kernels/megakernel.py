@@ -311,14 +311,21 @@ def _per_expert_bounds(layer: Layer, cfg, offsets, *operands):
     return layer.host_bounds(offsets)
 
 
+def _quack_asked(layer: Layer, cfg, gather: bool) -> bool:
+    """``cfg.quack`` names a config for this GEMM, that config can gather where ``gather``, and no path before it
+    (per_expert_mm) or the interpreter takes the GEMM: what every QuACK GEMM needs before its operands are looked at."""
+    from . import quack_gemm
+
+    return bool(cfg.quack) and layer.num_slots > 0 and not layer.interpret and not cfg.per_expert_mm \
+        and (not gather or quack_gemm.gathers(cfg.quack))
+
+
 def _use_quack(layer: Layer, cfg, a, b, out=None, gather: bool = False) -> bool:
     """Run this rows GEMM (``a`` [rows or tokens, K] k-major, ``b`` [E, K, N], ``out`` [rows, N] or None) by QuACK
     (``cfg.quack``; kernels/quack_gemm.py), gathering ``a``'s rows by token where ``gather``?"""
     from . import quack_gemm
 
-    if not cfg.quack or layer.num_slots == 0 or layer.interpret or cfg.per_expert_mm:
-        return False
-    if gather and not quack_gemm.gathers(cfg.quack):
+    if not _quack_asked(layer, cfg, gather):
         return False
     # QuACK's output has exactly the plan's rows (its gather index's, or A's), and B's columns
     if (not gather and a.shape[0] != layer.num_slots) or \
@@ -502,28 +509,21 @@ def act_backward(layer: Layer, *, d_act, up, d_up, act=None, **halves):
     _act_pass(layer, kernel, (d_act, up, d_up, act if act is not None else d_act), **halves)
 
 
-# QuACK writes a weight gradient whose gathered operand is P and whose layout puts P's columns second ([E, Q's, P's]
-# columns: HF's [out, in] weights) through a transposed (m-major) view of the gradient.
-QUACK_M_MAJOR_OUT = True
-
-
 def _quack_wgrad_operands(layer: Layer, cfg, p, q, p_gather: bool, m_dim: int):
     """(A^T [M, rows] m-major, B [rows, N], whether the gradient is written through its transpose) to run this
-    weight gradient by QuACK (``cfg.quack``), gathering P's rows by token where ``p_gather``; None where it cannot."""
+    weight gradient by QuACK (``cfg.quack``), gathering P's rows by token where ``p_gather``; None where it cannot.
+    QuACK gathers only its A operand, so a gathered P whose columns come second in the gradient ([E, Q's, P's]
+    columns: HF's [out, in] weights) is written through the gradient's transposed (m-major) view."""
     from . import quack_gemm
 
-    if not cfg.quack or layer.num_slots == 0 or layer.interpret or cfg.per_expert_mm:
-        return None
-    if p_gather and not quack_gemm.gathers(cfg.quack):
+    if not _quack_asked(layer, cfg, p_gather):
         return None
     if m_dim == 1:
         a_t, b, transposed = p.t(), q, False
     elif not p_gather:
         a_t, b, transposed = q.t(), p, False
-    elif QUACK_M_MAJOR_OUT:
-        a_t, b, transposed = p.t(), q, True
     else:
-        return None
+        a_t, b, transposed = p.t(), q, True
     if not (quack_gemm.usable(p.device, cfg.quack) and a_t.stride(-2) == 1 and b.stride(-1) == 1
             and quack_gemm.operands_ok(a_t, b)):
         return None
