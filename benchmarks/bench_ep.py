@@ -35,10 +35,11 @@ it. Providers, on the same module and inputs:
              layer with its transfers (the receive buffers hold cached random values instead), or its GEMMs,
              skipped:
              timing only (their results are wrong), for the share of communication hidden
-  hf_eager, hf_inductor, hf_uniep  HF transformers' own EP (>= 5.23: `DistributedConfig(ep_size=world,
+  hf_eager, hf_inductor, hf_uniep, hf_uniep_overlap  HF transformers' own EP (>= 5.23: `DistributedConfig(ep_size=world,
              ep_implementation="all_to_all")`, its AllToAllEP) on a Qwen3-MoE sparse block of the same shape
              (a one-layer model saved and loaded back, as users load one): eager, torch.compile with inductor, and
-             with backend="uniep". Left out, with a line saying why, where transformers has no EP. Their
+             with backend="uniep" (hf_uniep_overlap: options={"overlap_ep": True}, the overlapped exchange inside
+             uniep.ep_layer). Left out, with a line saying why, where transformers has no EP. Their
              weights are HF's, not the layer's above, so their rows compare with hf_eager
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
@@ -76,7 +77,7 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
              "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
              "overlap_sm_comm_only", "overlap_kernel_comm_only",
-             "hf_eager", "hf_inductor", "hf_uniep")
+             "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -222,6 +223,33 @@ def _time_back_to_back(step, iters, device):
     return time_cuda_back_to_back(step, iters)
 
 
+def _profile(step, label, rank, device):
+    """One step under the torch profiler on every rank (the collectives need them all); rank 0 prints its device
+    time per kernel and its host time per op, and the step's wall time against its GPU's busy time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    if rank != 0:
+        return
+    busy, reach = 0.0, None  # the union of the kernels' intervals, in µs
+    for start, end in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type == torch.autograd.DeviceType.CUDA):
+        busy += max(0, end - max(start, reach if reach is not None else start))
+        reach = end if reach is None else max(reach, end)
+    events = prof.key_averages()
+    print(f"# profile {label}: step {wall:.3f} ms wall (under the profiler), rank 0's GPU busy {busy / 1e3:.3f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
 def _worker(rank, world, port, args, out_path):
     from torch._dynamo.utils import counters
 
@@ -270,8 +298,9 @@ def _worker(rank, world, port, args, out_path):
                 module = liger if provider == "liger_experts" else hf if batched else layer
                 family = "hf" if batched else "layer"
                 if batched:
-                    backend = {"hf_eager": None, "hf_inductor": "inductor", "hf_uniep": "uniep"}[provider]
-                    run = module if backend is None else torch.compile(module, backend=backend)
+                    backend = {"hf_eager": None, "hf_inductor": "inductor"}.get(provider, "uniep")
+                    options = {"overlap_ep": True} if provider == "hf_uniep_overlap" else None
+                    run = module if backend is None else torch.compile(module, backend=backend, options=options)
                 elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif provider.startswith("uniep"):
@@ -306,6 +335,8 @@ def _worker(rank, world, port, args, out_path):
                     continue
                 ms = _time(step, args.iters, args.warmup, device)
                 flowing = _time_back_to_back(step, args.iters, device)
+                if provider in args.profile.split(",") and device.type == "cuda":
+                    _profile(step, f"{shape} {provider}", rank, device)
                 worst = torch.tensor([ms, flowing], device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 worst, flowing = worst[0], float(worst[1])
@@ -346,6 +377,9 @@ def main():
     parser.add_argument("--copy-programs", type=int, default=None,
                         help="programs of the transfer kernel (default: the library's, 8 per peer rank)")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated providers to profile one step of (after timing): rank 0's kernels by "
+                             "device time and ops by host time")
     args = parser.parse_args()
     from uniep_dynamo.ep import free_port
 

@@ -9,6 +9,8 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   sonicmoe                 SonicMoE's CuTe-DSL MoE (if sonicmoe is installed; see sonicmoe_experts), run only after
                            its output and gradients matched the reference provider's
   uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
+  uniep_noquack            the same compiled module with UNIEP_QUACK=0 (the quack knob off: the GEMMs as without
+                           quack-kernels), for the knob's A/B in one run
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
@@ -167,13 +169,16 @@ def providers(experts, sonicmoe_autotune=True):
     uniep = torch.compile(experts, backend="uniep")
     out["uniep"] = lambda x, ids, w: uniep(x, ids, w)
 
-    def uniep_reference(x, ids, w):
-        os.environ["UNIEP_KERNELS"] = "reference"
-        try:
-            return uniep(x, ids, w)
-        finally:
-            os.environ.pop("UNIEP_KERNELS")
+    def uniep_noquack(x, ids, w):
+        return uniep(x, ids, w)
 
+    uniep_noquack.env = ("UNIEP_QUACK", "0")  # step() sets it around the forward and the backward
+    out["uniep_noquack"] = uniep_noquack
+
+    def uniep_reference(x, ids, w):
+        return uniep(x, ids, w)
+
+    uniep_reference.env = ("UNIEP_KERNELS", "reference")
     out["uniep_reference"] = uniep_reference
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)
@@ -188,13 +193,15 @@ def step(fn, experts, x, ids, w, grad_out):
             p.grad = None
         xx = x.detach().requires_grad_()
         ww = w.detach().requires_grad_()
-        out = fn(xx, ids, ww)
-        if fn.__name__ == "uniep_reference":  # its backward must run the reference too
-            os.environ["UNIEP_KERNELS"] = "reference"
+        env = getattr(fn, "env", None)  # (variable, value) for the forward and the backward
+        if env is not None:
+            os.environ[env[0]] = env[1]
         try:
+            out = fn(xx, ids, ww)
             out.backward(grad_out)
         finally:
-            os.environ.pop("UNIEP_KERNELS", None)
+            if env is not None:
+                os.environ.pop(env[0], None)
         return out, xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad
     return run
 
@@ -283,6 +290,7 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
         if pname in skip:
             continue
         print(f"# {time.strftime('%H:%M:%S')} {row['shape']} {pname}", flush=True)
+        counters["uniep_kernels"].clear()
         try:
             run = step(fn, experts, x, ids, w, grad_out)
             t0 = time.time()
@@ -309,6 +317,8 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
                 print(f"#   {row[f'{pname}_ms']} ms, bitwise {row[f'{pname}_bitwise']}", flush=True)
                 if pname == "uniep":
                     row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
+                if pname.startswith("uniep"):  # QuACK's GEMMs over this provider's steps: whether the knob ran
+                    row[f"{pname}_quack_gemms"] = counters["uniep_kernels"]["quack_gemms"]
                 if pname in profile_providers:
                     profile(run, f"{name} {pname}")
         except Exception as exc:  # noqa: BLE001
