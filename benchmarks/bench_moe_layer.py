@@ -11,6 +11,8 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
   uniep_noquack            the same compiled module with UNIEP_QUACK=0 (the quack knob off: the GEMMs as without
                            quack-kernels), for the knob's A/B in one run
+  uniep_quack_entry_point  the same compiled module with UNIEP_QUACK_DIRECT=0 (QuACK's GEMMs launched through its
+                           public entry point instead of uniep's direct launch of the same kernels)
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
@@ -174,6 +176,12 @@ def providers(experts, sonicmoe_autotune=True):
 
     uniep_noquack.env = ("UNIEP_QUACK", "0")  # step() sets it around the forward and the backward
     out["uniep_noquack"] = uniep_noquack
+
+    def uniep_quack_entry_point(x, ids, w):
+        return uniep(x, ids, w)
+
+    uniep_quack_entry_point.env = ("UNIEP_QUACK_DIRECT", "0")
+    out["uniep_quack_entry_point"] = uniep_quack_entry_point
 
     def uniep_reference(x, ids, w):
         return uniep(x, ids, w)

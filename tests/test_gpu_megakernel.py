@@ -155,6 +155,36 @@ def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
         assert torch.equal(a, b) and torch.equal(a, c), f"quack {sweep} changed tensor {i}"
 
 
+def test_quack_direct_launch_matches_its_entry_point(monkeypatch):
+    """uniep's direct launch of QuACK's compiled GEMMs (kernels/quack_gemm.py) gives the bits of QuACK's public entry
+    point, in the forward and the backward, the gathered GEMMs included; a spy shows each path ran."""
+    from uniep_dynamo.kernels import quack_gemm
+
+    reason = quack_gemm.unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"QuACK does not run here: {reason}")
+    if quack_gemm._direct_parts() is None:
+        pytest.skip("this QuACK release is not the one the direct launch was written against")
+    case = CASES[1]
+    args = cuda_args(*case)
+    cfg = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2])
+    cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), quack=kconfig.QUACK_CONFIGS[g])
+                                      for g in kconfig.GEMMS})
+    direct = quack_gemm._direct
+    ran = []
+    monkeypatch.setattr(quack_gemm, "_direct", lambda *a, **k: ran.append(direct(*a, **k)) or ran[-1])
+    with kconfig.use_config(cfg):
+        monkeypatch.setenv("UNIEP_QUACK_DIRECT", "0")
+        entry = fwd_bwd(args)
+        assert ran and not any(ran)
+        ran.clear()
+        monkeypatch.setenv("UNIEP_QUACK_DIRECT", "1")
+        got = fwd_bwd(args)
+        assert len(ran) == 6 and all(ran)
+    for i, (a, b) in enumerate(zip(got, entry)):
+        assert torch.equal(a, b), f"the direct launch changed tensor {i}"
+
+
 def test_forward_and_backward_capture_in_a_cuda_graph():
     """No host synchronisation anywhere: both ops record into a CUDA graph and replay correctly."""
     hidden, ids, weights, w_up, w_down, _, _, spec = cuda_args(600, 256, 256, 16, 4)

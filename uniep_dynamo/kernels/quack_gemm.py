@@ -127,22 +127,99 @@ def _config(text: str):
 
 def _on(device):
     """QuACK's launch takes the current device's context and stream: make ``device`` current for it."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _direct_parts():
+    """QuACK 0.4.1's internals that its ``gemm`` goes through on every call, for the direct launch; None where this is
+    another QuACK release (its public entry point then runs)."""
+    try:
+        import quack
+        if getattr(quack, "__version__", None) != TESTED_VERSION:
+            return None
+        from quack import cache_utils
+        from quack import gemm as quack_gemm
+        from quack.cute_dsl_utils import get_device_capacity, get_max_active_clusters, torch2cute_dtype_map
+        from quack.gemm_default_epi import GemmDefaultEpiMixin
+        from quack.gemm_tvm_ffi_utils import make_scheduler_args
+        from quack.rounding import RoundingMode
+        from quack.varlen_utils import VarlenArguments
+    except Exception:  # noqa: BLE001 -- its internals moved: the public entry point serves
+        return None
+    return quack_gemm._compile_gemm, get_max_active_clusters, torch2cute_dtype_map, GemmDefaultEpiMixin, \
+        make_scheduler_args, RoundingMode, VarlenArguments, get_device_capacity, cache_utils
+
+
+_LAUNCHERS: dict = {}
+
+
+def _launcher(config: str, varlen_m: bool, gather: bool, a_major: str, b_major: str, d_major: str, dtypes, capacity):
+    """(compiled kernel, epilogue arguments, scheduler arguments) of one kind of call: what QuACK's ``gemm`` works out
+    on every call (its compile cache's 30-part key, the cluster count, the argument tuples), worked out once. The
+    compile key is the one its ``gemm`` uses, so both paths share one compiled kernel."""
+    key = (config, varlen_m, gather, a_major, b_major, d_major, dtypes, capacity)
+    hit = _LAUNCHERS.get(key)
+    if hit is not None:
+        return hit
+    compile_gemm, max_active_clusters, dtype_map, epilogue, scheduler_args, rounding = _direct_parts()[:6]
+    tile_m, tile_n, pingpong, cluster_m, cluster_n = parse_config(config)
+    a_dtype, b_dtype, d_dtype = (dtype_map[d] for d in dtypes)
+    kernel = compile_gemm(a_dtype, b_dtype, d_dtype, None, a_major, b_major, d_major, None, (tile_m, tile_n),
+                          (cluster_m, cluster_n, 1), pingpong, True, False, None, None, 0, 0, 0, False, (), varlen_m,
+                          not varlen_m, gather, False, False, capacity, rounding.RN, 0, False, None)
+    epi = epilogue.EpilogueArguments(alpha=None, beta=None, mRowVecBroadcast=None, mColVecBroadcast=None,
+                                     add_to_output=None, rounding_mode=None, sr_seed=None)
+    sched = scheduler_args(max_active_clusters(cluster_m * cluster_n, device_capacity=capacity), 8, None, None)
+    _LAUNCHERS[key] = hit = (kernel, epi, sched)
+    return hit
+
+
+def _major(t, first: str, second: str) -> str:
+    return second if t.stride(1) == 1 else first
+
+
+def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=None) -> bool:
+    """QuACK's GEMM launched as its ``gemm`` launches it (gemm_tuned -> gemm -> the compiled kernel, same arguments),
+    without the Python it repeats on every call (about 0.05 ms a GEMM on an H100's host, which a synchronized step
+    waits for). False where the direct launch does not serve (another QuACK release, UNIEP_QUACK_DIRECT=0): the caller
+    takes the public entry point."""
+    if os.environ.get("UNIEP_QUACK_DIRECT", "1") == "0" or a.device.type != "cuda":
+        return False
+    parts = _direct_parts()
+    if parts is None or parts[8].COMPILE_ONLY:  # (QuACK's compile workers set it: nothing to launch)
+        return False
+    varlen_m = cu_seqlens_m is not None
+    b_t = b.mT  # QuACK's gemm_tuned takes B as [K, N] (or [E, K, N]) and hands its transpose on
+    if varlen_m:  # A [rows, K], B [E, N, K] as [N, K, E], D [rows, N]
+        b_p, d_p = b_t.permute(1, 2, 0), out
+        majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
+    else:  # A [M, rows] m-major, B [N, rows], D [E, M, N] as [M, N, E]
+        b_p, d_p = b_t, out.permute(1, 2, 0)
+        majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
+    capacity = parts[7](a.device)
+    kernel, epi, sched = _launcher(config, varlen_m, a_idx is not None, *majors, (a.dtype, b.dtype, out.dtype),
+                                   capacity)
+    kernel(a, b_p, d_p, None, epi, sched, parts[6](mCuSeqlensM=cu_seqlens_m, mCuSeqlensK=cu_seqlens_k, mAIdx=a_idx),
+           None)
+    return True
 
 
 def rows(a, b, out, cu_seqlens, config: str, a_idx=None):
     """out [rows, N] = a[a_idx or rows] @ b[e] per expert group of ``cu_seqlens`` ([E + 1] int32, from 0)."""
-    gemm, _ = _module()[0]
     with _on(a.device):
-        gemm(a, b, out, cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config))
+        if not _direct(a, b, out, config, cu_seqlens_m=cu_seqlens, a_idx=a_idx):
+            _module()[0][0](a, b, out, cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config))
     return out
 
 
 def wgrad(a_t, b, out, cu_seqlens, config: str, a_idx=None):
     """out [E, M, N] = a_t[:, group] @ b[group] per expert group of rows; ``a_t`` [M, rows or tokens], m-major."""
-    gemm, _ = _module()[0]
     with _on(a_t.device):
-        gemm(a_t, b, out, cu_seqlens_k=cu_seqlens, A_idx=a_idx, config=_config(config))
+        if not _direct(a_t, b, out, config, cu_seqlens_k=cu_seqlens, a_idx=a_idx):
+            _module()[0][0](a_t, b, out, cu_seqlens_k=cu_seqlens, A_idx=a_idx, config=_config(config))
     return out
 
 
