@@ -46,7 +46,8 @@ it. Providers, on the same module and inputs:
 Each rank holds T tokens (bf16) and E / world experts. Two times per step, each of the slowest rank (CUDA events):
 "ms", the median over steps timed one at a time (a synchronization after each), and "back to back", the mean
 over steps issued without one between them, as a training loop runs (the host prepares a step while the GPU
-finishes the last). Each row also gives the largest relative difference of its output to eager's on each rank.
+finishes the last), with its spread (the largest distance of one step's time from their median, over the median).
+Each row also gives the largest relative difference of its output to eager's on each rank.
 
     python benchmarks/bench_ep.py --world 4 --shapes mixtral,qwen3-30b-a3b --tokens 8192
     python benchmarks/bench_ep.py --world 2 --device cpu --tokens 64 --shapes tiny   # a CPU smoke run (gloo)
@@ -67,7 +68,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_layer import time_cuda, time_cuda_back_to_back  # noqa: E402
+from bench_moe_layer import time_cuda  # noqa: E402
 from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
@@ -208,19 +209,32 @@ def _time(step, iters, warmup, device):
 
 
 def _time_back_to_back(step, iters, device):
-    """Mean ms of ``iters`` steps issued back to back (no synchronization between them, as in a training loop:
-    the host may prepare a step while the GPU finishes the last one), every rank starting together."""
+    """(mean ms, spread) of ``iters`` steps issued back to back (no synchronization between them, as in a training
+    loop: the host may prepare a step while the GPU finishes the last one), every rank starting together. The
+    spread is the largest distance of one step's time from the median step's, over the median (on a GPU each step's
+    time is the distance between CUDA events recorded after consecutive steps: the pace the GPU got them at)."""
+    import statistics
     import time
 
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
     if device.type != "cuda":
-        start = time.perf_counter()
+        stamps = [time.perf_counter()]
         for _ in range(iters):
             step()
-        return (time.perf_counter() - start) * 1e3 / iters
-    return time_cuda_back_to_back(step, iters)
+            stamps.append(time.perf_counter())
+        times = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    else:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        for event in events[1:]:
+            step()
+            event.record()
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    median = statistics.median(times)
+    return sum(times) / len(times), max(abs(t - median) for t in times) / median
 
 
 def _profile(step, label, rank, device):
@@ -334,12 +348,12 @@ def _worker(rank, world, port, args, out_path):
                         print(f"# rank {rank}: liger_experts failed on {shape}: {failed!r}", file=sys.stderr)
                     continue
                 ms = _time(step, args.iters, args.warmup, device)
-                flowing = _time_back_to_back(step, args.iters, device)
+                flowing, spread = _time_back_to_back(step, args.iters, device)
                 if provider in args.profile.split(",") and device.type == "cuda":
                     _profile(step, f"{shape} {provider}", rank, device)
-                worst = torch.tensor([ms, flowing], device=device)
+                worst = torch.tensor([ms, flowing, spread], device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                worst, flowing = worst[0], float(worst[1])
+                worst, flowing, spread = worst[0], float(worst[1]), float(worst[2])
                 ref.setdefault(family, out)
                 if provider.startswith("overlap_"):  # timing only: no result to compare
                     diff = float("nan")
@@ -350,10 +364,12 @@ def _worker(rank, world, port, args, out_path):
                              "chunks": args.chunks if provider in OVERLAP else None,
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
                              "ms": float(worst.item()), "rank_ms": ms, "ms_back_to_back": flowing,
+                             "back_to_back_spread": spread,
                              "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()}})
                 if rank == 0:
-                    print(f"{shape:14s} {provider:20s} {worst.item():9.3f} ms ({flowing:.3f} back to back)  rel diff vs eager {diff:.2e}  "
+                    print(f"{shape:14s} {provider:20s} {worst.item():9.3f} ms ({flowing:.3f} back to back, spread "
+                          f"{100 * spread:.1f}%)  rel diff vs eager {diff:.2e}  "
                           f"{dict(counters['uniep']) if 'uniep' in provider else ''}", flush=True)
             del layer, module
             liger = hf = None
@@ -390,13 +406,16 @@ def main():
           "forward + backward (ms, slowest rank, median)")
     print("ms: each step timed alone (synchronized), the median; back to back: the mean of steps issued without a "
           "synchronization between them. Ratios against inductor (hf_* rows: against hf_inductor)")
-    print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s}")
+    print("spread: the largest distance of one back-to-back step's time from their median, over the median "
+          "(slowest rank)")
+    print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s}")
     base = {(r["shape"], r["provider"]): r for r in data["rows"] if r["provider"] in ("inductor", "hf_inductor")}
     for r in data["rows"]:
         b = base.get((r["shape"], "hf_inductor" if r["provider"].startswith("hf_") else "inductor"))
         ratio = f"{b['ms'] / r['ms']:6.2f}x" if b else ""
         ratio2 = f"{b['ms_back_to_back'] / r['ms_back_to_back']:6.2f}x" if b else ""
-        print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s}")
+        print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s} "
+              f"{100 * r['back_to_back_spread']:6.1f}%")
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
         for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
