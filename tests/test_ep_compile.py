@@ -193,7 +193,7 @@ def _guard_worker(rank, world, port, model_dir, out_dir):
         def doubled_experts(experts, hidden_states, top_k_index, top_k_weights):
             return 2 * grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
         ALL_EXPERTS_FUNCTIONS.register("uniep_test_doubled", doubled_experts)  # in this worker process only
-        torch._dynamo.reset()  # traced afresh: the entry traced after the "eager" decline has no guard on the experts
+        torch._dynamo.reset()  # traced afresh: the doubled implementation's decline, not an earlier entry
         calls.append(call("uniep_test_doubled"))
         torch.save(calls, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -206,7 +206,8 @@ def test_hf_ep_layer_follows_the_experts_implementation(tmp_path):
     hf_ep._signature reads): Dynamo's guard on it recompiles, the trace proves the layer again, and the call runs
     what the new implementation is. HF's "eager" experts forward (a loop over the hit experts) does not trace into
     one graph, so hf_ep declines it: no uniep.ep_layer runs, HF's layer is traced as written (a stale cache entry would
-    run the grouped_mm experts' ep_layer). Then, traced afresh, an implementation registered with transformers that
+    run the grouped_mm experts' ep_layer). Switched back to grouped_mm, ep_layer runs again: the declined entry's trace
+    compared the experts' signature too, so its guard fails (before, it served: no ep_layer). Then, traced afresh, an implementation registered with transformers that
     returns 2 * the grouped_mm experts' output: the experts pattern proves the region inside it, but the forward returns
     more than the region (hf_ep._require_returns_root), so hf_ep declines it (before that check, ep_layer ran and gave
     the plain experts' loss). Every call's loss is the uncompiled model's."""
@@ -220,8 +221,8 @@ def test_hf_ep_layer_follows_the_experts_implementation(tmp_path):
         assert not switched["ran"].get("forward ep_layer"), switched["ran"]  # the stale entry did not serve
         assert any("does not trace into one graph" in m for m in switched["declines"][len(first["declines"]):]), \
             switched["declines"]
-        # switched back, only the loss is asserted: the cache entry traced after the decline serves the call (a decline
-        # reads no signature, so that entry has no guard on the implementation) and ep_layer does not come back
+        # switched back: the entry traced after the decline guards the implementation too, so ep_layer comes back
+        assert back["ran"].get("forward ep_layer") == layers, back["ran"]
         assert not doubled["ran"].get("forward ep_layer"), doubled["ran"]
         assert any("does not return the experts' output" in m and "(mul)" in m
                    for m in doubled["declines"][len(back["declines"]):]), doubled["declines"]

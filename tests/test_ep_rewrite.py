@@ -484,6 +484,54 @@ def test_hf_ep_probe_requires_the_experts_output_returned(returns, reason, monke
             hf_ep._probe(*probe_args)
 
 
+def _seen_add(experts, out):
+    experts.uniep_test_seen.add_(1)
+    return out
+
+
+def _attribute_set(experts, out):
+    experts.uniep_test_calls = experts.uniep_test_calls + 1
+    return out
+
+
+def _list_append(experts, out):
+    experts.uniep_test_log.append(1)
+    return out
+
+
+_SIDE_EFFECT_CASES = [  # (what the experts forward does beside returning the grouped_mm experts' output, reason)
+    ("buffer_read", lambda experts, out: out + 0 * experts.uniep_test_seen, "(add) changes it"),  # control: declined
+    # for the arithmetic, not for a side effect
+    ("buffer_in_place", _seen_add, "changes buffer uniep_test_seen"),
+    ("attribute_set", _attribute_set, "changes attribute uniep_test_calls"),
+    ("list_append", _list_append, "changes the contents of uniep_test_log"),
+]
+
+
+@pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
+@pytest.mark.parametrize("case,effect,reason", _SIDE_EFFECT_CASES, ids=[c for c, _, _ in _SIDE_EFFECT_CASES])
+def test_hf_ep_probe_declines_side_effects_of_the_experts_forward(case, effect, reason, monkeypatch):
+    """An experts forward that changes state beside its output (a buffer in place, an attribute, a list) is declined
+    with what it changes: uniep.ep_layer never runs the forward, so the change would be lost. The probe's own call
+    changes nothing of the model's (it works on copies of the buffers and containers)."""
+    from hf_models import build_model
+    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+    from uniep_dynamo import hf_ep
+
+    def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+        return effect(experts, grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights))
+    name = f"uniep_test_{case}"
+    monkeypatch.setitem(ExpertsInterface._global_mapping, name, experts_forward)
+    model = build_model("qwen3_moe", implementation=name)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    experts.register_buffer("uniep_test_seen", torch.zeros(()))
+    experts.uniep_test_calls, experts.uniep_test_log = 0, []
+    with pytest.raises(hf_ep._Decline, match=re.escape(reason)):
+        hf_ep._probe(experts, torch.float32, model.config.hidden_size, torch.device("cpu"))
+    assert experts.uniep_test_seen.item() == 0 and experts.uniep_test_calls == 0 and experts.uniep_test_log == []
+
+
 def test_hf_ep_source_hash_reads_text_not_the_ast(tmp_path, monkeypatch):
     """hf_ep.source_hash is a hash of the methods' text: blank and whole-line comment lines do not change it, code
     does, and it does not go through ast.dump (whose output changed between Python 3.11 and 3.12, so an AST hash

@@ -24,8 +24,10 @@ HF's own call. Inside a trace it asks ``_layer_plan()``, which Dynamo runs at tr
    nested Dynamo trace of its own and matched by patterns/experts.py, which yields the op's spec (gate, layout,
    biases) and which parameters are the weights, and the forward returns that computation itself: after the
    proven region only a cast to the dtype it has, a reshape back to [T, H] or a copy (``_require_returns_root``;
-   ``2 * experts(...)`` declines). The traced code re-reads the experts' attributes the spec depends on, so Dynamo
-   guards them.
+   ``2 * experts(...)`` declines), and changes nothing else (no attribute, buffer, container or input changed:
+   ep_layer never runs the forward, so such a side effect would be lost). The traced code re-reads the experts'
+   attributes the spec depends on, so Dynamo guards them, after a decline too (so a declined entry stops serving
+   once the experts change).
 
 transformers 5.17's sentinel-mask EP has no ``AllToAllEP``: nothing is installed, and the graph rewrite handles it.
 """
@@ -106,9 +108,11 @@ def _patch(module) -> bool:
         if torch.compiler.is_compiling():
             plan = _layer_plan()
             if plan is not None:
-                signature, spec, group_name, world, overlap, knobs, names = plan
+                # the signature is read and compared in the trace, after a decline too (plan = (signature,)): Dynamo
+                # guards what the proof rests on, so switching the experts' implementation retraces either way
                 experts = self.experts_forward.__self__
-                if _same(_signature(experts), signature):  # read in the trace: Dynamo guards what the spec rests on
+                if _same(_signature(experts), plan[0]) and len(plan) > 1:
+                    _, spec, group_name, world, overlap, knobs, names = plan
                     w_up, w_down, b_up, b_down = (None if n is None else getattr(experts, n) for n in names)
                     return torch.ops.uniep.ep_layer(hidden_states, top_k_index, top_k_weights, w_up, w_down, b_up,
                                                     b_down, spec, group_name, world, overlap, knobs)[0]
@@ -181,7 +185,9 @@ def _warn(where: str, reason: str) -> None:
 @torch._dynamo.assume_constant_result
 def _layer_plan():
     """(signature, spec, group name, world, overlap, knobs, weight names) of the traced AllToAllEP call for
-    uniep.ep_layer, or None (not uniep's compile, or a decline, logged). Runs at trace time."""
+    uniep.ep_layer; (signature,) for a decline (logged) of a layer whose experts have one (the trace compares it, so
+    Dynamo guards it: the declined entry does not serve once the experts change); None otherwise (not uniep's
+    compile, or nothing to guard). Runs at trace time."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -207,15 +213,23 @@ def _layer_plan():
         plan = _prove(ep, hidden, ids, weights)
     except _Decline as exc:
         _warn(where, str(exc))
-        return None
+        return _declined(ep)
     except Exception as exc:  # noqa: BLE001  (a proof that cannot run declines; the trace goes on as HF wrote it)
         _warn(where, f"uniep could not check the layer ({type(exc).__name__}: {exc})")
-        return None
+        return _declined(ep)
     signature, spec, names = plan
     group = ep.ep_mesh.get_group()
     knobs = json.dumps(opts.ep_knobs, sort_keys=True) if opts.ep_knobs else ""
     log.info("uniep: HF's %s traced as uniep.ep_layer over %d ranks [%s]", where, ep.ep_mesh.size(), spec)
     return signature, spec, group.group_name, ep.ep_mesh.size(), opts.overlap_ep, knobs, names
+
+
+def _declined(ep):
+    """(signature,) of a declined layer's experts, for the trace to compare, or None where they have none."""
+    try:
+        return (_signature(ep.experts_forward.__self__),)
+    except AttributeError:
+        return None
 
 
 def _uniep_options(compiler_fn):
@@ -292,11 +306,18 @@ def _probe(experts, dtype, hidden_size: int, device):
     twin.__dict__.pop("forward", None)
     twin._parameters = {n: None if p is None else torch.nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad)
                         for n, p in experts._parameters.items()}
+    # copies of the buffers and of the plain containers: what the probe's forward changes is the twin's, not the
+    # model's (and _require_no_side_effects sees it)
+    twin._buffers = {n: None if b is None else _local(b).detach().clone() for n, b in experts._buffers.items()}
+    for name, value in experts.__dict__.items():
+        if type(value) in (list, dict, set) and not name.startswith("_"):
+            twin.__dict__[name] = type(value)(value)
     local = experts.num_experts
     rows = 2 * local
     hidden = torch.randn(rows, hidden_size, dtype=dtype, device=device, requires_grad=True)
     ids = torch.arange(local, device=device).repeat(2).unsqueeze(-1)
     ones = torch.ones(rows, 1, dtype=dtype, device=device)
+    state = _state(twin, (hidden, ids, ones))
     graphs, outputs = [], []
 
     def capture(gm, example_inputs):  # matched here: Dynamo drops the inputs' records once the compile returns
@@ -319,6 +340,10 @@ def _probe(experts, dtype, hidden_size: int, device):
     except Exception as exc:  # noqa: BLE001
         raise _Decline(f"the experts forward does not trace into one graph ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    changed = _changes(state, _state(twin, (hidden, ids, ones)))
+    if changed:
+        raise _Decline(f"the experts forward changes {', '.join(changed)}: uniep.ep_layer does not run the experts "
+                       "forward, so that side effect would be lost")
     if len(graphs) != 1:
         raise _Decline(f"the experts forward traced into {len(graphs)} graphs")
     found = graphs[0][1]
@@ -329,6 +354,28 @@ def _probe(experts, dtype, hidden_size: int, device):
     if len(outputs) != 1 or not isinstance(returned, torch.Tensor) or returned is not _only_output(outputs[0]):
         raise _Decline(f"the experts forward returns {type(returned).__name__}, not the one tensor its graph computes")
     return found
+
+
+def _state(module, inputs) -> dict:
+    """What a forward could change beside its output: the module's attributes (which object each name holds), its
+    parameters' and buffers' entries and in-place versions, the contents of its plain containers (by identity), the
+    inputs' versions."""
+    state = {f"attribute {n}": id(v) for n, v in module.__dict__.items()}
+    for kind in ("_parameters", "_buffers"):
+        for n, t in getattr(module, kind).items():
+            state[f"{kind[1:-1]} {n}"] = (id(t), None if t is None else t._version)
+    for n, v in module.__dict__.items():
+        if type(v) in (list, set):
+            state[f"the contents of {n}"] = sorted(id(x) for x in v)
+        elif type(v) is dict and not n.startswith("_"):
+            state[f"the contents of {n}"] = sorted((repr(k), id(x)) for k, x in v.items())
+    for i, t in enumerate(inputs):
+        state[f"input {i} in place"] = t._version
+    return state
+
+
+def _changes(before: dict, after: dict) -> list:
+    return [k for k in dict.fromkeys([*before, *after]) if before.get(k) != after.get(k)]
 
 
 def _only_output(values):
