@@ -532,6 +532,23 @@ def test_hf_ep_probe_declines_side_effects_of_the_experts_forward(case, effect, 
     assert experts.uniep_test_seen.item() == 0 and experts.uniep_test_calls == 0 and experts.uniep_test_log == []
 
 
+@pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
+def test_hf_ep_probe_names_a_matcher_failure(monkeypatch):
+    """An unexpected error inside the matcher declines with the matcher named (it was reported as "does not trace
+    into one graph", which sent the reader to the experts' code)."""
+    from hf_models import build_model
+
+    from uniep_dynamo import hf_ep
+
+    def broken(*args):
+        raise KeyError("meta")
+    monkeypatch.setattr(hf_ep, "_match_probe_or_decline", broken)
+    model = build_model("qwen3_moe", implementation="grouped_mm")
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    with pytest.raises(hf_ep._Decline, match=re.escape("uniep could not match the experts graph (KeyError")):
+        hf_ep._probe(experts, torch.float32, model.config.hidden_size, torch.device("cpu"))
+
+
 def test_hf_ep_source_hash_reads_text_not_the_ast(tmp_path, monkeypatch):
     """hf_ep.source_hash is a hash of the methods' text: blank and whole-line comment lines do not change it, code
     does, and it does not go through ast.dump (whose output changed between Python 3.11 and 3.12, so an AST hash

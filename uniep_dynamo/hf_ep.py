@@ -389,6 +389,8 @@ def _match_probe(gm, twin, hidden, ids, ones):
         return _match_probe_or_decline(gm, twin, hidden, ids, ones)
     except _Decline as exc:
         return str(exc)
+    except Exception as exc:  # noqa: BLE001  (named as the matcher's failure, not as a trace that did not fit one graph)
+        return f"uniep could not match the experts graph ({type(exc).__name__}: {exc})"
 
 
 def _match_probe_or_decline(gm, twin, hidden, ids, ones):
