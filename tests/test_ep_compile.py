@@ -4,6 +4,7 @@ whole EP step as ONE uniep.ep_layer in the forward graph and one uniep.ep_layer_
 (uniep_dynamo/hf_ep.py), with loss and every gradient equal to the same model without uniep, and two runs bitwise
 equal. Another backend in the same process sees HF's code, unchanged. CPU, gloo, 2 and 4 processes."""
 import os
+import re
 import tempfile
 
 import pytest
@@ -91,8 +92,11 @@ def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
                     for op, n in ops.items():
                         aot.setdefault(kind, {}).setdefault(op, 0)
                         aot[kind][op] += n
+            from uniep_dynamo.explain import Report
+
             results[name] = {"loss": loss.detach(), "grads": grads, "counters": dict(counters["uniep"]), "aot": aot,
-                             "ran": dict(ran), "other_ops": _graph_ops(dynamo_graphs)}
+                             "ran": dict(ran), "other_ops": _graph_ops(dynamo_graphs),
+                             "summary": Report.from_recorder(rec).summary().splitlines()[0]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -121,6 +125,8 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
         assert not any(c.get(op) for op in ("ep_dispatch", "ep_combine", "ep_exchange", "ep_unfused", "unfused")), c
         # recording(): every compiled forward graph that holds the op has its backward op in its backward graph
         assert fused["aot"].get("forward", {}).get("ep_layer", 0) >= 1, fused["aot"]
+        # the report says so (the layers are traced as the op, not rewritten: before, its totals showed none)
+        assert re.search(r", [1-9]\d* HF EP layer\(s\) traced as uniep.ep_layer", fused["summary"]), fused["summary"]
         assert fused["aot"]["forward"]["ep_layer"] == fused["aot"].get("backward", {}).get("ep_layer_backward"), \
             fused["aot"]
         assert not any(op.startswith(("ep_dispatch", "ep_combine", "ep_exchange"))

@@ -29,8 +29,9 @@ def test_explain_full_match_json():
     data = json.loads(report.to_json())
     assert data["totals"] == {"moe_experts": 2, "moe_router": 2, "ep_dispatch": 0, "ep_exchange": 0, "ep_combine": 0,
                               "unfused": 0,
-                              "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0}
+                              "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0, "ep_layer": 0}
     (graph,) = data["graphs"]
+    assert graph["traced_ops"] == {}  # the router and experts ops are rewrites, not traced ops
     assert [(r["op"], r["module"]) for r in graph["rewrites"]] == [
         ("moe_experts", "model.layers.0.mlp.experts"), ("moe_experts", "model.layers.1.mlp.experts"),
         ("moe_router", "model.layers.0.mlp.gate"), ("moe_router", "model.layers.1.mlp.gate")]

@@ -72,6 +72,9 @@ class GraphRecord:
     near_misses: list = field(default_factory=list)
     # uniep ops per AOTAutograd graph ("forward", "backward", "inference"); None: not traced
     aot_graphs: dict | None = None
+    # uniep ops the Dynamo graph held as traced, before any rewrite: HF's EP layers, which hf_ep.py substitutes at trace
+    # time (uniep.ep_layer), are not rewrites of the graph but would go unreported without this
+    traced_ops: dict = field(default_factory=dict)
 
     def note_aot_graph(self, kind: str, graph: Graph) -> None:
         """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference"). Counts add up:
@@ -137,8 +140,9 @@ class Recorder:
 
     def totals(self) -> dict:
         totals = {"moe_experts": 0, "moe_router": 0, "ep_dispatch": 0, "ep_exchange": 0, "ep_combine": 0, "unfused": 0,
-                  "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0}
+                  "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0, "ep_layer": 0}
         for g in self.graphs:
+            totals["ep_layer"] += g.traced_ops.get("ep_layer", 0)
             for op in ("moe_experts", "moe_router", "ep_dispatch", "ep_exchange", "ep_combine"):
                 totals[op] += sum(1 for r in g.rewrites if r.op == op)
             totals["ep_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "ep")
@@ -189,6 +193,12 @@ def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> 
     bodies; `lowered` holds (match, names of the replaced nodes, names of the added nodes, body) per rewrite,
     `misses` (pattern, near miss) pairs. `publish` hands the record on."""
     record = GraphRecord(_compile_id(), before, after)
+    added_names = {node_id(n, where) for _, _, added, where in lowered for n in added}
+    for module, where, _ in walk(gm):
+        for node in module.graph.nodes:
+            op = uniep_op_of(node)
+            if op is not None and node_id(node.name, where) not in added_names:
+                record.traced_ops[op] = record.traced_ops.get(op, 0) + 1
     for match, replaced, added, where in lowered:
         op = getattr(match, "op", None) or ("moe_router" if hasattr(match, "ids") else "moe_experts")
         record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(),
