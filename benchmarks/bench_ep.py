@@ -407,7 +407,7 @@ def main():
     print("ms: each step timed alone (synchronized), the median; back to back: the mean of steps issued without a "
           "synchronization between them. Ratios against inductor (hf_* rows: against hf_inductor)")
     print("spread: the largest distance of one back-to-back step's time from their median, over the median "
-          "(slowest rank)")
+          "(the largest of the ranks' spreads)")
     print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s}")
     base = {(r["shape"], r["provider"]): r for r in data["rows"] if r["provider"] in ("inductor", "hf_inductor")}
     for r in data["rows"]:

@@ -203,13 +203,17 @@ def step(fn, experts, x, ids, w, grad_out):
         ww = w.detach().requires_grad_()
         env = getattr(fn, "env", None)  # (variable, value) for the forward and the backward
         if env is not None:
+            before = os.environ.get(env[0])
             os.environ[env[0]] = env[1]
         try:
             out = fn(xx, ids, ww)
             out.backward(grad_out)
         finally:
-            if env is not None:
-                os.environ.pop(env[0], None)
+            if env is not None:  # the value the user set, if any, back
+                if before is None:
+                    os.environ.pop(env[0], None)
+                else:
+                    os.environ[env[0]] = before
         return out, xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad
     return run
 

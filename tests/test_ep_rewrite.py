@@ -484,40 +484,58 @@ def test_hf_ep_probe_requires_the_experts_output_returned(returns, reason, monke
             hf_ep._probe(*probe_args)
 
 
-def _seen_add(experts, out):
-    experts.uniep_test_seen.add_(1)
-    return out
+def _effect(kind):
+    """An experts forward step that changes state beside the output (each case of _SIDE_EFFECT_CASES)."""
+    def step(experts, out):
+        if kind == "buffer_in_place":
+            experts.uniep_test_seen.add_(1)
+        elif kind == "child_buffer":
+            experts.uniep_test_child.seen.add_(1)
+        elif kind == "weight_data":
+            experts.gate_up_proj.data.mul_(1)
+        elif kind == "weight_no_grad":
+            with torch.no_grad():
+                experts.down_proj.mul_(1)
+        elif kind == "attribute_set":
+            experts.uniep_test_calls = experts.uniep_test_calls + 1
+        elif kind == "config_attribute":
+            experts.config.uniep_test_x += 1
+        elif kind == "private_dict":
+            experts._uniep_test_cache["k"] = 1
+        elif kind == "nested_list":
+            experts.uniep_test_nested[0].append(1)
+        elif kind == "list_append":
+            experts.uniep_test_log.append(1)
+        return out
+    return step
 
 
-def _attribute_set(experts, out):
-    experts.uniep_test_calls = experts.uniep_test_calls + 1
-    return out
-
-
-def _list_append(experts, out):
-    experts.uniep_test_log.append(1)
-    return out
-
-
-_SIDE_EFFECT_CASES = [  # (what the experts forward does beside returning the grouped_mm experts' output, reason)
-    ("buffer_read", lambda experts, out: out + 0 * experts.uniep_test_seen, "(add) changes it"),  # control: declined
-    # for the arithmetic, not for a side effect
-    ("buffer_in_place", _seen_add, "changes buffer uniep_test_seen"),
-    ("attribute_set", _attribute_set, "changes attribute uniep_test_calls"),
-    ("list_append", _list_append, "changes the contents of uniep_test_log"),
+_SIDE_EFFECT_CASES = [  # (what the experts forward does beside returning the grouped_mm experts' output, reason regex)
+    ("buffer_in_place", r"uniep_test_seen\S* in place"),  # a tensor changed in place in the graph
+    ("child_buffer", r"uniep_test_child\S* in place"),  # a child module's buffer
+    ("weight_data", r"gate_up_proj\S* in place"),  # through .data
+    ("weight_no_grad", r"down_proj\S* in place"),
+    ("attribute_set", r"L\['module'\]\.uniep_test_calls"),  # Python state, from Dynamo's side-effect record
+    ("config_attribute", r"config\.uniep_test_x"),
+    ("private_dict", r"_uniep_test_cache"),
+    ("nested_list", r"uniep_test_nested"),
+    ("list_append", r"uniep_test_log"),
 ]
 
 
 @pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
-@pytest.mark.parametrize("case,effect,reason", _SIDE_EFFECT_CASES, ids=[c for c, _, _ in _SIDE_EFFECT_CASES])
-def test_hf_ep_probe_declines_side_effects_of_the_experts_forward(case, effect, reason, monkeypatch):
-    """An experts forward that changes state beside its output (a buffer in place, an attribute, a list) is declined
-    with what it changes: uniep.ep_layer never runs the forward, so the change would be lost. The probe's own call
-    changes nothing of the model's (it works on copies of the buffers and containers)."""
+@pytest.mark.parametrize("case,reason", _SIDE_EFFECT_CASES, ids=[c for c, _ in _SIDE_EFFECT_CASES])
+def test_hf_ep_probe_declines_side_effects_of_the_experts_forward(case, reason, monkeypatch):
+    """An experts forward that changes state beside its output (a buffer or weight in place, a child module's
+    buffer, an attribute, the config, a dict or list) is declined with what it changes: uniep.ep_layer never runs
+    the forward, so the change would be lost. The probe declines before its graph runs, so it changes nothing of
+    the model's."""
     from hf_models import build_model
     from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
     from uniep_dynamo import hf_ep
+
+    effect = _effect(case)
 
     def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
         return effect(experts, grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights))
@@ -526,10 +544,50 @@ def test_hf_ep_probe_declines_side_effects_of_the_experts_forward(case, effect, 
     model = build_model("qwen3_moe", implementation=name)
     experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
     experts.register_buffer("uniep_test_seen", torch.zeros(()))
-    experts.uniep_test_calls, experts.uniep_test_log = 0, []
-    with pytest.raises(hf_ep._Decline, match=re.escape(reason)):
+    experts.uniep_test_child = torch.nn.Module()
+    experts.uniep_test_child.register_buffer("seen", torch.zeros(()))
+    experts.uniep_test_calls, experts.uniep_test_log, experts._uniep_test_cache = 0, [], {}
+    experts.uniep_test_nested = [[]]
+    experts.config.uniep_test_x = 0
+    weights = {n: (p.detach().clone(), p._version) for n, p in experts.named_parameters()}
+    with pytest.raises(hf_ep._Decline, match=reason):
         hf_ep._probe(experts, torch.float32, model.config.hidden_size, torch.device("cpu"))
-    assert experts.uniep_test_seen.item() == 0 and experts.uniep_test_calls == 0 and experts.uniep_test_log == []
+    assert experts.uniep_test_seen.item() == 0 and experts.uniep_test_child.seen.item() == 0
+    assert (experts.uniep_test_calls, experts.uniep_test_log, experts._uniep_test_cache, experts.uniep_test_nested,
+            experts.config.uniep_test_x) == (0, [], {}, [[]], 0)
+    for n, p in experts.named_parameters():
+        assert torch.equal(p, weights[n][0]) and p._version == weights[n][1], n
+
+
+@pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
+@pytest.mark.parametrize("in_place_on", ["gathered_copy", "hidden_states", "hidden_states_view"])
+def test_hf_ep_probe_tells_a_copy_from_its_input(in_place_on, monkeypatch):
+    """An in-place step on rows gathered from the hidden states (HF's own EP path masks its gathered rows so) changes
+    no input: proven. The same step on the hidden states, or on a view of them, changes the caller's tensor:
+    declined."""
+    from hf_models import build_model
+    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+    from uniep_dynamo import hf_ep
+
+    def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+        with torch.no_grad():  # (the probe's hidden states are a leaf that requires grad)
+            if in_place_on == "hidden_states":
+                hidden_states.mul_(1)
+            elif in_place_on == "hidden_states_view":
+                hidden_states[:1].mul_(1)
+        return grouped_mm_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+    name = f"uniep_test_{in_place_on}"
+    monkeypatch.setitem(ExpertsInterface._global_mapping, name, experts_forward)
+    model = build_model("qwen3_moe", implementation=name)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    experts._is_expert_parallel = True  # HF's EP path: masked_fill_ on hidden_states[perm // top_k]
+    args = (experts, torch.float32, model.config.hidden_size, torch.device("cpu"))
+    if in_place_on == "gathered_copy":
+        assert hf_ep._probe(*args)[1] == ("gate_up_proj", "down_proj", None, None)
+    else:
+        with pytest.raises(hf_ep._Decline, match=r"in place \(mul_\)"):
+            hf_ep._probe(*args)
 
 
 @pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))

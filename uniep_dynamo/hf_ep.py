@@ -157,11 +157,12 @@ class _PatchOnImport:
 
 def _signature(experts) -> tuple:
     """The experts' attributes the probed spec rests on (read in the trace too, so Dynamo guards them): plain
-    strings, bools and ints, the class by its module and qualified name."""
+    strings, bools and ints, the class by its module and qualified name, and the training flag (a forward may do
+    other things in training)."""
     cls = type(experts)
     return (cls.__module__, cls.__qualname__, experts.config._experts_implementation, experts.has_gate,
             experts.has_bias, experts.is_transposed, experts.is_concatenated, experts.has_post_expert_norm,
-            experts.num_experts)
+            experts.num_experts, experts.training)
 
 
 def _same(current: tuple, probed: tuple) -> bool:
@@ -228,7 +229,7 @@ def _declined(ep):
     """(signature,) of a declined layer's experts, for the trace to compare, or None where they have none."""
     try:
         return (_signature(ep.experts_forward.__self__),)
-    except AttributeError:
+    except Exception:  # noqa: BLE001  (no experts module or attributes of its own: nothing to guard; never crash)
         return None
 
 
@@ -321,6 +322,14 @@ def _probe(experts, dtype, hidden_size: int, device):
     graphs, outputs = [], []
 
     def capture(gm, example_inputs):  # matched here: Dynamo drops the inputs' records once the compile returns
+        effects = _graph_side_effects(gm) + _python_side_effects()
+        if effects:  # declined before the graph runs: the probe applies none of them to the model
+            reason = (f"the experts forward changes {', '.join(effects)}: uniep.ep_layer does not run the experts "
+                      "forward, so that side effect would be lost")
+
+            def refuse(*args):
+                raise _Decline(reason)
+            return refuse
         graphs.append((gm, _match_probe(gm, twin, hidden, ids, ones)))
 
         def run(*args):
@@ -337,6 +346,8 @@ def _probe(experts, dtype, hidden_size: int, device):
     try:
         with torch.enable_grad():
             returned = torch.compile(probe, backend=capture, fullgraph=True, dynamic=False)(twin, hidden, ids, ones)
+    except _Decline:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise _Decline(f"the experts forward does not trace into one graph ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -354,6 +365,81 @@ def _probe(experts, dtype, hidden_size: int, device):
     if len(outputs) != 1 or not isinstance(returned, torch.Tensor) or returned is not _only_output(outputs[0]):
         raise _Decline(f"the experts forward returns {type(returned).__name__}, not the one tensor its graph computes")
     return found
+
+
+# Steps that give a view of (or the data of) their first argument: an in-place change of their result changes it
+_VIEWS = ("view", "view_as", "reshape", "getitem", "select", "narrow", "slice", "transpose", "permute", "expand",
+          "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "t", "mT", "T", "detach", "as_strided",
+          "contiguous", "split", "chunk", "unbind", "diagonal", "movedim", "_get_data_attr", "data", "alias")
+_IN_PLACE_OPERATORS = ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                       "ixor", "ilshift", "irshift", "imatmul")
+
+
+def _step_name(node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__name__", str(target)).split(".")[0]
+
+
+def _is_view(node) -> bool:
+    """The step's result shares its first argument's memory: a view, or basic indexing (ints, slices; an index
+    that holds a tensor gathers, into new memory, as HF's ``hidden_states[perm // top_k]`` does)."""
+    name = _step_name(node)
+    if name == "getitem":
+        return not any(isinstance(a, torch.fx.Node) for a in torch.utils._pytree.tree_leaves(node.args[1:]))
+    return name in _VIEWS
+
+
+def _graph_side_effects(gm) -> list:
+    """In-place changes the probe graph makes to what it did not create: a graph input (the hidden states, a
+    parameter, a buffer of the module or of a child module), through any chain of views (``p.data`` included)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_method", "call_function"):
+            continue
+        name = _step_name(node)
+        written = []
+        if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS:
+            written += node.args[:1]
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+        written.append(node.kwargs.get("out"))
+        for value in written:
+            base = value
+            while isinstance(base, torch.fx.Node) and base.op in ("call_method", "call_function") and base.args \
+                    and _is_view(base):
+                base = base.args[0]
+            if isinstance(base, torch.fx.Node) and base.op in ("placeholder", "get_attr"):
+                found.append(f"{base.target if base.op == 'get_attr' else base.name} in place ({node.name})")
+    return found
+
+
+def _python_side_effects() -> list:
+    """The existing Python objects the probe's trace changes (an attribute of the config or of a child module, a
+    list, a dict), from Dynamo's side-effect record of the trace being compiled; [] where its internals differ (the
+    comparison of the module's state after the call still stands)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables import TensorVariable
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        found = []
+        for variable in effects.id_to_variable.values():
+            if isinstance(variable, TensorVariable) or not effects.is_modified(variable) \
+                    or "New" in type(getattr(variable, "mutation_type", None)).__name__:
+                continue
+            source = getattr(variable, "source", None)
+            name = getattr(source, "name", None)
+            where = str(name() if callable(name) else name) if source is not None else type(variable).__name__
+            attributes = list(getattr(effects, "store_attr_mutations", {}).get(variable, ()))
+            found += [f"{where}.{a}" for a in attributes] or [where]
+        return found
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def _state(module, inputs) -> dict:
