@@ -308,7 +308,7 @@ def _probe(experts, dtype, hidden_size: int, device):
     twin._parameters = {n: None if p is None else torch.nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad)
                         for n, p in experts._parameters.items()}
     # copies of the buffers and of the plain containers: what the probe's forward changes is the twin's, not the
-    # model's (and _require_no_side_effects sees it)
+    # model's (and _state's comparison after the call sees it)
     twin._buffers = {n: None if b is None else _local(b).detach().clone() for n, b in experts._buffers.items()}
     for name, value in experts.__dict__.items():
         if type(value) in (list, dict, set) and not name.startswith("_"):
