@@ -171,23 +171,15 @@ def providers(experts, sonicmoe_autotune=True):
     uniep = torch.compile(experts, backend="uniep")
     out["uniep"] = lambda x, ids, w: uniep(x, ids, w)
 
-    def uniep_noquack(x, ids, w):
-        return uniep(x, ids, w)
+    def with_env(variable, value):  # the compiled module with a variable that step() sets around fwd and bwd
+        def run(x, ids, w):
+            return uniep(x, ids, w)
+        run.env = (variable, value)
+        return run
 
-    uniep_noquack.env = ("UNIEP_QUACK", "0")  # step() sets it around the forward and the backward
-    out["uniep_noquack"] = uniep_noquack
-
-    def uniep_quack_entry_point(x, ids, w):
-        return uniep(x, ids, w)
-
-    uniep_quack_entry_point.env = ("UNIEP_QUACK_DIRECT", "0")
-    out["uniep_quack_entry_point"] = uniep_quack_entry_point
-
-    def uniep_reference(x, ids, w):
-        return uniep(x, ids, w)
-
-    uniep_reference.env = ("UNIEP_KERNELS", "reference")
-    out["uniep_reference"] = uniep_reference
+    out["uniep_noquack"] = with_env("UNIEP_QUACK", "0")
+    out["uniep_quack_entry_point"] = with_env("UNIEP_QUACK_DIRECT", "0")
+    out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)
     except Exception as exc:  # noqa: BLE001

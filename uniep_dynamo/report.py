@@ -193,12 +193,6 @@ def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> 
     bodies; `lowered` holds (match, names of the replaced nodes, names of the added nodes, body) per rewrite,
     `misses` (pattern, near miss) pairs. `publish` hands the record on."""
     record = GraphRecord(_compile_id(), before, after)
-    added_names = {node_id(n, where) for _, _, added, where in lowered for n in added}
-    for module, where, _ in walk(gm):
-        for node in module.graph.nodes:
-            op = uniep_op_of(node)
-            if op is not None and node_id(node.name, where) not in added_names:
-                record.traced_ops[op] = record.traced_ops.get(op, 0) + 1
     for match, replaced, added, where in lowered:
         op = getattr(match, "op", None) or ("moe_router" if hasattr(match, "ids") else "moe_experts")
         record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(),
@@ -208,9 +202,13 @@ def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> 
         record.near_misses.append(NearMissRecord(miss.module, node_id(miss.node.name, miss.graph), miss.reason,
                                                  pattern, miss.expected, miss.actual, miss.matched_nodes,
                                                  list(miss.rejections), miss.graph))
-    for module, where, _ in walk(gm):  # patterns that do not exist yet: every anchor of theirs is a near miss
+    added = {node_id(n, where) for _, _, nodes, where in lowered for n in nodes}
+    for module, where, _ in walk(gm):
         for node in module.graph.nodes:
-            name = gu.op_name(node)
+            op = uniep_op_of(node)  # a uniep op the graph held as traced (not one a rewrite added)
+            if op is not None and node_id(node.name, where) not in added:
+                record.traced_ops[op] = record.traced_ops.get(op, 0) + 1
+            name = gu.op_name(node)  # patterns that do not exist yet: every anchor of theirs is a near miss
             if name in _UNSUPPORTED_ANCHORS:
                 pattern, reason = _UNSUPPORTED_ANCHORS[name]
                 record.near_misses.append(NearMissRecord(gu.module_path(node), node_id(node.name, where), reason,

@@ -195,10 +195,9 @@ def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=
     b_t = b.mT  # QuACK's gemm_tuned takes B as [K, N] (or [E, K, N]) and hands its transpose on
     if varlen_m:  # A [rows, K], B [E, N, K] as [N, K, E], D [rows, N]
         b_p, d_p = b_t.permute(1, 2, 0), out
-        majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
     else:  # A [M, rows] m-major, B [N, rows], D [E, M, N] as [M, N, E]
         b_p, d_p = b_t, out.permute(1, 2, 0)
-        majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
+    majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
     capacity = parts[7](a.device)
     kernel, epi, sched = _launcher(config, varlen_m, a_idx is not None, *majors, (a.dtype, b.dtype, out.dtype),
                                    capacity)
