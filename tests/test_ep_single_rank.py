@@ -247,3 +247,22 @@ def test_ep_exchange_sequential_backward_reads_its_forward_in_eager_autograd(tmp
     assert len(forwards) == 3, forwards
     for a, b in zip(got, recomputed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_ep_layer_refuses_an_expert_id_out_of_range_before_any_transfer(tmp_path, monkeypatch):
+    """An id outside [0, E) is an error the layer raises from the host count table (on every rank alike, so none is
+    left waiting in a collective), before any row moves; the same call with the ids in range runs."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "reference")
+    import uniep_dynamo  # noqa: F401
+
+    hidden, ids, weights, w_up, w_down, _, spec = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    bad = ids.clone()
+    bad[3, 1] = w_up.shape[0]
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        layer = ep_layer_fn(spec, group, False)
+        with pytest.raises(ValueError, match=rf"an expert id lies outside \[0, {w_up.shape[0]}\) on rank\(s\) \[0\]"):
+            layer(hidden, bad, weights, w_up, w_down)
+        assert layer(hidden, ids, weights, w_up, w_down).shape == hidden.shape

@@ -136,6 +136,33 @@ def test_routing_plan_kernel_equals_reference():
             assert torch.equal(a, b)
 
 
+def test_received_plan_kernel_equals_the_ids_and_plan_of_torch_ops():
+    """The EP layer's received rows (source by source, each source's rows by local expert): one launch gives the ids,
+    weights 1 and routing plan that torch ops and the reference's sort give, with empty runs, an empty source, no rows
+    at all, more than one row step a run, and the counts read through a strided view (a slice of the count table)."""
+    from uniep_dynamo.kernels import triton_routing
+
+    g = torch.Generator().manual_seed(5)
+    for world, local in ((1, 4), (2, 3), (4, 8), (8, 16)):
+        for kind in ("random", "sparse", "none", "long"):
+            counts = torch.randint(0, 9, (world, local), generator=g)
+            if kind == "sparse":
+                counts[0] = 0
+                counts[:, -1] = 0
+            elif kind == "none":
+                counts.zero_()
+            elif kind == "long":
+                counts[-1, 0] = triton_routing.RECEIVED_BLOCK_R + 3
+            table = torch.cat([counts, torch.full((world, 2), 99)], dim=1)  # the counts, then other columns
+            rows = int(counts.sum())
+            ids, ones, plan = triton_routing.received_plan(table[:, :local], rows, torch.float16)
+            want = torch.arange(local).repeat(world).repeat_interleave(counts.reshape(-1)).unsqueeze(1)
+            assert torch.equal(ids, want), (world, local, kind)
+            assert ones.dtype == torch.float16 and torch.equal(ones, torch.ones(rows, 1, dtype=torch.float16))
+            for got, expected in zip(plan, reference.routing_plan(want, local)):
+                assert torch.equal(got, expected), (world, local, kind)
+
+
 @pytest.mark.parametrize("change", [
     dict(num_programs=3),   # persistent grid: 3 programs walk every tile
     dict(group_m=1),        # no L2 swizzle

@@ -87,17 +87,41 @@ def sync_calls(fn, leaves, grad):
 
 
 def profile_calls(fn, leaves, grad, calls: int, top: int = 30) -> str:
-    """cProfile of ``calls`` forward and backward calls: the top frames by own time, then by cumulative time."""
+    """cProfile of ``calls`` forward and backward calls, each profiled alone with the GPU synchronized outside the
+    profiled region (so a frame's time is host work or a wait the call itself makes, not a wait for earlier calls):
+    the top frames by own time, then by cumulative time."""
     inputs = [[t.detach().requires_grad_() for t in leaves] for _ in range(calls)]
     profiler = cProfile.Profile()
-    profiler.enable()
     for leaf_inputs in inputs:
-        fn(*leaf_inputs).backward(grad)
-    profiler.disable()
+        _synchronize()
+        profiler.enable()
+        out = fn(*leaf_inputs)
+        profiler.disable()
+        _synchronize()
+        profiler.enable()
+        out.backward(grad)
+        profiler.disable()
+    _synchronize()
     text = io.StringIO()
     for key in ("tottime", "cumtime"):
         pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
     return text.getvalue()
+
+
+def forward_no_grad(fn, leaves, calls: int, warmup: int = 5):
+    """Median host µs of the forward without autograd: what a compiled graph's call of the op costs (AOTAutograd
+    runs the forward graph below autograd), against host_times' eager call through the op's autograd formula."""
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + calls):
+            _synchronize()
+            t0 = time.perf_counter()
+            fn(*leaves)
+            t1 = time.perf_counter()
+            if i >= warmup:
+                times.append(t1 - t0)
+    _synchronize()
+    return round(sorted(times)[len(times) // 2] * 1e6, 1)
 
 
 def main():
@@ -115,7 +139,7 @@ def main():
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--hidden", type=int, help="H instead of the shape's (small on CPU: the kernels' work)")
     parser.add_argument("--inter", type=int, help="I instead of the shape's")
-    parser.add_argument("--profile", help="a provider whose calls cProfile profiles (printed)")
+    parser.add_argument("--profile", default="", help="providers (comma-separated) whose calls cProfile profiles")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_host_probe.json"))
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -150,13 +174,14 @@ def main():
         for name, fn in providers.items():
             leaves = (x, w, w_up, w_down)
             forward_us, backward_us = host_times(fn, leaves, grad, args.calls)
+            no_grad_us = forward_no_grad(fn, leaves, args.calls)
             forward_syncs, backward_syncs = sync_calls(fn, leaves, grad) if cuda else (None, None)
-            results[name] = {"forward_us": forward_us, "backward_us": backward_us, "forward_syncs": forward_syncs,
-                             "backward_syncs": backward_syncs}
+            results[name] = {"forward_us": forward_us, "backward_us": backward_us, "forward_no_grad_us": no_grad_us,
+                             "forward_syncs": forward_syncs, "backward_syncs": backward_syncs}
             syncs = [f" ({n} sync)" if n is not None else "" for n in (forward_syncs, backward_syncs)]
-            print(f"{name:18s} forward {forward_us:9.1f} µs{syncs[0]}   backward {backward_us:9.1f} µs{syncs[1]}",
-                  flush=True)
-            if name == args.profile:
+            print(f"{name:18s} forward {forward_us:9.1f} µs{syncs[0]}   backward {backward_us:9.1f} µs{syncs[1]}   "
+                  f"forward without autograd {no_grad_us:9.1f} µs", flush=True)
+            if name in args.profile.split(","):
                 print(profile_calls(fn, leaves, grad, args.calls), flush=True)
     finally:
         dist.destroy_process_group()

@@ -19,7 +19,7 @@ from .chunks import Chunks, new_grads, zero_grads
 from .config import OverlapConfig, cached_knobs
 from .layout import exchange_layout
 from .pipeline import backward_phase, forward_phase, receive_buffer
-from .plan import COUNT_TABLE_PATHS, take_count_table
+from .plan import COUNT_TABLE_PATHS, all_to_all, take_count_table
 
 
 def _exchange_unsupported(send, recv_counts, w_up, w_down, b_up, b_down, spec) -> str | None:
@@ -100,7 +100,7 @@ def _check_exchange(rows, claims):
 
 def _all_to_all(t, out_splits, in_splits, group):
     out = t.new_empty(sum(out_splits), *t.shape[1:])
-    dist.all_to_all_single(out, t.contiguous(), list(out_splits), list(in_splits), group=group)
+    all_to_all(out, t.contiguous(), out_splits, in_splits, group)
     return out
 
 
@@ -133,7 +133,7 @@ class KeptByTable:
         return entry[1] if entry is not None and entry[0]() is table else None
 
 
-# The sequential path's experts-op results that its backward reads (up, then ids, row_order, slot_row,
+# The sequential path's experts-op results that its backward reads (up, then ids, weights, row_order, slot_row,
 # expert_offsets, down), beside the call's host table; the up projection travels in the call's ``up`` output too. So
 # the backward does not run the experts' forward again.
 _SEQUENTIAL = KeptByTable()
@@ -154,14 +154,25 @@ def _saved_sequential(table, up):
 
 
 def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
-    """(ids, weights, the experts op's outputs) over the received rows, as the replaced graph ran it."""
+    """(ids, weights, the experts op's outputs) over the received rows, as the replaced graph ran it. Where Triton's
+    kernels run (CUDA, or the interpreter under UNIEP_KERNELS=triton) the ids, the weights and the rows' routing plan
+    come from one launch (triton_routing.received_plan), and the op is handed the plan; elsewhere from torch ops, and
+    the op sorts the rows itself. The same integers either way, so the same bits."""
+    from ..kernels import megakernel
+
+    if megakernel.triton_runs(x):
+        from ..kernels.triton_routing import received_plan
+
+        ids, ones, plan = received_plan(recv_counts, x.shape[0], x.dtype)
+        out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
+        return ids, ones, (out[0], *plan, *out[4:])  # the op returns empty tensors in the given plan's place
     ids = _local_ids(recv_counts, x.shape[0])
     ones = torch.ones_like(ids, dtype=x.dtype)
     return ids, ones, torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec)
 
 
 def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
-                     knobs: OverlapConfig | None = None, sequential: bool = False):
+                     knobs: OverlapConfig | None = None, sequential: bool = False, count_table=None):
     """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
     received rows and the up projection (the overlapped path's, in its layout), and on the host the
     [W, 3W + 2 + E_local] table of every rank's send sizes, whether it takes the overlapped path, what its size
@@ -170,7 +181,9 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     Every rank all-gathers its send sizes with that flag; the overlapped path runs only where every rank takes
     it (the ranks meet in its barriers), else the sequential steps the rewrite replaced: the all-to-all, the
     experts op on the received rows (local expert ids from the counts, weight 1), the all-to-all back.
-    ``sequential``: those steps in any case (the compile's ``overlap_ep=False``); every rank is given the same."""
+    ``sequential``: those steps in any case (the compile's ``overlap_ep=False``); every rank is given the same.
+    ``count_table``: every rank's per-expert counts ([W][E] on the host) where the caller has them (ep_layer); else
+    the dispatch's (take_count_table), or the claims are all-gathered here."""
     from ..kernels import megakernel
     from ..kernels import reference
 
@@ -181,7 +194,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
     reason = "overlap_ep is off" if sequential else _exchange_unsupported(send, recv_counts, w_up, w_down, b_up,
                                                                           b_down, s)
-    gathered = take_count_table(recv_counts)
+    gathered = count_table if count_table is not None else take_count_table(recv_counts)
     if gathered is not None:  # the dispatch's table: no collective, no synchronization here
         COUNT_TABLE_PATHS["dispatch"] += 1
         table = _table_from_counts(gathered, rank, local_experts, reason is None, send_sizes, recv_sizes,
@@ -200,7 +213,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
             megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
                                  "instead: %s")
         x = _all_to_all(send, recv_sizes, send_sizes, group)
-        ids, _, (y, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
+        ids, ones, (y, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
             x, recv_counts, w_up, w_down, b_up, b_down, spec)
         back = _all_to_all(y, send_sizes, recv_sizes, group)
         if tuple(up_rows.shape) != (received, up_width) or up_rows.dtype != w_up.dtype:
@@ -210,7 +223,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
         # down is read by the backward only on the reference path (the fused one takes weights_grad=False, so no
         # routing-weight gradient, and no in-place scratch): kept only there
         fused = megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s)
-        _SEQUENTIAL.keep(table, (up_rows, ids, row_order, slot_row, offsets, None if fused else down_rows))
+        _SEQUENTIAL.keep(table, (up_rows, ids, ones, row_order, slot_row, offsets, None if fused else down_rows))
         return back, x, up_rows, table
     knobs = knobs or cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
@@ -245,8 +258,8 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
         saved = _saved_sequential(table, up)
         if saved is not None:  # the forward's experts-op results
-            ids, row_order, slot_row, offsets, down_rows = saved
-            up_rows, ones = up, torch.ones_like(ids, dtype=x.dtype)
+            ids, ones, row_order, slot_row, offsets, down_rows = saved
+            up_rows = up
             if down_rows is None:  # the fused backward reads no down (weights_grad=False, not in place)
                 down_rows = d_rows.new_empty(0, size)
         else:  # the experts op's forward again on the saved received rows, for the saved tensors its backward reads

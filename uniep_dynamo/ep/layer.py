@@ -5,9 +5,10 @@ What HF transformers' ``AllToAllEP`` becomes under ``torch.compile(backend="unie
 call in the graph while Dynamo traces). The steps are the three ops the piece-by-piece rewrite makes, run back to
 back inside one call:
 
-    forward     plan_and_gather: the stable routing plan (rows ordered by expert, token, k) and every rank's
-                per-expert counts all-gathered (one collective); the split sizes to the host (the layer's one
-                synchronization; the count table rides along, so the exchange needs none of its own);
+    forward     the stable routing plan (rows ordered by expert, token, k); every rank's per-expert counts and
+                slot count all-gathered (one collective) and copied to the host (plan.count_table: the layer's
+                one synchronization), from which every rank checks every rank's ids (all raise together) and
+                takes the split sizes, and the exchange its table (no collective of its own);
                 exchange_forward: the overlapped exchange (transfers beside the grouped GEMMs) where every rank
                 can take it and ``overlap`` is on, else the all-to-all, the experts op, the all-to-all back;
                 combine_rows: out[t] = sum_k w[t, k] * row, k in order, in fp32.
@@ -21,11 +22,12 @@ single-GPU op over all ranks' tokens (each rank holding a contiguous shard of th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..spec import decode_spec
 from .config import knobs_from_json
 from .exchange import KeptByTable, exchange_backward, exchange_forward
-from .plan import layer_fused, plan_and_gather
+from .plan import count_table, layer_fused, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 
 
@@ -80,22 +82,27 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0] * world
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
-    row_order, slot_row, offsets, counts, recv = plan_and_gather(topk_ids, num_experts, world, group, fused_kernels)
-    if topk_ids.numel():  # what eager's scatter_add of the counts would fault on, checked on the device
-        torch._assert_async(offsets[-1] == topk_ids.numel(),
-                            f"uniep.ep_layer: an expert id lies outside [0, {num_experts})")
-    sizes = torch.stack([counts.sum(1), recv.sum(1)]).cpu()  # the layer's one host synchronization
-    send_sizes, recv_sizes = sizes.tolist()
-    routed = sum(send_sizes)
+    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
+    counts, slots, every = count_table(offsets, topk_ids.numel(), group)  # the layer's one host synchronization
+    # an id outside [0, E) sorts past every expert's rows: that rank's counts then sum to fewer than its slots
+    short = [r for r in range(world) if sum(counts[r]) != slots[r]]
+    if short:
+        raise ValueError(f"uniep.ep_layer: an expert id lies outside [0, {num_experts}) on rank(s) {short}")
+    rank, local = dist.get_rank(group), w_up.shape[0]
+    send_sizes = [sum(counts[rank][r * local:(r + 1) * local]) for r in range(world)]
+    recv_sizes = [sum(row[rank * local:(rank + 1) * local]) for row in counts]
+    recv = every[:, rank * local:(rank + 1) * local].contiguous()
+    sizes = torch.tensor([send_sizes, recv_sizes], dtype=torch.int64)
+    # every slot is routed (checked above), so the rows sent are all of them and y_rows needs no padding
     if fused_kernels:
         from ..kernels.triton_routing import gather_rows
-        send = gather_rows(hidden, row_order, top_k)[:routed]
+        send = gather_rows(hidden, row_order, top_k)
     else:
-        send = hidden[row_order[:routed] // top_k]
+        send = hidden[row_order // top_k]
     back, x, up, table = exchange_forward(send, recv, w_up, w_down, b_up, b_down, spec, group, send_sizes,
-                                          recv_sizes, knobs_from_json(knobs), sequential=not overlap)
-    y_rows = torch.cat([back.to(s.out_dtype), back.new_zeros(topk_ids.numel() - routed, hidden.shape[1],
-                                                              dtype=s.out_dtype)])
+                                          recv_sizes, knobs_from_json(knobs), sequential=not overlap,
+                                          count_table=counts)
+    y_rows = back.to(s.out_dtype)
     out = combine_rows(y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights), fused_kernels)
     _keep(table, x, up, fused_kernels)
     return out, y_rows, row_order, slot_row, offsets, recv, table, sizes
@@ -131,13 +138,11 @@ def ep_layer_backward(grad_out, topk_weights, y_rows, row_order, slot_row, exper
     x, up, fused_kernels = _take(table)
     num_tokens, top_k = topk_weights.shape
     send_sizes, recv_sizes = sizes.tolist()  # on the host: no synchronization
-    routed = sum(send_sizes)
     d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, expert_offsets,
                                               fused_kernels)
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
-        d_rows[:routed].to(x.dtype), x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
+        d_rows.to(x.dtype), x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
         _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs))
-    d_send = torch.cat([d_send, d_send.new_zeros(slot_row.numel() - routed, d_send.shape[1])])
     d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, x.dtype, fused_kernels)
     return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 

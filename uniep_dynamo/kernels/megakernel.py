@@ -80,6 +80,11 @@ def _path_reason(hidden) -> str | None:
     return None
 
 
+def triton_runs(t) -> bool:
+    """Triton's kernels can run on ``t``'s device (the mode, the device or the interpreter, the install allow it)."""
+    return _path_reason(t) is None
+
+
 def _forced_but_unable(why: str) -> str:
     """UNIEP_KERNELS=triton where no Triton kernel can run: the ops run the reference, as under "auto" (a shape
     or dtype the kernels do not take runs it too), but the user asked for Triton, so say so once, whatever the

@@ -137,6 +137,60 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     return plan_from_histogram(flat, hist, PLAN_BLOCK, num_experts, clamp, plan)
 
 
+RECEIVED_BLOCK_R = 256  # rows a step of a received-plan program
+
+
+@triton.jit
+def _received_plan(counts_ptr, counts_stride, ids_ptr, ones_ptr, row_order_ptr, slot_row_ptr, offsets_ptr, world,
+                   local_experts, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program i = s * local_experts + e: the rows received from source s for local expert e (a run of counts[s, e]
+    rows, the runs in source-major order). Its rows start at q (the runs before it) and, sorted by expert (stable by
+    row), at p (every run of a smaller expert, and expert e's runs from smaller sources)."""
+    i = tl.program_id(0)
+    s = i // local_experts
+    e = i % local_experts
+    idx = tl.arange(0, BLOCK_C)
+    valid = idx < world * local_experts
+    src = idx // local_experts
+    exp = idx % local_experts
+    c = tl.load(counts_ptr + src * counts_stride + exp, mask=valid, other=0).to(tl.int64)
+    q = tl.sum(tl.where(idx < i, c, 0), axis=0)
+    p = tl.sum(tl.where(valid & ((exp < e) | ((exp == e) & (src < s))), c, 0), axis=0)
+    n = tl.sum(tl.where(idx == i, c, 0), axis=0)
+    if s == world - 1:
+        tl.store(offsets_ptr + e, p + n)
+    expert = tl.zeros([BLOCK_R], dtype=tl.int64) + e
+    one = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+    for start in range(0, n, BLOCK_R):
+        j = start + tl.arange(0, BLOCK_R)
+        mask = j < n
+        tl.store(row_order_ptr + p + j, q + j, mask=mask)
+        tl.store(slot_row_ptr + q + j, p + j, mask=mask)
+        tl.store(ids_ptr + q + j, expert, mask=mask)
+        tl.store(ones_ptr + q + j, one.to(ones_ptr.dtype.element_ty), mask=mask)
+
+
+def received_plan(counts: torch.Tensor, num_rows: int, dtype):
+    """The experts op's inputs and routing plan for rows received source by source, each source's rows grouped by local
+    expert (an EP layer's received rows): ``counts`` [W, E_local] rows from each source for each local expert (any
+    row stride), summing to ``num_rows``. Returns (ids [rows, 1] int64, ones [rows, 1] in ``dtype``, (row_order,
+    slot_row, expert_offsets)): the local expert of each row, its routing weight 1, and the same integers as
+    routing_plan(ids) (rows sorted by expert, stable by row), in one launch instead of the ids' construction and
+    the plan's three."""
+    world, local_experts = counts.shape
+    device = counts.device
+    ids = torch.empty(num_rows, 1, dtype=torch.int64, device=device)
+    ones = torch.empty(num_rows, 1, dtype=dtype, device=device)
+    plan = plan_buffers(num_rows, local_experts, device)
+    if local_experts == 0 or world == 0:
+        return ids, ones, plan
+    if counts.stride(1) != 1:
+        counts = counts.contiguous()
+    launch(_received_plan, (world * local_experts,), counts, counts.stride(0), ids, ones, *plan, world, local_experts,
+           BLOCK_C=max(16, _next_pow2(world * local_experts)), BLOCK_R=RECEIVED_BLOCK_R)
+    return ids, ones, plan
+
+
 @triton.jit
 def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_ptr, out_stride, copy_ptr, copy_stride,
              hidden, num_experts, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, COPY: tl.constexpr,

@@ -1,0 +1,151 @@
+"""Where the host time of one uniep.ep_layer call goes, piece by piece (issue 37: HF EP through uniep is host-bound).
+
+One-rank NCCL group in this process (as ep_host_probe.py), Qwen3-30B-A3B's shape by default. The functions the layer
+calls are wrapped with timers (inclusive µs, a piece called twice in a call counts twice); each forward and backward
+is timed alone, the GPU synchronized before it, and the table gives each piece's median µs per layer call beside the
+call's own median. Forward under torch.no_grad (what a compiled graph pays: AOTAutograd runs it below autograd),
+backward as the op ``uniep.ep_layer_backward`` called directly on a forward's results.
+
+    python benchmarks/probes/ep_pieces_probe.py [--shape qwen3-30b-a3b] [--tokens 8192] [--calls 30] [--overlap]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+TIMES: dict = collections.defaultdict(float)
+
+
+def _timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def _wrap(module, attr, name=None):
+    """Time module.attr where the module has it (the probe runs against older trees too, for a before/after)."""
+    if hasattr(module, attr):
+        setattr(module, attr, _timed(name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}", getattr(module, attr)))
+
+
+def main():
+    import bench_moe_layer as bench
+
+    import uniep_dynamo  # noqa: F401  (registers the ops)
+    from uniep_dynamo.ep import MULTICAST_OFF
+    from uniep_dynamo.ep import exchange, layer, plan, sequential
+    from uniep_dynamo.kernels import megakernel, triton_routing
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
+    from uniep_dynamo.spec import ExpertsSpec
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(bench.SHAPES))
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (gloo, float32)")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_pieces_probe.json"))
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    dev, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.set_device(dev)
+    H, I, E, K = bench.SHAPES[args.shape]
+    x, ids, w, grad = bench.make_inputs(H, I, E, K, args.tokens, dtype, dev.type)
+    x, w = x.detach(), w.detach()
+    w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
+    w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
+    spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    if cuda:
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+    else:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    group_name = dist.group.WORLD.group_name
+
+    for attr in ("plan_and_gather", "routing_plan", "count_table", "exchange_forward", "exchange_backward", "combine_rows", "combine_rows_backward",
+                 "gather_sum", "layer_fused", "_process_group", "_keep", "_take"):
+        _wrap(layer, attr)
+    for attr in ("take_count_table", "_table_from_counts", "_split_host", "_check_exchange", "_all_to_all",
+                 "_sequential_experts", "_exchange_unsupported", "_saved_sequential", "_local_ids"):
+        _wrap(exchange, attr)
+    for attr in ("routing_plan", "stash_count_table", "_all_gather_flat", "all_to_all"):
+        _wrap(plan, attr)
+    _wrap(megakernel, "use_megakernel")
+    _wrap(triton_routing, "gather_rows")
+    _wrap(triton_routing, "received_plan")
+    _wrap(exchange, "decode_spec")
+    for attr in ("get_rank", "get_world_size", "all_to_all_single"):
+        setattr(dist, attr, _timed(f"dist.{attr}", getattr(dist, attr)))
+    class _Uniep:  # the inner experts ops, timed where exchange.py calls them (torch.ops.uniep.*)
+        def __getattr__(self, name):
+            value = getattr(torch.ops.uniep, name)
+            return _timed(f"op {name}", value) if name in ("moe_experts", "moe_experts_backward") else value
+
+    class _Ops:
+        def __getattr__(self, name):
+            return _Uniep() if name == "uniep" else getattr(torch.ops, name)
+
+    class _Torch:
+        def __getattr__(self, name):
+            return _Ops() if name == "ops" else getattr(torch, name)
+    exchange.torch = _Torch()
+
+    def call():
+        return torch.ops.uniep.ep_layer(x, ids, w, w_up, w_down, None, None, spec, group_name, 1, args.overlap, "")
+
+    rows = collections.defaultdict(list)
+    for i in range(5 + args.calls):
+        sync()
+        TIMES.clear()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = call()
+        forward = dict(TIMES, total=time.perf_counter() - t0)
+        sync()
+        TIMES.clear()
+        t0 = time.perf_counter()
+        torch.ops.uniep.ep_layer_backward(grad, w, *out[1:], x[:0], w_up, w_down, None, None, spec, group_name,
+                                          args.overlap, "")
+        backward = dict(TIMES, total=time.perf_counter() - t0)
+        del out
+        if i >= 5:
+            for key, value in forward.items():
+                rows[("forward", key)].append(value)
+            for key, value in backward.items():
+                rows[("backward", key)].append(value)
+    sync()
+    dist.destroy_process_group()
+    table = {}
+    for (way, name), values in sorted(rows.items(), key=lambda kv: (kv[0][0], -sorted(kv[1])[len(kv[1]) // 2])):
+        median = sorted(values)[len(values) // 2] * 1e6
+        table.setdefault(way, {})[name] = round(median, 1)
+        print(f"{way:9s} {name:40s} {median:9.1f} µs  (in {len(values)} of {args.calls} calls)")
+    with open(args.out, "w") as f:
+        json.dump({"shape": args.shape, "tokens": args.tokens, "overlap": args.overlap,
+                   "gpu": torch.cuda.get_device_name(0) if cuda else None, "us": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
