@@ -68,12 +68,22 @@ def host_times(fn, leaves, grad, calls: int, warmup: int = 5):
 
 
 def sync_calls(fn, leaves, grad):
-    """[forward, backward]: the synchronizing calls torch's sync debug mode flags in one call each way."""
+    """[forward, backward]: the host synchronizations of one call each way: the calls torch's sync debug mode flags, and
+    torch.cuda.Event.synchronize() on an event the GPU has not reached (which the debug mode does not see), as
+    tests/test_ep_single_rank.py counts them."""
     inputs = [t.detach().requires_grad_() for t in leaves]
     box = {}
     counts = []
+    event_synchronize = torch.cuda.Event.synchronize
     for step in (lambda: box.setdefault("out", fn(*inputs)), lambda: box["out"].backward(grad)):
         torch.cuda.synchronize()
+        waits = []
+
+        def counted(event):
+            if not event.query():
+                waits.append(1)
+            return event_synchronize(event)
+        torch.cuda.Event.synchronize = counted
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mode = torch.cuda.get_sync_debug_mode()
@@ -82,7 +92,8 @@ def sync_calls(fn, leaves, grad):
                 step()
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
-        counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+                torch.cuda.Event.synchronize = event_synchronize
+        counts.append(len(waits) + sum("synchronizing CUDA operation" in str(w.message) for w in caught))
     return counts
 
 
