@@ -122,3 +122,31 @@ def test_router_logits_feed_the_load_balancing_loss(family):
     assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
     for name in grads:
         assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("family,implementation,spelling", [("qwen3_moe", "grouped_mm", "model.compile"),
+                                                             ("mixtral", "batched_mm", "forward")])
+def test_generate_with_a_compiled_model_matches_eager(family, implementation, spelling):
+    """generate() as users speed it up: the module compiled in place (``model.compile(backend="uniep")``) or its forward
+    (``model.forward = torch.compile(model.forward, ...)``). Greedy decoding with the KV cache gives eager's tokens and,
+    step by step, its scores; the prefill graph and the decode graphs (one token a sequence; recompiled with a dynamic
+    cache length) each run both layers' router and experts ops."""
+    model = build_model(family, implementation=implementation).eval()
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    options = {"inner_backend": "eager"}
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        if spelling == "model.compile":
+            model.compile(backend="uniep", options=options)
+        else:
+            model.forward = torch.compile(model.forward, backend="uniep", options=options)
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 6
+    for step, (a, b) in enumerate(zip(got.scores, want.scores)):
+        assert max_rel_err(a, b) <= TOLERANCE[torch.float32], step
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2, graphs  # the prefill and at least one decode graph
+    assert counters["uniep"]["moe_experts"] == counters["uniep"]["moe_router"] == 2 * graphs
+    assert counters["uniep"]["unfused"] == 0
