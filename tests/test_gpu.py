@@ -87,3 +87,36 @@ def test_gpt_oss_dynamic_bf16_rewrites_with_scalar_operands():
         loss.backward()
         assert max_rel_err(loss, model(input_ids=ids, labels=ids).loss) <= TOLERANCE[torch.bfloat16]
     assert counters["uniep"]["moe_experts"] >= 2 and counters["uniep"]["unfused"] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_generate_bf16_runs_the_fused_ops_in_prefill_and_decode(family):
+    """generate() on the GPU, bf16, the model compiled in place: the prefill and every decode step (two tokens a step,
+    one a sequence) run the fused router and experts kernels, and each step's scores are as close to eager's as those
+    of the same model compiled by inductor (in bf16 the compiled attention and norms round differently from eager, by
+    more in the decode steps than in the prefill), while the runs have chosen the same tokens (a near-tie in bf16 may
+    fork them; the steps after a fork see other prefixes and are not compared)."""
+    ids = torch.randint(0, 96, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    kwargs = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    runs = {}
+    for backend in ("eager", "inductor", "uniep"):
+        model = build_model(family, dtype=torch.bfloat16).cuda().eval()
+        if backend != "eager":
+            model.compile(backend=backend)
+        with torch.no_grad():
+            runs[backend] = model.generate(ids, **kwargs)
+    # both layers' router and experts rewritten in the prefill graph and at least one decode graph
+    assert counters["uniep"]["moe_experts"] == counters["uniep"]["moe_router"] >= 4
+    want, baseline, got = runs["eager"], runs["inductor"], runs["uniep"]
+    steps = len(got.scores)
+    assert steps == len(want.scores) == 5
+    assert counters["uniep_kernels"]["triton_forward"] == 2 * steps  # the prefill and each decode step, both layers
+    assert counters["uniep_kernels"]["triton_router"] == 2 * steps
+    start = ids.shape[1]
+    for step in range(steps):
+        prefix = start + step
+        if not (torch.equal(got.sequences[:, :prefix], want.sequences[:, :prefix])
+                and torch.equal(baseline.sequences[:, :prefix], want.sequences[:, :prefix])):
+            break
+        err, inductor_err = (max_rel_err(run.scores[step], want.scores[step]) for run in (got, baseline))
+        assert err <= max(2 * inductor_err, TOLERANCE[torch.bfloat16]), (step, err, inductor_err)
