@@ -52,7 +52,7 @@ def plan_and_exchange(topk_ids: torch.Tensor, num_experts: int, world: int, grou
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).view(world, num_experts // world)
     recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
+    all_to_all(recv, counts, [], [], group)  # no split sizes: one row of counts to each rank
     return row_order, slot_row, offsets, counts, recv
 
 
@@ -76,12 +76,13 @@ def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group,
 def all_to_all(out: torch.Tensor, t: torch.Tensor, out_splits, in_splits, group) -> None:
     """dist.all_to_all_single(out, t, out_splits, in_splits, group=group), called on the process group itself: the same
     collective with the same options, without torch.distributed's Python wrapper (its checks and loggers took 50-60 µs
-    of the 87-92 µs of a one-rank gloo call on a CPU, torch 2.11 and 2.13). ``group``: a ProcessGroup this rank is in;
-    ``out`` and ``t`` contiguous, of one dtype."""
+    of the 87-92 µs of a one-rank gloo call on a CPU, torch 2.11 and 2.13). ``group``: a ProcessGroup this rank is in,
+    or None for the default one; ``out`` and ``t`` contiguous, of one dtype."""
     from torch._C._distributed_c10d import AllToAllOptions
 
     opts = AllToAllOptions()
     opts.asyncOp = False
+    group = group if group is not None else dist.group.WORLD
     work = group.alltoall_base(out, t, list(out_splits), list(in_splits), opts)
     if work is not None:
         work.wait()
@@ -94,6 +95,7 @@ def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group) -> None:
 
     opts = AllgatherOptions()
     opts.asyncOp = False
+    group = group if group is not None else dist.group.WORLD
     work = group._allgather_base(out, t, opts)
     if work is not None:
         work.wait()
