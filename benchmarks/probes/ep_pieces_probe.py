@@ -84,8 +84,9 @@ def main():
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     group_name = dist.group.WORLD.group_name
 
-    for attr in ("plan_and_gather", "routing_plan", "count_table", "exchange_forward", "exchange_backward", "combine_rows", "combine_rows_backward",
-                 "gather_sum", "layer_fused", "_process_group", "_keep", "_take"):
+    for attr in ("plan_and_gather", "routing_plan", "count_table", "exchange_forward", "exchange_backward",
+                 "combine_rows", "combine_rows_backward", "gather_sum", "layer_fused", "_process_group", "_keep",
+                 "_take"):
         _wrap(layer, attr)
     for attr in ("take_count_table", "_table_from_counts", "_split_host", "_check_exchange", "_all_to_all",
                  "_sequential_experts", "_exchange_unsupported", "_saved_sequential", "_local_ids"):

@@ -184,8 +184,9 @@ def _major(t, first: str, second: str) -> str:
 def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=None) -> bool:
     """QuACK's GEMM launched as its ``gemm`` launches it (gemm_tuned -> gemm -> the compiled kernel, same arguments),
     without the Python it repeats on every call (on an H100's host, quack_launch_probe.py: 16-27 µs a launch against
-    34-51 through the entry point; a synchronized step waits for the host wherever the GPU's queue runs dry). False where the direct launch does not serve (another QuACK release, UNIEP_QUACK_DIRECT=0): the caller
-    takes the public entry point."""
+    34-51 through the entry point; a synchronized step waits for the host wherever the GPU's queue runs dry). False
+    where the direct launch does not serve (another QuACK release, UNIEP_QUACK_DIRECT=0): the caller takes the public
+    entry point."""
     if os.environ.get("UNIEP_QUACK_DIRECT", "1") == "0" or a.device.type != "cuda":
         return False
     parts = _direct_parts()
