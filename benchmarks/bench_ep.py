@@ -15,8 +15,11 @@ it. Providers, on the same module and inputs:
              transfers on the SMs through uniep's Triton transfer kernel
   uniep_wgrad_chunks  the same with options={"ep_knobs": {"weight_grads_last": False}}: the backward's weight
              gradients chunk by chunk instead of one grouped GEMM each after the chunks
-  uniep_sequential  the same compile with uniep's default options (overlap_ep=False): the token all-to-alls
-             stay NCCL all_to_all_single around uniep.moe_experts
+  uniep_sequential  the same compile with uniep's default options (overlap_ep=False): the token all-to-all, the
+             experts and the all-to-all back are one uniep.ep_exchange that runs them one after another (NCCL
+             all-to-alls through the process group, the received rows' plan in one launch)
+  uniep_apart  the same with options={"rewrite_ep_exchange": False}: the token all-to-alls stay NCCL
+             all_to_all_single as written around uniep.moe_experts
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
              (uniep_dynamo/ep/: token transfers through symmetric memory, copy-engine copies on
              their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks): one
@@ -73,7 +76,8 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
-PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_overlap",
+PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_apart",
+             "uniep_overlap",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
              "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
@@ -318,7 +322,9 @@ def _worker(rank, world, port, args, out_path):
                 elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif provider.startswith("uniep"):
-                    options = {"overlap_ep": provider != "uniep_sequential"}
+                    options = {"overlap_ep": provider not in ("uniep_sequential", "uniep_apart")}
+                    if provider == "uniep_apart":
+                        options["rewrite_ep_exchange"] = False
                     if provider == "uniep_kernel":
                         options["ep_knobs"] = {"copy_engine": False, "copy_kernel": True}
                     elif provider == "uniep_wgrad_chunks":

@@ -210,6 +210,11 @@ class _Double(torch.autograd.Function):
         return grad * 2
 
 
+# the compile options of each mode: the overlapped exchange, the default (the exchange's steps one after another in
+# one op), and the all-to-alls left apart around uniep.moe_experts
+MODES = {"overlap": {"overlap_ep": True}, "default": {}, "apart": {"rewrite_ep_exchange": False}}
+
+
 def _model_worker(rank, world, port, device, spelling, out_dir):
     with _group(rank, world, port, device) as (device, dtype, scale):
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
@@ -236,10 +241,10 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
         inner = "aot_eager" if device.type == "cpu" else "inductor"
         spy = _Spy()
         results = {}
-        for overlap in (True, False):
+        for mode, options in MODES.items():
             paths, inverses = dict(plan.COUNT_TABLE_PATHS), dict(custom_ops.INVERSE_PATHS)
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner, "overlap_ep": overlap})
+            compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner, **options})
             tensors = []
             with uniep_dynamo.recording() as report:
                 for x in xs:
@@ -248,7 +253,7 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
                     out = compiled(xi)
                     out.square().mean().backward()
                     tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
-            results[overlap] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls,
+            results[mode] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls,
                                 "tables": {k: v - paths[k] for k, v in plan.COUNT_TABLE_PATHS.items()},
                                 "inverses": {k: v - inverses[k] for k, v in custom_ops.INVERSE_PATHS.items()}}
             spy.calls = 0
@@ -257,30 +262,36 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
 
 @pytest.mark.parametrize("spelling", ["plain", "torch_2_11", "doubling_function"])
 def test_compiled_plain_ep_model_exchange_equals_unfused(spelling, tmp_path):
-    """examples/ep_moe.py compiled: with the exchange rewrite, the graph after the host sync becomes one
-    uniep.ep_exchange (and the combine), and the output and every gradient are bitwise those of the same
-    compile with the all-to-alls and uniep.moe_experts left apart. torch 2.11 wraps each all-to-all's result
-    in a pass-through autograd.Function, which the match looks through; a function that changes the rows
-    leaves the all-to-alls apart."""
+    """examples/ep_moe.py compiled: the graph after the host sync becomes one uniep.ep_exchange (and the combine),
+    by default (its steps one after another) and with overlap_ep (its transfers beside the GEMMs), and the output
+    and every gradient are bitwise those of the same compile with the all-to-alls and uniep.moe_experts left apart
+    (rewrite_ep_exchange=False). torch 2.11 wraps each all-to-all's result in a pass-through autograd.Function,
+    which the match looks through; a function that changes the rows leaves the all-to-alls apart."""
     check_model(run_workers(_model_worker, 2, ("cpu", spelling), tmp_path, timeout=600),
                 exchanges=0 if spelling == "doubling_function" else 1)
 
 
 def check_model(ranks, exchanges=1):
     for r in ranks:
-        on, off = r[True], r[False]
+        apart = r["apart"]
         # each of the two steps compiles its graphs (the second with dynamic split sizes) and runs a forward and
         # a backward phase
-        assert on["totals"]["ep_exchange"] == 2 * exchanges and off["totals"]["ep_exchange"] == 0, \
-            (on["totals"], off["totals"])
-        assert on["totals"]["ep_dispatch"] == off["totals"]["ep_dispatch"] == 2
-        # the combine too after the recompile, where the returned rows' count and the order's are separate symbols
-        assert on["totals"]["ep_combine"] == off["totals"]["ep_combine"] == 2, (on["totals"], off["totals"])
-        assert on["phases"] == 4 * exchanges and off["phases"] == 0
-        # each exchange laid out its transfers with its dispatch's count table, without a collective of its own
-        assert on["tables"] == {"dispatch": 2 * exchanges, "gathered": 0}, on["tables"]
-        assert off["tables"] == {"dispatch": 0, "gathered": 0}, off["tables"]
-        # each combine (forward and backward, two steps) took its dispatch's inverse order
-        assert on["inverses"] == off["inverses"] == {"dispatch": 4, "computed": 0}, (on["inverses"], off["inverses"])
-        for i, (a, b) in enumerate(zip(on["tensors"], off["tensors"])):
-            assert torch.equal(a, b), i
+        assert apart["totals"]["ep_exchange"] == 0 and apart["phases"] == 0, apart["totals"]
+        assert apart["tables"] == {"dispatch": 0, "gathered": 0}, apart["tables"]
+        for mode in ("overlap", "default"):
+            got = r[mode]
+            assert got["totals"]["ep_exchange"] == 2 * exchanges, (mode, got["totals"])
+            # the overlapped pipeline runs on the overlap_ep compile only
+            assert got["phases"] == (4 * exchanges if mode == "overlap" else 0), (mode, got["phases"])
+            # each exchange took its split sizes and layout from its dispatch's count table, without a collective
+            # of its own
+            assert got["tables"] == {"dispatch": 2 * exchanges, "gathered": 0}, (mode, got["tables"])
+        for mode, got in r.items():
+            assert got["totals"]["ep_dispatch"] == 2, (mode, got["totals"])
+            # the combine too after the recompile, where the returned rows' count and the order's are separate
+            # symbols
+            assert got["totals"]["ep_combine"] == 2, (mode, got["totals"])
+            # each combine (forward and backward, two steps) took its dispatch's inverse order
+            assert got["inverses"] == {"dispatch": 4, "computed": 0}, (mode, got["inverses"])
+            for i, (a, b) in enumerate(zip(got["tensors"], apart["tensors"])):
+                assert torch.equal(a, b), (mode, i)

@@ -41,9 +41,13 @@ class UniepOptions:
     # return all-to-all (patterns/ep.py); False leaves them to the inner backend
     rewrite_ep: bool = True
     # Under expert parallelism, the token all-to-all, the local experts and the all-to-all back, where one
-    # graph holds all three, become one uniep.ep_exchange, whose transfers run beside the grouped GEMMs
-    # (uniep_dynamo/ep/). Off by default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x
-    # on Qwen3-30B-A3B, where it is host-bound and its step time erratic (BENCHMARKS.md)
+    # graph holds all three, become one uniep.ep_exchange: the same steps in one op, which takes the dispatch's
+    # count table and the received rows' routing plan in one launch (ep/exchange.py). False leaves them as
+    # written around uniep.moe_experts (for A/B comparisons)
+    rewrite_ep_exchange: bool = True
+    # ...and that exchange's transfers run beside the grouped GEMMs, chunk by chunk (uniep_dynamo/ep/). Off by
+    # default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x on Qwen3-30B-A3B, where it
+    # is host-bound and its step time erratic (BENCHMARKS.md)
     overlap_ep: bool = False
     # OverlapConfig fields for those exchanges (ep/config.py), e.g. {"chunks": 8, "copy_kernel": True}
     ep_knobs: dict = field(default_factory=dict)
@@ -66,6 +70,9 @@ class UniepOptions:
             from .ep import OverlapConfig
 
             OverlapConfig(**opts.ep_knobs)  # a bad field or value fails here, at compile time
+        if opts.overlap_ep and not opts.rewrite_ep_exchange:
+            raise ValueError("uniep: overlap_ep=True overlaps the exchange that rewrite_ep_exchange=False leaves "
+                             "unfused; drop one of them")
         if isinstance(opts.inner_backend, str) and opts.inner_backend not in INNER_BACKENDS:
             raise ValueError(f"uniep: inner_backend {opts.inner_backend!r} is not one of {INNER_BACKENDS} "
                              "(or pass a backend callable)")
@@ -154,16 +161,17 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         counts["moe_router"] += 1
         log.info("uniep: rewrote %s (%d nodes)%s into uniep.moe_router [%s]", match.module, len(match.nodes), inside,
                  match.spec.describe())
-    ep_matches, ep_misses = find_ep_regions(gm.graph, exchange=opts.overlap_ep) if opts.rewrite_ep else ([], [])
+    ep_matches, ep_misses = find_ep_regions(gm.graph, exchange=opts.rewrite_ep_exchange) if opts.rewrite_ep \
+        else ([], [])
     # exchanges last: a combine's match holds the exchange's last node as its rows, which an exchange lowered
     # first would have replaced
     ep_matches.sort(key=lambda m: ("ep_dispatch", "ep_combine", "ep_exchange").index(m.op))
     for match in ep_matches:
         replaced = [n.name for n in match.nodes]
         if match.op == "ep_exchange":
-            call = lower_exchange(gm, match, opts.ep_knobs)
+            call = lower_exchange(gm, match, opts.ep_knobs, sequential=not opts.overlap_ep)
         elif match.op == "ep_dispatch":
-            call = lower_dispatch(gm, match, gather_counts=opts.overlap_ep)
+            call = lower_dispatch(gm, match, gather_counts=opts.rewrite_ep_exchange)
         else:
             call = lower_combine(gm, match)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))

@@ -204,27 +204,29 @@ ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_con
 # ---- the token all-to-all, the local experts and the all-to-all back, as one op ------------------------------
 
 _EXCHANGE_SCHEMA = ("(Tensor send, Tensor recv_counts, Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, "
-                    "str spec, str group_name, SymInt[] send_sizes, SymInt[] recv_sizes, str knobs=\"\") "
-                    "-> (Tensor, Tensor, Tensor, Tensor)")
+                    "str spec, str group_name, SymInt[] send_sizes, SymInt[] recv_sizes, str knobs=\"\", "
+                    "bool sequential=False) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("uniep::ep_exchange", mutates_args=(), schema=_EXCHANGE_SCHEMA)
-def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, knobs=""):
+def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, knobs="",
+                sequential=False):
     """``back = all_to_all(experts(all_to_all(send)))``: this rank's rows [S, H] (in the order the dispatch sorted
     them) to the local experts' ranks by ``send_sizes``, rows from every rank by ``recv_sizes`` into the experts
     op (local expert ids ``arange(E_local).repeat(W).repeat_interleave(recv_counts)``, weight 1, spec ``spec``),
     and the results back the same way. ``knobs``: OverlapConfig fields as JSON ("" for the defaults). On the
     overlapped path (exchange.exchange_forward) the transfers run
-    beside the grouped GEMMs, chunk by chunk, with the same bits. Returns (back, then what the backward reads:
+    beside the grouped GEMMs, chunk by chunk, with the same bits; ``sequential`` (the compile's overlap_ep off)
+    runs the all-to-all, the experts op and the all-to-all back one after another. Returns (back, then what the backward reads:
     the received rows, the up projection, and on the host the [W, 3W + 2 + E_local] table of send sizes, paths,
     the size check's claims and received counts, so that the backward does not synchronize again)."""
     return exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
-                            send_sizes, recv_sizes, knobs_from_json(knobs))
+                            send_sizes, recv_sizes, knobs_from_json(knobs), sequential=sequential)
 
 
 @ep_exchange.register_fake
 def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes,
-                      knobs=""):
+                      knobs="", sequential=False):
     s = decode_spec(spec)
     received = sum(recv_sizes)
     up_width = reference.effective_weight(w_up, s.up_layout).shape[2]
@@ -255,9 +257,10 @@ def _ep_exchange_backward_fake(grad_back, x, up, recv_counts, table, w_up, w_dow
 
 
 def _exchange_setup_context(ctx, inputs, output):
-    send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, *knobs = inputs
+    send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, *rest = inputs
     ctx.save_for_backward(output[1], output[2], recv_counts, output[3], w_up, w_down, b_up, b_down)
-    ctx.args = (spec, group_name, send_sizes, recv_sizes, knobs[0] if knobs else "")
+    # the backward takes the path the forward's host table records, so ``sequential`` is not handed on
+    ctx.args = (spec, group_name, send_sizes, recv_sizes, rest[0] if rest else "")
     ctx.num_inputs = len(inputs)
     ctx.has_bias = (b_up is not None, b_down is not None)
 

@@ -12,8 +12,8 @@ from .experts import take_place
 
 
 def lower_dispatch(gm: GraphModule, match: DispatchMatch, gather_counts: bool = False) -> torch.fx.Node:
-    """``gather_counts``: where the exchanges are rewritten too (the overlap_ep option), the dispatch all-gathers
-    the count table they lay out their transfers with (ep.ep_dispatch)."""
+    """``gather_counts``: where the exchanges are rewritten too (the rewrite_ep_exchange option), the dispatch
+    all-gathers the count table they take their split sizes and layout from (ep.ep_dispatch)."""
     graph = gm.graph
     last = match.nodes[-1]
     with graph.inserting_after(last):
@@ -44,7 +44,10 @@ def lower_combine(gm: GraphModule, match: CombineMatch) -> torch.fx.Node:
     return call
 
 
-def lower_exchange(gm: GraphModule, match: ExchangeMatch, knobs: dict | None = None) -> torch.fx.Node:
+def lower_exchange(gm: GraphModule, match: ExchangeMatch, knobs: dict | None = None,
+                   sequential: bool = False) -> torch.fx.Node:
+    """``sequential``: the exchange runs the replaced steps in one op (the all-to-all, the experts, the all-to-all
+    back) rather than its overlapped transfers (the overlap_ep option off)."""
     import json
 
     graph = gm.graph
@@ -52,7 +55,7 @@ def lower_exchange(gm: GraphModule, match: ExchangeMatch, knobs: dict | None = N
         call = graph.call_function(torch.ops.uniep.ep_exchange.default,
                                    (match.send, match.recv_counts, match.w_up, match.w_down, match.b_up, match.b_down,
                                     match.experts_spec, match.group_name, match.send_sizes, match.recv_sizes,
-                                    json.dumps(knobs, sort_keys=True) if knobs else ""))
+                                    json.dumps(knobs, sort_keys=True) if knobs else "", sequential))
     with graph.inserting_after(call):
         back = graph.call_function(operator.getitem, (call, 0))
     take_place(match.back, back, call)
