@@ -50,6 +50,8 @@ Each rank holds T tokens (bf16) and E / world experts. Two times per step, each 
 "ms", the median over steps timed one at a time (a synchronization after each), and "back to back", the mean
 over steps issued without one between them, as a training loop runs (the host prepares a step while the GPU
 finishes the last), with its spread (the largest distance of one step's time from their median, over the median).
+With --rounds R each provider is timed R times, the providers interleaved round by round, and each time is the
+median of its rounds' (the host's speed drifts over minutes).
 Each row also gives the largest relative difference of its output to eager's on each rank.
 
     python benchmarks/bench_ep.py --world 4 --shapes mixtral,qwen3-30b-a3b --tokens 8192
@@ -241,6 +243,16 @@ def _time_back_to_back(step, iters, device):
     return sum(times) / len(times), max(abs(t - median) for t in times) / median
 
 
+def _round(step, args, device):
+    """(this rank's median ms, the slowest rank's median ms, back-to-back mean ms and spread) of ``step``: one round
+    of the two timings."""
+    ms = _time(step, args.iters, args.warmup, device)
+    flowing, spread = _time_back_to_back(step, args.iters, device)
+    worst = torch.tensor([ms, flowing, spread], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return ms, float(worst[0]), float(worst[1]), float(worst[2])
+
+
 def _profile(step, label, rank, device):
     """One step under the torch profiler on every rank (the collectives need them all); rank 0 prints its device
     time per kernel and its host time per op, and the step's wall time against its GPU's busy time."""
@@ -308,8 +320,14 @@ def _worker(rank, world, port, args, out_path):
             except ImportError as exc:
                 if rank == 0:
                     print(f"# liger_experts unavailable: {exc!r}", file=sys.stderr)
+            timed = []  # (row, step) of each provider, for the later rounds
+            if args.rounds > 1:  # every provider's compiled code stays cached for the later rounds
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                torch._dynamo.config.accumulated_cache_size_limit = max(
+                    torch._dynamo.config.accumulated_cache_size_limit, 512)
             for provider in providers:
-                torch._dynamo.reset()
+                if args.rounds == 1:
+                    torch._dynamo.reset()
                 counters.clear()
                 # HF's block takes [batch, sequence, hidden]; its weights are its own (compared with hf_eager)
                 batched = provider.startswith("hf_")
@@ -333,7 +351,7 @@ def _worker(rank, world, port, args, out_path):
                 else:
                     run = module if provider == "eager" else torch.compile(module, backend="inductor")
 
-                def step():
+                def step(module=module, run=run, batched=batched):  # bound now: later rounds call it again
                     module.zero_grad(set_to_none=True)
                     x.grad = None
                     out = run(x.unsqueeze(0) if batched else x)
@@ -353,13 +371,9 @@ def _worker(rank, world, port, args, out_path):
                     if failed is not None:
                         print(f"# rank {rank}: liger_experts failed on {shape}: {failed!r}", file=sys.stderr)
                     continue
-                ms = _time(step, args.iters, args.warmup, device)
-                flowing, spread = _time_back_to_back(step, args.iters, device)
+                ms, worst, flowing, spread = _round(step, args, device)
                 if provider in args.profile.split(",") and device.type == "cuda":
                     _profile(step, f"{shape} {provider}", rank, device)
-                worst = torch.tensor([ms, flowing, spread], device=device)
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                worst, flowing, spread = worst[0], float(worst[1]), float(worst[2])
                 ref.setdefault(family, out)
                 if provider.startswith("overlap_"):  # timing only: no result to compare
                     diff = float("nan")
@@ -369,14 +383,25 @@ def _worker(rank, world, port, args, out_path):
                 rows.append({"shape": shape, "provider": provider, "world": world, "tokens_per_rank": args.tokens,
                              "chunks": args.chunks if provider in OVERLAP else None,
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
-                             "ms": float(worst.item()), "rank_ms": ms, "ms_back_to_back": flowing,
+                             "ms": worst, "rank_ms": ms, "ms_back_to_back": flowing,
                              "back_to_back_spread": spread,
                              "max_rel_vs_eager": diff,
-                             "rewrites": {k: v for k, v in counters["uniep"].items()}})
+                             "rewrites": {k: v for k, v in counters["uniep"].items()},
+                             "rounds": [[worst, flowing, spread]]})
+                timed.append((rows[-1], step))
                 if rank == 0:
-                    print(f"{shape:14s} {provider:20s} {worst.item():9.3f} ms ({flowing:.3f} back to back, spread "
+                    print(f"{shape:14s} {provider:20s} {worst:9.3f} ms ({flowing:.3f} back to back, spread "
                           f"{100 * spread:.1f}%)  rel diff vs eager {diff:.2e}  "
                           f"{dict(counters['uniep']) if 'uniep' in provider else ''}", flush=True)
+            for _ in range(args.rounds - 1):  # the providers again, interleaved: each round times every one
+                for row, step in timed:
+                    row["rounds"].append(list(_round(step, args, device)[1:]))
+            for row, _ in timed:  # the median of the rounds' times (a round's spread: its own)
+                if len(row["rounds"]) > 1:
+                    import statistics
+
+                    row["ms"], row["ms_back_to_back"] = (statistics.median(r[i] for r in row["rounds"]) for i in (0, 1))
+                    row["back_to_back_spread"] = max(r[2] for r in row["rounds"])
             del layer, module
             liger = hf = None
         if rank == 0:
@@ -399,6 +424,10 @@ def main():
     parser.add_argument("--copy-programs", type=int, default=None,
                         help="programs of the transfer kernel (default: the library's, 8 per peer rank)")
     parser.add_argument("--skip", default="", help="comma-separated providers to leave out")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every provider this many times, the providers interleaved round by round, and "
+                             "report the median of the rounds (the host's speed drifts: one round each compares "
+                             "providers timed minutes apart)")
     parser.add_argument("--profile", default="",
                         help="comma-separated providers to profile one step of (after timing): rank 0's kernels by "
                              "device time and ops by host time")
@@ -413,7 +442,9 @@ def main():
     print("ms: each step timed alone (synchronized), the median; back to back: the mean of steps issued without a "
           "synchronization between them. Ratios against inductor (hf_* rows: against hf_inductor)")
     print("spread: the largest distance of one back-to-back step's time from their median, over the median "
-          "(the largest of the ranks' spreads)")
+          "(the largest of the ranks' spreads" + (", and of the rounds'" if args.rounds > 1 else "") + ")")
+    if args.rounds > 1:
+        print(f"{args.rounds} rounds, the providers interleaved: each time is the median of the rounds'")
     print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s}")
     base = {(r["shape"], r["provider"]): r for r in data["rows"] if r["provider"] in ("inductor", "hf_inductor")}
     for r in data["rows"]:
@@ -422,6 +453,10 @@ def main():
         ratio2 = f"{b['ms_back_to_back'] / r['ms_back_to_back']:6.2f}x" if b else ""
         print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s} "
               f"{100 * r['back_to_back_spread']:6.1f}%")
+    if args.rounds > 1:
+        print("each round's ms / back to back:")
+        for r in data["rows"]:
+            print(f"{r['shape']:20s} {r['provider']:20s} " + "  ".join(f"{a:.3f}/{b:.3f}" for a, b, _ in r["rounds"]))
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
         for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
