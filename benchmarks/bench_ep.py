@@ -51,7 +51,7 @@ Each rank holds T tokens (bf16) and E / world experts. Two times per step, each 
 over steps issued without one between them, as a training loop runs (the host prepares a step while the GPU
 finishes the last), with its spread (the largest distance of one step's time from their median, over the median).
 With --rounds R each provider is timed R times, the providers interleaved round by round, and each time is the
-median of its rounds' (the host's speed drifts over minutes).
+median of its rounds' (the host's speed drifts over minutes). "peak GiB": rank 0's peak memory over one more step.
 Each row also gives the largest relative difference of its output to eager's on each rank.
 
     python benchmarks/bench_ep.py --world 4 --shapes mixtral,qwen3-30b-a3b --tokens 8192
@@ -372,6 +372,13 @@ def _worker(rank, world, port, args, out_path):
                         print(f"# rank {rank}: liger_experts failed on {shape}: {failed!r}", file=sys.stderr)
                     continue
                 ms, worst, flowing, spread = _round(step, args, device)
+                peak = None
+                if device.type == "cuda":  # one more step, its peak memory (this rank's)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    step()
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() / 2 ** 30
                 if provider in args.profile.split(",") and device.type == "cuda":
                     _profile(step, f"{shape} {provider}", rank, device)
                 ref.setdefault(family, out)
@@ -384,7 +391,7 @@ def _worker(rank, world, port, args, out_path):
                              "chunks": args.chunks if provider in OVERLAP else None,
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
                              "ms": worst, "rank_ms": ms, "ms_back_to_back": flowing,
-                             "back_to_back_spread": spread,
+                             "back_to_back_spread": spread, "peak_gib": peak,
                              "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()},
                              "rounds": [[worst, flowing, spread]]})
@@ -392,6 +399,7 @@ def _worker(rank, world, port, args, out_path):
                 if rank == 0:
                     print(f"{shape:14s} {provider:20s} {worst:9.3f} ms ({flowing:.3f} back to back, spread "
                           f"{100 * spread:.1f}%)  rel diff vs eager {diff:.2e}  "
+                          + (f"peak {peak:.2f} GiB  " if peak is not None else "") +
                           f"{dict(counters['uniep']) if 'uniep' in provider else ''}", flush=True)
             for _ in range(args.rounds - 1):  # the providers again, interleaved: each round times every one
                 for row, step in timed:
@@ -445,14 +453,16 @@ def main():
           "(the largest of the ranks' spreads" + (", and of the rounds'" if args.rounds > 1 else "") + ")")
     if args.rounds > 1:
         print(f"{args.rounds} rounds, the providers interleaved: each time is the median of the rounds'")
-    print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s}")
+    print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s} "
+          f"{'peak GiB':>9s}")
     base = {(r["shape"], r["provider"]): r for r in data["rows"] if r["provider"] in ("inductor", "hf_inductor")}
     for r in data["rows"]:
         b = base.get((r["shape"], "hf_inductor" if r["provider"].startswith("hf_") else "inductor"))
         ratio = f"{b['ms'] / r['ms']:6.2f}x" if b else ""
         ratio2 = f"{b['ms_back_to_back'] / r['ms_back_to_back']:6.2f}x" if b else ""
         print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s} "
-              f"{100 * r['back_to_back_spread']:6.1f}%")
+              f"{100 * r['back_to_back_spread']:6.1f}% "
+              + (f"{r['peak_gib']:9.2f}" if r.get("peak_gib") is not None else f"{'-':>9s}"))
     if args.rounds > 1:
         print("each round's ms / back to back:")
         for r in data["rows"]:

@@ -240,6 +240,13 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
               .to(device, dtype) for tokens in (10, 7)]
         inner = "aot_eager" if device.type == "cpu" else "inductor"
         spy = _Spy()
+        from uniep_dynamo import ops as uniep_ops
+        claim, in_place = uniep_ops._claim_saved_buffers, []  # the in-place experts backwards that ran
+
+        def claiming(*args):
+            in_place.append(1)
+            return claim(*args)
+        uniep_ops._claim_saved_buffers = claiming
         results = {}
         for mode, options in MODES.items():
             paths, inverses = dict(plan.COUNT_TABLE_PATHS), dict(custom_ops.INVERSE_PATHS)
@@ -255,8 +262,10 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
                     tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
             results[mode] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls,
                                 "tables": {k: v - paths[k] for k, v in plan.COUNT_TABLE_PATHS.items()},
-                                "inverses": {k: v - inverses[k] for k, v in custom_ops.INVERSE_PATHS.items()}}
+                                "inverses": {k: v - inverses[k] for k, v in custom_ops.INVERSE_PATHS.items()},
+                                "in_place": len(in_place)}
             spy.calls = 0
+            in_place.clear()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -286,6 +295,10 @@ def check_model(ranks, exchanges=1):
             # each exchange took its split sizes and layout from its dispatch's count table, without a collective
             # of its own
             assert got["tables"] == {"dispatch": 2 * exchanges, "gathered": 0}, (mode, got["tables"])
+        # the experts' backward reuses its saved buffers (the compile's default) in each step's backward, inside the
+        # default exchange too; the overlapped pipeline has its own backward
+        assert apart["in_place"] == r["default"]["in_place"] == 2, (apart["in_place"], r["default"]["in_place"])
+        assert r["overlap"]["in_place"] == 2 * (1 - exchanges), r["overlap"]["in_place"]
         for mode, got in r.items():
             assert got["totals"]["ep_dispatch"] == 2, (mode, got["totals"])
             # the combine too after the recompile, where the returned rows' count and the order's are separate
