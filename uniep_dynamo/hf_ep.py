@@ -219,6 +219,11 @@ def _layer_plan():
         _warn(where, f"uniep could not check the layer ({type(exc).__name__}: {exc})")
         return _declined(ep)
     signature, spec, names = plan
+    # the sequential exchange's backward reuses the experts' saved buffers under the compile's reuse_saved_buffers,
+    # as the experts op's own backward does (the same bits; a second backward then raises, naming the option)
+    from .spec import decode_spec
+
+    spec = dataclasses.replace(decode_spec(spec), reuse_saved=opts.reuse_saved_buffers).encode()
     group = ep.ep_mesh.get_group()
     knobs = json.dumps(opts.ep_knobs, sort_keys=True) if opts.ep_knobs else ""
     log.info("uniep: HF's %s traced as uniep.ep_layer over %d ranks [%s]", where, ep.ep_mesh.size(), spec)
