@@ -248,7 +248,11 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
                       recv_sizes, knobs: OverlapConfig | None = None):
     """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
     table says). The sequential path reads the experts op's saved results its forward kept (_SEQUENTIAL), or,
-    where none were kept, runs that op's forward again on the saved received rows."""
+    where none were kept, runs that op's forward again on the saved received rows. ``grad_back`` may be a
+    one-element list holding the caller's only reference (ep_layer's backward): it is emptied, so that the sequential
+    path frees those rows once sent."""
+    if isinstance(grad_back, list):
+        grad_back = grad_back.pop()
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
@@ -256,18 +260,22 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     rows, counts, _ = _split_host(table)
     if not all(row[world] for row in rows):
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
+        del grad_back
         saved = _saved_sequential(table, up)
         if saved is not None:  # the forward's experts-op results
             ids, ones, row_order, slot_row, offsets, down_rows = saved
             if down_rows is None and s.reuse_saved and x.dtype == w_up.dtype:
                 # the fused path, with the compile's reuse_saved_buffers: the in-place backward, as the experts op's
                 # own autograd formula runs it. The saved up projection becomes its gradient, a new [rows, H]
-                # buffer takes the input-gradient rows, and no [rows, 2I] buffer is allocated (the same bits)
+                # buffer takes the input-gradient rows, and no [rows, 2I] buffer is allocated (the same bits). Each
+                # [rows, H] buffer is dropped once read for the last time, as a compiled backward frees it
                 rows_buf = d_rows.new_empty(x.shape[0], size, dtype=w_up.dtype)
                 head = (x, ids, ones, w_up, w_down, b_up, b_down)
                 d_ones, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
                     d_rows, *head, [], row_order, slot_row, offsets, up, rows_buf, spec, False)
+                del d_rows
                 d_x = torch.ops.uniep.moe_experts_backward_combine(rows_buf, d_ones, *head, slot_row, offsets, spec)
+                del rows_buf, head
                 return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
                         d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
             up_rows = up
@@ -279,6 +287,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
         d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
             d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
             spec, False)
+        del d_rows, down_rows
         return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
                 d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
     knobs = knobs or cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)

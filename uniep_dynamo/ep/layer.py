@@ -140,8 +140,9 @@ def ep_layer_backward(grad_out, topk_weights, y_rows, row_order, slot_row, exper
     send_sizes, recv_sizes = sizes.tolist()  # on the host: no synchronization
     d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, expert_offsets,
                                               fused_kernels)
+    d_rows = [d_rows.to(x.dtype)]  # the only reference, which the exchange drops once the rows are sent
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
-        d_rows.to(x.dtype), x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
+        d_rows, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
         _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs))
     d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, x.dtype, fused_kernels)
     return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
