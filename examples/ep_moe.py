@@ -7,9 +7,9 @@ sorts its (token, expert) pairs by expert, exchanges per-expert counts, then the
 all-to-alls; runs its experts on what it received; sends the results back; and combines them per
 token. That is the usual way to write it (HF transformers' AllToAllEP and torchtitan do the same), and
 uniep rewrites each part: the router (uniep.moe_router), the dispatch plan with its count exchange
-(uniep.ep_dispatch), the experts (uniep.moe_experts) and the combine (uniep.ep_combine). The split
-sizes go to the host (`.tolist()`), so Dynamo makes two graphs of the layer; the token all-to-alls
-run as written.
+(uniep.ep_dispatch), the token all-to-all with the experts and the all-to-all back (one uniep.ep_exchange,
+which takes its split sizes from the dispatch's count table), and the combine (uniep.ep_combine). The split
+sizes go to the host (`.tolist()`), so Dynamo makes two graphs of the layer.
 
 The script compares one forward and backward with eager and prints what uniep rewrote.
 """
