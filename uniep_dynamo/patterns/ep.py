@@ -1,4 +1,5 @@
-"""Expert-parallel patterns: the dispatch plan with its count exchange, and the unpermute-and-combine.
+"""Expert-parallel patterns: the dispatch plan with its count exchange, the token exchange, and the
+unpermute-and-combine.
 
 HF transformers' ``AllToAllEP`` (5.23) reaches Dynamo as two graphs, whatever the config: the split
 sizes go to the host (``.tolist()``) and the experts call sits behind ``if tokens.shape[0] == 0``, a
@@ -13,8 +14,10 @@ graph it lands in:
     combine (second graph)   empty_like(rows); buf[order] = rows; buf.view(T, K, H) * w[..., None];
                              .sum(1) -> torch.ops.uniep.ep_combine: the fixed-order combine
 
-The token all-to-alls and the experts between them stay where they are (the experts are the experts
-pattern's). Each rule below checks the constants it binds; a candidate that fails one is left alone
+Where one graph holds the token all-to-all, the experts (the experts pattern's uniep.moe_experts) and the
+all-to-all back -- plain PyTorch EP code like examples/ep_moe.py, not HF's layer, whose all-to-all lands in
+another graph than its experts -- the three become torch.ops.uniep.ep_exchange (_match_exchange); elsewhere they
+stay where they are. Each rule below checks the constants it binds; a candidate that fails one is left alone
 with a near miss. The sort's order is free to change: argsort does not promise one among equal ids,
 the combine reads the same order back, and the stable order is the one a single GPU uses.
 """
