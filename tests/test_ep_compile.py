@@ -239,19 +239,20 @@ def test_hf_ep_layer_follows_the_experts_implementation(tmp_path):
 
 # ---- the op against the single-process op, bit for bit (issue 37; DESIGN contract 3) ----------------------------
 
-def _op_case():
+def _op_case(reuse_saved=False):
     """12 tokens a rank, 4 experts (2 a rank), K = 3 (an order of three partials is visible in fp32: two commute),
-    the spec uniep.ep_layer gets from hf_ep._probe (out-of-range slots dropped)."""
+    the spec uniep.ep_layer gets from hf_ep._probe (out-of-range slots dropped; ``reuse_saved``: the compile's
+    reuse_saved_buffers, which hf_ep hands on)."""
     import dataclasses
 
     from test_reference import SILU_GLU, make
 
     hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(24, 16, 12, 4, 3, gate=SILU_GLU)
     return hidden, ids, weights, w_up, w_down, b_up, b_down, dataclasses.replace(spec, out_of_range="drop",
-                                                                                 reuse_saved=False)
+                                                                                 reuse_saved=reuse_saved)
 
 
-def _op_worker(rank, world, port, kernels, overlap, out_dir):
+def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
     from test_ep import gloo_group, rank_leaves, sorted_by_reference
 
     with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
@@ -262,23 +263,40 @@ def _op_worker(rank, world, port, kernels, overlap, out_dir):
 
             triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
 
-        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+        from uniep_dynamo import ops as uniep_ops
+        claim, in_place = uniep_ops._claim_saved_buffers, []  # the in-place experts backwards that ran
+
+        def claiming(*args):
+            in_place.append(1)
+            return claim(*args)
+        uniep_ops._claim_saved_buffers = claiming
+
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case(reuse_saved)
         tokens, e_local = hidden.shape[0] // world, w_up.shape[0] // world
         mine, experts = slice(rank * tokens, (rank + 1) * tokens), slice(rank * e_local, (rank + 1) * e_local)
         leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
         out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                        dist.group.WORLD.group_name, world, overlap, "")[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
-        out.backward(grad)
-        torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]]}, os.path.join(out_dir, f"rank{rank}.pt"))
+        out.backward(grad, retain_graph=reuse_saved)
+        first = len(in_place)
+        again = None
+        if reuse_saved:  # the saved buffers were overwritten: a second backward must say so, naming the option
+            try:
+                out.backward(grad)
+            except RuntimeError as exc:
+                again = str(exc)
+        torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "in_place": first,
+                    "again": again}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("kernels", [
-    "reference",  # CPU's default, and what the HF tests above run
-    "triton",  # the MegaKernel's kernels in Triton's interpreter (TRITON_INTERPRET=1, conftest): the EP layer's
-               # gather, combine and routing-weight gradient too, as the single-process op's
+@pytest.mark.parametrize("kernels,reuse_saved", [
+    ("reference", False),  # CPU's default, and what the HF tests above run
+    ("triton", False),  # the MegaKernel's kernels in Triton's interpreter (TRITON_INTERPRET=1, conftest): the EP
+                        # layer's gather, combine and routing-weight gradient too, as the single-process op's
+    ("triton", True),  # and the experts' in-place backward inside the exchange (the compile's reuse_saved_buffers)
 ])
-def test_ep_layer_bitwise_equals_single_process_op(kernels, tmp_path, monkeypatch):
+def test_ep_layer_bitwise_equals_single_process_op(kernels, reuse_saved, tmp_path, monkeypatch):
     """uniep.ep_layer (what HF's AllToAllEP compiles to) at EP=2 against uniep.moe_experts over the global batch in
     one process, both under the same UNIEP_KERNELS: this rank's output rows and hidden-state and routing-weight
     gradients, and each rank's expert-weight gradients, concatenated over ranks, are the single-process op's bits.
@@ -290,7 +308,12 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, tmp_path, monkeypatc
     from test_ep import single_process, use_kernels
 
     use_kernels(monkeypatch, kernels)
-    ranks = run_workers(_op_worker, 2, (kernels, False), tmp_path)
+    ranks = run_workers(_op_worker, 2, (kernels, False, reuse_saved), tmp_path)
+    # the in-place backward runs where the fused kernels and the option meet; a second backward then raises, naming
+    # the option
+    assert [r["in_place"] for r in ranks] == [int(reuse_saved and kernels == "triton")] * 2, ranks
+    assert all(r["again"] is None if not reuse_saved else "reuse_saved_buffers" in r["again"] for r in ranks), \
+        [r["again"] for r in ranks]
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
