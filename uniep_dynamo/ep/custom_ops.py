@@ -215,11 +215,11 @@ def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name,
     them) to the local experts' ranks by ``send_sizes``, rows from every rank by ``recv_sizes`` into the experts
     op (local expert ids ``arange(E_local).repeat(W).repeat_interleave(recv_counts)``, weight 1, spec ``spec``),
     and the results back the same way. ``knobs``: OverlapConfig fields as JSON ("" for the defaults). On the
-    overlapped path (exchange.exchange_forward) the transfers run
-    beside the grouped GEMMs, chunk by chunk, with the same bits; ``sequential`` (the compile's overlap_ep off)
-    runs the all-to-all, the experts op and the all-to-all back one after another. Returns (back, then what the backward reads:
-    the received rows, the up projection, and on the host the [W, 3W + 2 + E_local] table of send sizes, paths,
-    the size check's claims and received counts, so that the backward does not synchronize again)."""
+    overlapped path (exchange.exchange_forward) the transfers run beside the grouped GEMMs, chunk by chunk, with
+    the same bits; ``sequential`` (the compile's overlap_ep off) runs the all-to-all, the experts op and the
+    all-to-all back one after another. Returns (back, then what the backward reads: the received rows, the up
+    projection, and on the host the [W, 3W + 2 + E_local] table of send sizes, paths, the size check's claims and
+    received counts, so that the backward does not synchronize again)."""
     return exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
                             send_sizes, recv_sizes, knobs_from_json(knobs), sequential=sequential)
 
