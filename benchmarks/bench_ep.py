@@ -410,8 +410,9 @@ def _worker(rank, world, port, args, out_path):
 
                     row["ms"], row["ms_back_to_back"] = (statistics.median(r[i] for r in row["rounds"]) for i in (0, 1))
                     row["back_to_back_spread"] = max(r[2] for r in row["rounds"])
+            timed.clear()  # the steps hold their modules: this shape's are freed before the next is built
             del layer, module
-            liger = hf = None
+            liger = hf = step = run = None
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
