@@ -72,6 +72,20 @@ def single_process(hidden, ids, weights, w_up, w_down, b_up, b_down, spec):
     return out.detach(), [t.grad if t is not None else None for t in leaves]
 
 
+def count_in_place_backwards() -> list:
+    """A list that gains an entry each time the experts' in-place backward claims its saved buffers (ops.py's
+    _claim_saved_buffers), in this worker process, which ends with the test."""
+    from uniep_dynamo import ops
+
+    claim, calls = ops._claim_saved_buffers, []
+
+    def claiming(*args):
+        calls.append(1)
+        return claim(*args)
+    ops._claim_saved_buffers = claiming
+    return calls
+
+
 def sorted_by_reference(ids, num_experts, clamp):
     """triton_routing.routing_plan's integers (tests/test_megakernel.py holds them equal) from the reference's sort,
     for tests that run the Triton kernels in the interpreter to check floating-point bits: there the Triton counting

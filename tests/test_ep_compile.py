@@ -253,7 +253,7 @@ def _op_case(reuse_saved=False):
 
 
 def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
-    from test_ep import gloo_group, rank_leaves, sorted_by_reference
+    from test_ep import count_in_place_backwards, gloo_group, rank_leaves, sorted_by_reference
 
     with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
         import uniep_dynamo  # noqa: F401
@@ -263,14 +263,7 @@ def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
 
             triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
 
-        from uniep_dynamo import ops as uniep_ops
-        claim, in_place = uniep_ops._claim_saved_buffers, []  # the in-place experts backwards that ran
-
-        def claiming(*args):
-            in_place.append(1)
-            return claim(*args)
-        uniep_ops._claim_saved_buffers = claiming
-
+        in_place = count_in_place_backwards()
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case(reuse_saved)
         tokens, e_local = hidden.shape[0] // world, w_up.shape[0] // world
         mine, experts = slice(rank * tokens, (rank + 1) * tokens), slice(rank * e_local, (rank + 1) * e_local)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_ep import gloo_group, run_workers
+from test_ep import count_in_place_backwards, gloo_group, run_workers
 from test_reference import GPT_OSS, SILU_GLU, make
 
 pytestmark = [
@@ -240,13 +240,7 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
               .to(device, dtype) for tokens in (10, 7)]
         inner = "aot_eager" if device.type == "cpu" else "inductor"
         spy = _Spy()
-        from uniep_dynamo import ops as uniep_ops
-        claim, in_place = uniep_ops._claim_saved_buffers, []  # the in-place experts backwards that ran
-
-        def claiming(*args):
-            in_place.append(1)
-            return claim(*args)
-        uniep_ops._claim_saved_buffers = claiming
+        in_place = count_in_place_backwards()
         results = {}
         for mode, options in MODES.items():
             paths, inverses = dict(plan.COUNT_TABLE_PATHS), dict(custom_ops.INVERSE_PATHS)
