@@ -97,6 +97,23 @@ def test_coverage_gap_is_flagged():
     assert record.coverage_gaps() == ["backward graph holds 1 uniep.moe_experts_backward for 2 rewrites"]
 
 
+def test_experts_taken_into_an_ep_exchange_are_covered():
+    """Plain PyTorch EP: the experts rewrite runs inside uniep.ep_exchange (and its backward inside the exchange's
+    backward), so the graphs holding the exchange ops are no gap; missing them is."""
+    from uniep_dynamo.report import Rewrite
+
+    rewrites = [Rewrite(op, "m", "", "", [], []) for op in ("moe_experts", "ep_exchange")]
+    covered = GraphRecord("1/0", rewrites=rewrites, aot_graphs={"forward": {"ep_exchange": 1, "ep_combine": 1},
+                                                                "backward": {"ep_exchange_backward": 1}})
+    assert covered.coverage_gaps() == []
+    missing = GraphRecord("1/0", rewrites=rewrites, aot_graphs={"forward": {"ep_exchange": 1}, "backward": {}})
+    assert missing.coverage_gaps() == ["backward graph holds 0 uniep.moe_experts_backward and 0 "
+                                       "uniep.ep_exchange_backward for 1 rewrites"]
+    # an exchange op does not stand in for experts that no exchange took in
+    alone = GraphRecord("1/0", rewrites=rewrites[:1], aot_graphs={"forward": {"ep_exchange": 1}})
+    assert alone.coverage_gaps() == ["forward graph holds 0 uniep.moe_experts for 1 rewrites"]
+
+
 def test_collapse_identical_layers():
     assert collapse_modules([f"model.layers.{i}.mlp.experts" for i in range(32)]) == "model.layers.{0-31}.mlp.experts"
     assert collapse_modules(["a.0.x", "a.2.x"]) == "a.{0,2}.x"

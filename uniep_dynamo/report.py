@@ -90,14 +90,23 @@ class GraphRecord:
             return []
         gaps = []
         forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
+        # an experts rewrite that an EP exchange took in (patterns/ep.py) runs inside uniep.ep_exchange and its
+        # backward inside uniep.ep_exchange_backward
+        taken = sum(1 for r in self.rewrites if r.op == "ep_exchange")
         for op in ("moe_experts", "moe_router"):
             count = sum(1 for r in self.rewrites if r.op == op)
-            if forward.get(op, 0) < count:
-                gaps.append(f"forward graph holds {forward.get(op, 0)} uniep.{op} for {count} rewrites")
+            held = forward.get(op, 0) + (min(taken, forward.get("ep_exchange", 0)) if op == "moe_experts" else 0)
+            if held < count:
+                gaps.append(f"forward graph holds {forward.get(op, 0)} uniep.{op}"
+                            + (f" and {forward.get('ep_exchange', 0)} uniep.ep_exchange" if taken else "")
+                            + f" for {count} rewrites")
         experts = sum(1 for r in self.rewrites if r.op == "moe_experts")
-        if "backward" in self.aot_graphs and self.aot_graphs["backward"].get("moe_experts_backward", 0) < experts:
-            gaps.append(f"backward graph holds {self.aot_graphs['backward'].get('moe_experts_backward', 0)} "
-                        f"uniep.moe_experts_backward for {experts} rewrites")
+        backward = self.aot_graphs.get("backward")
+        if backward is not None and backward.get("moe_experts_backward", 0) \
+                + min(taken, backward.get("ep_exchange_backward", 0)) < experts:
+            gaps.append(f"backward graph holds {backward.get('moe_experts_backward', 0)} uniep.moe_experts_backward"
+                        + (f" and {backward.get('ep_exchange_backward', 0)} uniep.ep_exchange_backward" if taken
+                           else "") + f" for {experts} rewrites")
         return gaps
 
 
