@@ -255,9 +255,9 @@ def _model_worker(rank, world, port, device, spelling, out_dir):
                     out.square().mean().backward()
                     tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
             results[mode] = {"tensors": tensors, "totals": report.totals(), "phases": spy.calls,
-                                "tables": {k: v - paths[k] for k, v in plan.COUNT_TABLE_PATHS.items()},
-                                "inverses": {k: v - inverses[k] for k, v in custom_ops.INVERSE_PATHS.items()},
-                                "in_place": len(in_place)}
+                             "tables": {k: v - paths[k] for k, v in plan.COUNT_TABLE_PATHS.items()},
+                             "inverses": {k: v - inverses[k] for k, v in custom_ops.INVERSE_PATHS.items()},
+                             "in_place": len(in_place)}
             spy.calls = 0
             in_place.clear()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
