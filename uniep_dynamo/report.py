@@ -88,25 +88,23 @@ class GraphRecord:
         """Rewrites whose op is missing from the traced forward or backward graph."""
         if self.aot_graphs is None or not self.rewrites:
             return []
-        gaps = []
         forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
         # an experts rewrite that an EP exchange took in (patterns/ep.py) runs inside uniep.ep_exchange and its
         # backward inside uniep.ep_exchange_backward
         taken = sum(1 for r in self.rewrites if r.op == "ep_exchange")
-        for op in ("moe_experts", "moe_router"):
-            count = sum(1 for r in self.rewrites if r.op == op)
-            held = forward.get(op, 0) + (min(taken, forward.get("ep_exchange", 0)) if op == "moe_experts" else 0)
-            if held < count:
-                gaps.append(f"forward graph holds {forward.get(op, 0)} uniep.{op}"
-                            + (f" and {forward.get('ep_exchange', 0)} uniep.ep_exchange" if taken else "")
-                            + f" for {count} rewrites")
         experts = sum(1 for r in self.rewrites if r.op == "moe_experts")
-        backward = self.aot_graphs.get("backward")
-        if backward is not None and backward.get("moe_experts_backward", 0) \
-                + min(taken, backward.get("ep_exchange_backward", 0)) < experts:
-            gaps.append(f"backward graph holds {backward.get('moe_experts_backward', 0)} uniep.moe_experts_backward"
-                        + (f" and {backward.get('ep_exchange_backward', 0)} uniep.ep_exchange_backward" if taken
-                           else "") + f" for {experts} rewrites")
+        routers = sum(1 for r in self.rewrites if r.op == "moe_router")
+        gaps = []
+        for kind, ops, op, inside, count in (("forward", forward, "moe_experts", "ep_exchange", experts),
+                                             ("forward", forward, "moe_router", None, routers),
+                                             ("backward", self.aot_graphs.get("backward"), "moe_experts_backward",
+                                              "ep_exchange_backward", experts)):
+            if ops is None:  # no backward graph traced
+                continue
+            held = ops.get(op, 0) + (min(taken, ops.get(inside, 0)) if inside else 0)
+            if held < count:
+                also = f" and {ops.get(inside, 0)} uniep.{inside}" if inside and taken else ""
+                gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op}{also} for {count} rewrites")
         return gaps
 
 

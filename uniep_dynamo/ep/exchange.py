@@ -262,32 +262,33 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
         del grad_back
         saved = _saved_sequential(table, up)
-        if saved is not None:  # the forward's experts-op results
-            ids, ones, row_order, slot_row, offsets, down_rows = saved
-            if down_rows is None and s.reuse_saved and x.dtype == w_up.dtype:
-                # the fused path, with the compile's reuse_saved_buffers: the in-place backward, as the experts op's
-                # own autograd formula runs it. The saved up projection becomes its gradient, a new [rows, H]
-                # buffer takes the input-gradient rows, and no [rows, 2I] buffer is allocated (the same bits). Each
-                # [rows, H] buffer is dropped once read for the last time, as a compiled backward frees it
-                rows_buf = d_rows.new_empty(x.shape[0], size, dtype=w_up.dtype)
-                head = (x, ids, ones, w_up, w_down, b_up, b_down)
-                d_ones, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
-                    d_rows, *head, [], row_order, slot_row, offsets, up, rows_buf, spec, False)
-                del d_rows
-                d_x = torch.ops.uniep.moe_experts_backward_combine(rows_buf, d_ones, *head, slot_row, offsets, spec)
-                del rows_buf, head
-                return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
-                        d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
-            up_rows = up
-            if down_rows is None:  # the fused backward reads no down (weights_grad=False, not in place)
-                down_rows = d_rows.new_empty(0, size)
-        else:  # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
-            ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
-                x, recv_counts, w_up, w_down, b_up, b_down, spec)
-        d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
-            d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows, down_rows,
-            spec, False)
-        del d_rows, down_rows
+        if saved is not None and saved[-1] is None and s.reuse_saved and x.dtype == w_up.dtype:
+            # the forward's experts-op results on the fused path (no down kept), with the compile's
+            # reuse_saved_buffers: the in-place backward, as the experts op's own autograd formula runs it. The saved
+            # up projection becomes its gradient, a new [rows, H] buffer takes the input-gradient rows, and no
+            # [rows, 2I] buffer is allocated (the same bits). Each [rows, H] buffer is dropped once read for the last
+            # time, as a compiled backward frees it
+            ids, ones, row_order, slot_row, offsets, _ = saved
+            rows_buf = d_rows.new_empty(x.shape[0], size, dtype=w_up.dtype)
+            head = (x, ids, ones, w_up, w_down, b_up, b_down)
+            d_ones, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
+                d_rows, *head, [], row_order, slot_row, offsets, up, rows_buf, spec, False)
+            del d_rows
+            d_x = torch.ops.uniep.moe_experts_backward_combine(rows_buf, d_ones, *head, slot_row, offsets, spec)
+            del rows_buf, head
+        else:
+            if saved is not None:  # the forward's experts-op results
+                ids, ones, row_order, slot_row, offsets, down_rows = saved
+                up_rows = up
+                if down_rows is None:  # the fused backward reads no down (weights_grad=False, not in place)
+                    down_rows = d_rows.new_empty(0, size)
+            else:  # the experts op's forward again on the saved received rows, for the saved tensors its backward reads
+                ids, ones, (_, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
+                    x, recv_counts, w_up, w_down, b_up, b_down, spec)
+            d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
+                d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows,
+                down_rows, spec, False)
+            del d_rows, down_rows
         return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
                 d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
     knobs = knobs or cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)
