@@ -271,6 +271,21 @@ def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
         out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                        dist.group.WORLD.group_name, world, overlap, "")[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
+        alive = []
+        if reuse_saved:  # which of the kept rows sent back, received rows and up projection each all-to-all outlives
+            import weakref
+
+            from uniep_dynamo.ep import exchange, layer
+
+            (_, kept), = layer._SAVED._entries.values()
+            refs = [weakref.ref(t) for t in kept[:3]]
+            del kept
+            sent = exchange._all_to_all
+
+            def spy(t, *args):
+                alive.append([ref() is not None for ref in refs])
+                return sent(t, *args)
+            exchange._all_to_all = spy
         out.backward(grad, retain_graph=reuse_saved)
         first = len(in_place)
         again = None
@@ -280,7 +295,7 @@ def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
             except RuntimeError as exc:
                 again = str(exc)
         torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "in_place": first,
-                    "again": again}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "again": again, "alive": alive}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("kernels,reuse_saved", [
@@ -307,6 +322,10 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, reuse_saved, tmp_pat
     assert [r["in_place"] for r in ranks] == [int(reuse_saved and kernels == "triton")] * 2, ranks
     assert all(r["again"] is None if not reuse_saved else "reuse_saved_buffers" in r["again"] for r in ranks), \
         [r["again"] for r in ranks]
+    if reuse_saved:  # the backward frees each kept buffer after its last read (issue 37's peak memory): the rows
+        # sent back before the gradient rows go out, the received rows and their up projection before the input
+        # gradient rows come back
+        assert [r["alive"][:2] for r in ranks] == [[[False, True, True], [False, False, False]]] * 2, ranks
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert

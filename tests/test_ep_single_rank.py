@@ -201,7 +201,7 @@ def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monke
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
         got, _ = run_layer(ep_layer_fn(case[-1], group, overlap), case)
         if not overlap:  # the backward without the forward's kept results runs the experts' forward again: same bits
-            monkeypatch.setattr(exchange, "_saved_sequential", lambda table, up: None)
+            monkeypatch.setattr(exchange, "_saved_sequential", lambda table, up, release=False: None)
             recomputed, _ = run_layer(ep_layer_fn(case[-1], group, overlap), case)
             assert_bitwise(recomputed, got, "ep_layer's sequential backward from a recomputed forward")
     want, _ = run_layer(single_op_fn(case[-1]), case)
@@ -242,7 +242,7 @@ def test_ep_exchange_sequential_backward_reads_its_forward_in_eager_autograd(tmp
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
         got = run(group)
         assert len(forwards) == 1, forwards
-        monkeypatch.setattr(exchange, "_saved_sequential", lambda table, up: None)
+        monkeypatch.setattr(exchange, "_saved_sequential", lambda table, up, release=False: None)
         recomputed = run(group)
     assert len(forwards) == 3, forwards
     for a, b in zip(got, recomputed):

@@ -7,6 +7,12 @@ call's own median. Forward under torch.no_grad (what a compiled graph pays: AOTA
 backward as the op ``uniep.ep_layer_backward`` called directly on a forward's results.
 
     python benchmarks/probes/ep_pieces_probe.py [--shape qwen3-30b-a3b] [--tokens 8192] [--calls 30] [--overlap]
+
+``--plain``: the ops the plain PyTorch EP compile makes instead (what examples/ep_moe.py's layer becomes): the
+router op (``uniep.moe_router``, timed alone), the dispatch (``uniep.ep_dispatch`` with its count table for the exchange), the split sizes read to the host (outside
+the timed ops, as the model's ``.tolist()``), the exchange (``uniep.ep_exchange``, sequential unless --overlap) and
+the combine, then their backward ops in the order a backward graph calls them; each op timed alone ("op NAME")
+beside the pieces inside it.
 """
 from __future__ import annotations
 
@@ -46,6 +52,50 @@ def _wrap(module, attr, name=None):
         setattr(module, attr, _timed(name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}", getattr(module, attr)))
 
 
+def _op_timed(times, name, fn, *args):
+    """fn(*args), its host time added to ``times`` (and the pieces' TIMES) as "op NAME"."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    times[f"op {name}"] = time.perf_counter() - t0
+    return out
+
+
+def _plain_call(x, ids, w, w_up, w_down, grad, spec, group_name, overlap, sync):
+    """One forward and backward of the plain EP compile's ops at world size 1, each op timed alone, the GPU
+    synchronized before each: ({piece: seconds} forward, backward)."""
+    ops = torch.ops.uniep
+    forward, backward = {}, {}
+    num_experts = w_up.shape[0]
+    with torch.no_grad():
+        from uniep_dynamo.spec import RouterSpec
+
+        sync()
+        router = RouterSpec("softmax_topk", num_experts, ids.shape[1], renorm=True).encode()
+        _op_timed(forward, "moe_router", ops.moe_router, x, w_up[:, 0], None, None, router)  # the graph's router
+        sync()
+        TIMES.clear()
+        send, order, counts, recv, slot_row, offsets = _op_timed(forward, "ep_dispatch", ops.ep_dispatch, x, ids,
+                                                                 num_experts, 1, group_name, True)
+        sizes = [[int(counts.sum())], [int(recv.sum())]]  # the model's .tolist(): its synchronization
+        forward.update(TIMES)
+        sync()
+        TIMES.clear()
+        back, rx, up, table = _op_timed(forward, "ep_exchange", ops.ep_exchange, send, recv, w_up, w_down, None, None,
+                                        spec, group_name, sizes[0], sizes[1], "", not overlap)
+        out = _op_timed(forward, "ep_combine", ops.ep_combine, back, order, w)
+        forward.update(TIMES)
+        sync()
+        TIMES.clear()
+        d_back, d_w = _op_timed(backward, "ep_combine_backward", ops.ep_combine_backward, grad, back, order, w)
+        d_send = _op_timed(backward, "ep_exchange_backward", ops.ep_exchange_backward, d_back, rx, up, recv, table,
+                           w_up, w_down, None, None, spec, group_name, sizes[0], sizes[1], "")[0]
+        _op_timed(backward, "ep_dispatch_backward", ops.ep_dispatch_backward, d_send, slot_row, offsets, x.shape[0],
+                  ids.shape[1])
+        backward.update(TIMES)
+    del out
+    return forward, backward
+
+
 def main():
     import bench_moe_layer as bench
 
@@ -61,6 +111,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--plain", action="store_true", help="the plain EP compile's ops (dispatch, exchange, combine)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (gloo, float32)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_pieces_probe.json"))
     args = parser.parse_args()
@@ -97,6 +148,11 @@ def main():
     _wrap(triton_routing, "gather_rows")
     _wrap(triton_routing, "received_plan")
     _wrap(exchange, "decode_spec")
+    from uniep_dynamo.ep import custom_ops
+    for attr in ("_process_group", "plan_and_gather", "_remember_inverse", "_unpermute_plan", "combine_rows",
+                 "combine_rows_backward", "gather_sum", "exchange_forward", "exchange_backward", "fused"):
+        _wrap(custom_ops, attr, f"custom_ops.{attr}")
+    torch._assert_async = _timed("torch._assert_async", torch._assert_async)
     for attr in ("get_rank", "get_world_size", "all_to_all_single"):
         setattr(dist, attr, _timed(f"dist.{attr}", getattr(dist, attr)))
     class _Uniep:  # the inner experts ops, timed where exchange.py calls them (torch.ops.uniep.*)
@@ -117,7 +173,13 @@ def main():
         return torch.ops.uniep.ep_layer(x, ids, w, w_up, w_down, None, None, spec, group_name, 1, args.overlap, "")
 
     rows = collections.defaultdict(list)
-    for i in range(5 + args.calls):
+    for i in range(5 + args.calls if args.plain else 0):
+        forward, backward = _plain_call(x, ids, w, w_up, w_down, grad, spec, group_name, args.overlap, sync)
+        if i >= 5:
+            for way, times in (("forward", forward), ("backward", backward)):
+                for key, value in times.items():
+                    rows[(way, key)].append(value)
+    for i in range(0 if args.plain else 5 + args.calls):
         sync()
         TIMES.clear()
         t0 = time.perf_counter()
@@ -127,7 +189,7 @@ def main():
         sync()
         TIMES.clear()
         t0 = time.perf_counter()
-        torch.ops.uniep.ep_layer_backward(grad, w, *out[1:], x[:0], w_up, w_down, None, None, spec, group_name,
+        torch.ops.uniep.ep_layer_backward(grad, w, *out[2:], x[:0], w_up, w_down, None, None, spec, group_name,
                                           args.overlap, "")
         backward = dict(TIMES, total=time.perf_counter() - t0)
         del out
@@ -144,7 +206,7 @@ def main():
         table.setdefault(way, {})[name] = round(median, 1)
         print(f"{way:9s} {name:40s} {median:9.1f} µs  (in {len(values)} of {args.calls} calls)")
     with open(args.out, "w") as f:
-        json.dump({"shape": args.shape, "tokens": args.tokens, "overlap": args.overlap,
+        json.dump({"shape": args.shape, "tokens": args.tokens, "overlap": args.overlap, "plain": args.plain,
                    "gpu": torch.cuda.get_device_name(0) if cuda else None, "us": table}, f, indent=1)
 
 

@@ -127,10 +127,15 @@ class KeptByTable:
                 self._entries.pop(key, None)
         self._entries[key] = (weakref.ref(table, forget), value)
 
-    def get(self, table):
-        """The value kept beside this table object, or None."""
+    def get(self, table, release: bool = False):
+        """The value kept beside this table object, or None. ``release``: and forget it, so that the caller's
+        references are the last (a backward that frees each buffer after its last read)."""
         entry = self._entries.get(id(table))
-        return entry[1] if entry is not None and entry[0]() is table else None
+        if entry is None or entry[0]() is not table:
+            return None
+        if release:
+            del self._entries[id(table)]
+        return entry[1]
 
 
 # The sequential path's experts-op results that its backward reads (up, then ids, weights, row_order, slot_row,
@@ -139,11 +144,12 @@ class KeptByTable:
 _SEQUENTIAL = KeptByTable()
 
 
-def _saved_sequential(table, up):
+def _saved_sequential(table, up, release: bool = False):
     """What _SEQUENTIAL keeps for this table, with the up projection it travelled beside, or None (none kept,
     or an ``up`` that is not the forward's: the backward then runs the experts' forward again). The ``up`` handed to
-    the backward may be another tensor object over the same storage (autograd's saved outputs, outside inductor)."""
-    entry = _SEQUENTIAL.get(table)
+    the backward may be another tensor object over the same storage (autograd's saved outputs, outside inductor).
+    ``release``: forget the entry (KeptByTable.get)."""
+    entry = _SEQUENTIAL.get(table, release)
     if entry is None:
         return None
     kept, *saved = entry
@@ -250,9 +256,10 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     table says). The sequential path reads the experts op's saved results its forward kept (_SEQUENTIAL), or,
     where none were kept, runs that op's forward again on the saved received rows. ``grad_back`` may be a
     one-element list holding the caller's only reference (ep_layer's backward): it is emptied, so that the sequential
-    path frees those rows once sent."""
-    if isinstance(grad_back, list):
-        grad_back = grad_back.pop()
+    path frees those rows once sent; so may ``x`` and ``up``, which that path then frees once the experts' backward
+    has read them. Under ``spec.reuse_saved`` (the compile's reuse_saved_buffers, which refuses a second backward) the
+    forward's kept experts-op results are forgotten as they are taken."""
+    grad_back, x, up = (v.pop() if isinstance(v, list) else v for v in (grad_back, x, up))
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
@@ -261,7 +268,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     if not all(row[world] for row in rows):
         d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
         del grad_back
-        saved = _saved_sequential(table, up)
+        saved = _saved_sequential(table, up, release=s.reuse_saved)
         if saved is not None and saved[-1] is None and s.reuse_saved and x.dtype == w_up.dtype:
             # the forward's experts-op results on the fused path (no down kept), with the compile's
             # reuse_saved_buffers: the in-place backward, as the experts op's own autograd formula runs it. The saved
@@ -273,9 +280,9 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
             head = (x, ids, ones, w_up, w_down, b_up, b_down)
             d_ones, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
                 d_rows, *head, [], row_order, slot_row, offsets, up, rows_buf, spec, False)
-            del d_rows
+            del d_rows, up
             d_x = torch.ops.uniep.moe_experts_backward_combine(rows_buf, d_ones, *head, slot_row, offsets, spec)
-            del rows_buf, head
+            del rows_buf, head, x
         else:
             if saved is not None:  # the forward's experts-op results
                 ids, ones, row_order, slot_row, offsets, down_rows = saved
@@ -288,7 +295,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
             d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
                 d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows,
                 down_rows, spec, False)
-            del d_rows, down_rows
+            del d_rows, down_rows, up_rows, up, x
         return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
                 d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
     knobs = knobs or cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)

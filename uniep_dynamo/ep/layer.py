@@ -41,19 +41,26 @@ _LAYER_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-# The received rows and up projection of each forward call, and whether it ran the MegaKernel's routing kernels
-# (plan.layer_fused, decided at run time: setup_context sees fake tensors under AOTAutograd), for its backward: kept
-# beside the call's host table (an output the backward is handed back), dropped when the table dies.
+# The rows sent back, the received rows and their up projection of each forward call, and whether it ran the
+# MegaKernel's routing kernels (plan.layer_fused, decided at run time: setup_context sees fake tensors under
+# AOTAutograd), for its backward: kept beside the call's host table (an output the backward is handed back), dropped
+# when the table dies, or when the backward takes them under reuse_saved_buffers. Kept here and not saved by autograd,
+# so that the backward holds the only references and frees each buffer after its last read (a compiled backward
+# holds the saved tensors it hands an op until the op returns).
 _SAVED = KeptByTable()
 
 
-def _keep(table, x, up, fused_kernels: bool):
-    _SAVED.keep(table, (x, up, fused_kernels))
+def _keep(table, y_rows, x, up, fused_kernels: bool):
+    _SAVED.keep(table, [y_rows, x, up, fused_kernels])
 
 
-def _take(table):
-    saved = _SAVED.get(table)
+def _take(table, release: bool):
+    """[y_rows, x, up, fused_kernels] kept by the forward that returned ``table``; ``release``: forgotten here."""
+    saved = _SAVED.get(table, release)
     if saved is None:
+        if release:  # taken by an earlier backward: the compile's reuse_saved_buffers allows one
+            from ..ops import SECOND_BACKWARD_ERROR
+            raise RuntimeError(SECOND_BACKWARD_ERROR)
         raise RuntimeError("uniep.ep_layer_backward: the forward call's received rows are gone (its host table is "
                            "not the one the forward returned)")
     return saved
@@ -69,11 +76,11 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     """The EP layer over the `world` ranks of `group_name`, each owning E / W consecutive experts (w_up, w_down,
     b_up, b_down are this rank's): hidden [T, H], topk_ids [T, K] (global ids), topk_weights [T, K] are this
     rank's tokens. ``spec``: the experts op's spec for the received rows (each one expert, weight 1; its out_dtype
-    the dtype of the rows sent back). Returns (out [T, H] in promote(rows, weights), then what the backward reads:
-    the rows sent back in plan order [T*K, H], row_order, slot_row, expert_offsets, the received counts
-    [W, E/W], and on the host the exchange's table and the split sizes [2, W]). The received rows and their up
-    projection, whose row count only the run knows (an output of that shape would make Dynamo break the graph at
-    the op), are kept for the backward beside the table (_keep)."""
+    the dtype of the rows sent back). Returns (out [T, H] in promote(rows, weights), the rows sent back in plan order
+    [T*K, H], then what the backward reads: row_order, slot_row, expert_offsets, the received counts [W, E/W], and on
+    the host the exchange's table and the split sizes [2, W]). The rows sent back, the received rows and their up
+    projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
+    the op) are kept for the backward beside the table (_keep), not saved by autograd."""
     group = _process_group(group_name)
     if group.size() != world:
         raise ValueError(f"uniep.ep_layer: compiled for {world} ranks, but process group {group_name!r} has "
@@ -104,7 +111,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
                                           count_table=counts)
     y_rows = back.to(s.out_dtype)
     out = combine_rows(y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights), fused_kernels)
-    _keep(table, x, up, fused_kernels)
+    _keep(table, y_rows, x, up, fused_kernels)
     return out, y_rows, row_order, slot_row, offsets, recv, table, sizes
 
 
@@ -124,41 +131,46 @@ def _ep_layer_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s
             torch.empty(2, world, dtype=torch.int64, device="cpu"))
 
 
-_BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor topk_weights, Tensor y_rows, Tensor row_order, Tensor slot_row, "
+_BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor topk_weights, Tensor row_order, Tensor slot_row, "
                     "Tensor expert_offsets, Tensor recv_counts, Tensor table, Tensor sizes, Tensor hidden_like, "
                     "Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, bool overlap, "
                     "str knobs) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("uniep::ep_layer_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
-def ep_layer_backward(grad_out, topk_weights, y_rows, row_order, slot_row, expert_offsets, recv_counts, table, sizes,
+def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offsets, recv_counts, table, sizes,
                       hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
     """(d_hidden, d_topk_weights, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]) of ep_layer.
-    ``hidden_like``: a 0-row tensor of the hidden states' dtype."""
-    x, up, fused_kernels = _take(table)
+    ``hidden_like``: a 0-row tensor of the hidden states' dtype. Under ``spec.reuse_saved`` the forward's kept rows
+    are taken from _SAVED, and each is freed after its last read: the rows sent back after the combine's backward,
+    the received rows and their up projection after the experts' backward (exchange_backward)."""
+    held = _take(table, decode_spec(spec).reuse_saved)  # [y_rows, x, up, fused_kernels]
+    fused_kernels, dtype = held[3], held[1].dtype
     num_tokens, top_k = topk_weights.shape
     send_sizes, recv_sizes = sizes.tolist()  # on the host: no synchronization
-    d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, expert_offsets,
+    d_rows, d_weights = combine_rows_backward(grad_out, held[0], topk_weights, row_order, slot_row, expert_offsets,
                                               fused_kernels)
-    d_rows = [d_rows.to(x.dtype)]  # the only reference, which the exchange drops once the rows are sent
+    # one-element lists holding the only references (once released from _SAVED), which the exchange empties
+    d_rows, x, up = [d_rows.to(dtype)], held[1:2], held[2:3]
+    del held
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         d_rows, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
         _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs))
-    d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, x.dtype, fused_kernels)
+    d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, dtype, fused_kernels)
     return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 
 
 @ep_layer_backward.register_fake
-def _ep_layer_backward_fake(grad_out, topk_weights, y_rows, row_order, slot_row, expert_offsets, recv_counts, table,
+def _ep_layer_backward_fake(grad_out, topk_weights, row_order, slot_row, expert_offsets, recv_counts, table,
                             sizes, hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
-    return (grad_out.new_empty(topk_weights.shape[0], y_rows.shape[1], dtype=hidden_like.dtype), torch.empty_like(topk_weights),
+    return (grad_out.new_empty(topk_weights.shape[0], grad_out.shape[1], dtype=hidden_like.dtype), torch.empty_like(topk_weights),
             torch.empty_like(w_up), torch.empty_like(w_down), [torch.empty_like(b) for b in (b_up, b_down) if b is not None])
 
 
 def _setup_context(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, *rest = inputs
-    _, y_rows, row_order, slot_row, offsets, recv, table, sizes = output
-    ctx.save_for_backward(topk_weights, y_rows, row_order, slot_row, offsets, recv, table, sizes, hidden[:0], w_up,
+    _, _y_rows, row_order, slot_row, offsets, recv, table, sizes = output  # y_rows is kept in _SAVED
+    ctx.save_for_backward(topk_weights, row_order, slot_row, offsets, recv, table, sizes, hidden[:0], w_up,
                           w_down, b_up, b_down)
     ctx.args = (spec, group_name, bool(rest[0]) if rest else False, rest[1] if len(rest) > 1 else "")
     ctx.num_inputs = len(inputs)
