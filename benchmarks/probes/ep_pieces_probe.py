@@ -13,6 +13,12 @@ router op (``uniep.moe_router``, timed alone), the dispatch (``uniep.ep_dispatch
 the timed ops, as the model's ``.tolist()``), the exchange (``uniep.ep_exchange``, sequential unless --overlap) and
 the combine, then their backward ops in the order a backward graph calls them; each op timed alone ("op NAME")
 beside the pieces inside it.
+
+``--graph1``: the plain EP layer's first graph (the router and the dispatch with its count exchange, which ends in
+the model's ``.tolist()`` of the split sizes, the step's synchronization), bench_ep.py's layer compiled by
+inductor, by uniep, and by uniep with the router left to inductor: median µs from the call to the split sizes on
+the host, the GPU synchronized before each call. Everything in that graph is on the step's critical path: the
+GPU work is small and the host waits for it at the end.
 """
 from __future__ import annotations
 
@@ -50,6 +56,35 @@ def _wrap(module, attr, name=None):
     """Time module.attr where the module has it (the probe runs against older trees too, for a before/after)."""
     if hasattr(module, attr):
         setattr(module, attr, _timed(name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}", getattr(module, attr)))
+
+
+def _graph1(bench, H, I, E, K, x, calls, sync):
+    """{backend: [seconds a call]} of the plain EP layer's route + dispatch + .tolist(), compiled."""
+    import bench_ep
+
+    layer_cls, _ = bench_ep._layer_class()
+    layer = layer_cls(H, I, E, K, x.dtype).to(x.device)
+
+    def first(h):
+        weights, ids = layer.route(h)
+        send, order, recv_counts, sizes = layer.dispatch(h, ids)
+        return sizes, send, order, recv_counts, weights
+    out = {}
+    for name, backend, options in (("inductor", "inductor", None), ("uniep", "uniep", None),
+                                   ("uniep, router by inductor", "uniep", {"rewrite_router": False})):
+        torch._dynamo.reset()
+        compiled = torch.compile(first, backend=backend, options=options)
+        times = []
+        for i in range(5 + calls):
+            h = x.detach().requires_grad_()
+            sync()
+            t0 = time.perf_counter()
+            result = compiled(h)
+            result[0].tolist()
+            times.append(time.perf_counter() - t0)
+            del result
+        out[name] = times[5:]
+    return out
 
 
 def _op_timed(times, name, fn, *args):
@@ -112,6 +147,7 @@ def main():
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--plain", action="store_true", help="the plain EP compile's ops (dispatch, exchange, combine)")
+    parser.add_argument("--graph1", action="store_true", help="the plain EP layer's first graph, per backend")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (gloo, float32)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_pieces_probe.json"))
     args = parser.parse_args()
@@ -173,13 +209,16 @@ def main():
         return torch.ops.uniep.ep_layer(x, ids, w, w_up, w_down, None, None, spec, group_name, 1, args.overlap, "")
 
     rows = collections.defaultdict(list)
+    if args.graph1:
+        for name, micros in _graph1(bench, H, I, E, K, x, args.calls, sync).items():
+            rows[("graph1", name)] = micros
     for i in range(5 + args.calls if args.plain else 0):
         forward, backward = _plain_call(x, ids, w, w_up, w_down, grad, spec, group_name, args.overlap, sync)
         if i >= 5:
             for way, times in (("forward", forward), ("backward", backward)):
                 for key, value in times.items():
                     rows[(way, key)].append(value)
-    for i in range(0 if args.plain else 5 + args.calls):
+    for i in range(0 if args.plain or args.graph1 else 5 + args.calls):
         sync()
         TIMES.clear()
         t0 = time.perf_counter()
