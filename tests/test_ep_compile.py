@@ -6,6 +6,7 @@ equal. Another backend in the same process sees HF's code, unchanged. CPU, gloo,
 import os
 import re
 import tempfile
+import time
 
 import pytest
 import torch
@@ -268,24 +269,34 @@ def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
         tokens, e_local = hidden.shape[0] // world, w_up.shape[0] // world
         mine, experts = slice(rank * tokens, (rank + 1) * tokens), slice(rank * e_local, (rank + 1) * e_local)
         leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+        # at each token all-to-all: which of the rows sent before are alive, and (in the backward) which of the rows
+        # sent back, the received rows and their up projection the forward kept
+        import weakref
+
+        from uniep_dynamo.ep import exchange, layer
+
+        alive, sent, kept = [], [], []
+        all_to_all = exchange._all_to_all
+
+        def lives(ref, settle=1.0):
+            """Whether the tensor is alive, given gloo's worker thread up to ``settle`` s to drop the references
+            its finished collectives may hold a little longer (a NCCL work drops them as it completes)."""
+            deadline = time.monotonic() + settle
+            while ref() is not None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return ref() is not None
+
+        def spy(t, *args):
+            alive.append(([lives(ref) for ref in sent], [lives(ref, 1.0 if reuse_saved else 0.0) for ref in kept]))
+            sent.append(weakref.ref(t))
+            return all_to_all(t, *args)
+        exchange._all_to_all = spy
         out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                        dist.group.WORLD.group_name, world, overlap, "")[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
-        alive = []
-        if reuse_saved:  # which of the kept rows sent back, received rows and up projection each all-to-all outlives
-            import weakref
-
-            from uniep_dynamo.ep import exchange, layer
-
-            (_, kept), = layer._SAVED._entries.values()
-            refs = [weakref.ref(t) for t in kept[:3]]
-            del kept
-            sent = exchange._all_to_all
-
-            def spy(t, *args):
-                alive.append([ref() is not None for ref in refs])
-                return sent(t, *args)
-            exchange._all_to_all = spy
+        (_, rows), = layer._SAVED._entries.values()
+        kept.extend(weakref.ref(t) for t in rows[:3])
+        del rows
         out.backward(grad, retain_graph=reuse_saved)
         first = len(in_place)
         again = None
@@ -322,10 +333,12 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, reuse_saved, tmp_pat
     assert [r["in_place"] for r in ranks] == [int(reuse_saved and kernels == "triton")] * 2, ranks
     assert all(r["again"] is None if not reuse_saved else "reuse_saved_buffers" in r["again"] for r in ranks), \
         [r["again"] for r in ranks]
-    if reuse_saved:  # the backward frees each kept buffer after its last read (issue 37's peak memory): the rows
-        # sent back before the gradient rows go out, the received rows and their up projection before the input
-        # gradient rows come back
-        assert [r["alive"][:2] for r in ranks] == [[[False, True, True], [False, False, False]]] * 2, ranks
+    # each buffer is freed after its last read (issue 37's peak memory): the forward's rows once sent, and its
+    # experts' rows once sent back; under reuse_saved the backward frees the rows sent back before the gradient rows
+    # go out, the received rows and their up projection before the input-gradient rows come back
+    kept = [[False, True, True], [False, False, False]] if reuse_saved else [[True] * 3] * 2
+    assert [r["alive"] for r in ranks] == [[([], []), ([False], []), ([False, False], kept[0]),
+                                            ([False, False, False], kept[1])]] * 2, [r["alive"] for r in ranks]
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert

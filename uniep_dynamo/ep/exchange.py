@@ -189,9 +189,14 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     experts op on the received rows (local expert ids from the counts, weight 1), the all-to-all back.
     ``sequential``: those steps in any case (the compile's ``overlap_ep=False``); every rank is given the same.
     ``count_table``: every rank's per-expert counts ([W][E] on the host) where the caller has them (ep_layer); else
-    the dispatch's (take_count_table), or the claims are all-gathered here."""
+    the dispatch's (take_count_table), or the claims are all-gathered here. ``send`` may be a one-element list holding
+    the caller's only reference (ep_layer): the sequential path then frees the rows once sent. It frees the experts'
+    output rows once sent back, and their pre-combine rows at once where the backward does not read them."""
     from ..kernels import megakernel
     from ..kernels import reference
+
+    if isinstance(send, list):
+        send = send.pop()
 
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -219,17 +224,20 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
             megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
                                  "instead: %s")
         x = _all_to_all(send, recv_sizes, send_sizes, group)
+        del send
         ids, ones, (y, row_order, slot_row, offsets, up_rows, down_rows) = _sequential_experts(
             x, recv_counts, w_up, w_down, b_up, b_down, spec)
+        # down is read by the backward only on the reference path (the fused one takes weights_grad=False, so no
+        # routing-weight gradient, and no in-place scratch): kept only there
+        if megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+            down_rows = None
         back = _all_to_all(y, send_sizes, recv_sizes, group)
+        del y
         if tuple(up_rows.shape) != (received, up_width) or up_rows.dtype != w_up.dtype:
             # an up projection of another shape or dtype than the op's output (a bias of another dtype promotes
             # it): an empty buffer in its place, and the backward runs the experts' forward again
-            return back, x, send.new_empty(received, up_width, dtype=w_up.dtype), table
-        # down is read by the backward only on the reference path (the fused one takes weights_grad=False, so no
-        # routing-weight gradient, and no in-place scratch): kept only there
-        fused = megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s)
-        _SEQUENTIAL.keep(table, (up_rows, ids, ones, row_order, slot_row, offsets, None if fused else down_rows))
+            return back, x, x.new_empty(received, up_width, dtype=w_up.dtype), table
+        _SEQUENTIAL.keep(table, (up_rows, ids, ones, row_order, slot_row, offsets, down_rows))
         return back, x, up_rows, table
     knobs = knobs or cached_knobs(send, send.shape[0], w_up, w_down, s, group)
     layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)

@@ -106,6 +106,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
         send = gather_rows(hidden, row_order, top_k)
     else:
         send = hidden[row_order // top_k]
+    send = [send]  # the only reference, which the exchange drops once the rows are sent
     back, x, up, table = exchange_forward(send, recv, w_up, w_down, b_up, b_down, spec, group, send_sizes,
                                           recv_sizes, knobs_from_json(knobs), sequential=not overlap,
                                           count_table=counts)
