@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import megakernel, reference, router_reference
-from .spec import decode_router_spec, decode_spec
+from .spec import SECOND_BACKWARD_ERROR, decode_router_spec, decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
                "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec, Tensor? plan_row_order=None, "
@@ -141,12 +141,6 @@ _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor row_order", "Tensor? row_orde
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
-
-SECOND_BACKWARD_ERROR = (
-    "uniep: a second backward through the same compiled MoE layer (retain_graph=True, or autograd.grad twice) "
-    "would read the experts' saved buffers, which the first backward overwrote: uniep reuses them as scratch for "
-    "a lower peak memory. Compile with torch.compile(model, backend=\"uniep\", "
-    "options={\"reuse_saved_buffers\": False}) to keep them intact for another backward.")
 
 # The storages of the saved `up` and `down` buffers an in-place backward has overwritten. Keyed by the storage
 # (its StorageImpl, not its data pointer); the weak reference held here keeps that key from being reused by

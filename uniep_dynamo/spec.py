@@ -13,6 +13,14 @@ from .kernels import gate_program
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+# What a second backward through buffers a reuse_saved backward overwrote raises (the experts ops, the EP layer).
+SECOND_BACKWARD_ERROR = (
+    "uniep: a second backward through the same compiled MoE layer (retain_graph=True, or autograd.grad twice) "
+    "would read the experts' saved buffers, which the first backward overwrote: uniep reuses them as scratch for "
+    "a lower peak memory. Compile with torch.compile(model, backend=\"uniep\", "
+    "options={\"reuse_saved_buffers\": False}) to keep them intact for another backward.")
+
+
 @dataclass(frozen=True)
 class ExpertsSpec:
     up_layout: str  # "oi": weight stored [E, out, in] (HF default); "io": [E, in, out] (is_transposed)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..spec import decode_spec
+from ..spec import SECOND_BACKWARD_ERROR, decode_spec
 from .config import knobs_from_json
 from .exchange import KeptByTable, exchange_backward, exchange_forward
 from .plan import count_table, layer_fused, routing_plan
@@ -59,7 +59,6 @@ def _take(table, release: bool):
     saved = _SAVED.get(table, release)
     if saved is None:
         if release:  # taken by an earlier backward: the compile's reuse_saved_buffers allows one
-            from ..ops import SECOND_BACKWARD_ERROR
             raise RuntimeError(SECOND_BACKWARD_ERROR)
         raise RuntimeError("uniep.ep_layer_backward: the forward call's received rows are gone (its host table is "
                            "not the one the forward returned)")
