@@ -136,6 +136,30 @@ def test_routing_plan_kernel_equals_reference():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 8])
+def test_combine_kernel_equals_reference_at_every_tokens_per_program(top_k, weighted):
+    """The combine kernel (several tokens a program where K < 8: 16 at the EP exchange's K = 1) against the
+    reference's combine, bit for bit in fp32: T = 37 and H = 300 (no multiple of a program's tile), the last two rows
+    dropped (read as zero, not copied), the rows read copied once each."""
+    from uniep_dynamo.kernels import triton_routing
+
+    assert [triton_routing.combine_block_t(k) for k in (1, 2, 3, 8)] == [16, 8, 4, 1]
+    num_tokens, hidden = 37, 300
+    g = torch.Generator().manual_seed(top_k)
+    slots = num_tokens * top_k
+    slot_row = torch.randperm(slots, generator=g)
+    offsets = torch.tensor([(slots - 2) // 2, slots - 2])  # two experts; the last two rows belong to none
+    rows = torch.randn(slots, hidden, generator=g)
+    weights = torch.rand(num_tokens, top_k, generator=g) if weighted else None
+    copy = torch.full((slots, hidden), float("nan"))
+    out = triton_routing.combine(rows, slot_row, weights, offsets, num_tokens, top_k, torch.float32, copy=copy)
+    want = reference.combine_slots(rows, slot_row, reference.routed_rows_mask(offsets, slots), weights, num_tokens,
+                                   top_k, torch.float32)
+    assert torch.equal(out, want)
+    assert torch.equal(copy[:-2], rows[:-2]) and torch.isnan(copy[-2:]).all()
+
+
 def test_received_plan_kernel_equals_the_ids_and_plan_of_torch_ops():
     """The EP layer's received rows (source by source, each source's rows by local expert): one launch gives the ids,
     weights 1 and routing plan that torch ops and the reference's sort give, with empty runs, an empty source, no rows

@@ -193,25 +193,35 @@ def received_plan(counts: torch.Tensor, num_rows: int, dtype):
 
 @triton.jit
 def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_ptr, out_stride, copy_ptr, copy_stride,
-             hidden, num_experts, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, COPY: tl.constexpr,
-             BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+             num_tokens, hidden, num_experts, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, COPY: tl.constexpr,
+             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    ts = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = ts < num_tokens
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < hidden
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        row = tl.load(slot_row_ptr + t * TOP_K + k)
-        # Broadcast before the compare: a dropped slot's row (>= routed_rows) reads nothing.
-        routed = (row + tl.zeros([BLOCK_H], dtype=row.dtype)) < routed_rows
-        term = tl.load(rows_ptr + row * rows_stride + cols, mask=col_mask & routed, other=0.0)
+        row = tl.load(slot_row_ptr + ts * TOP_K + k, mask=t_mask, other=0)
+        # a dropped slot's row (>= routed_rows) reads nothing
+        mask = (t_mask & (row < routed_rows))[:, None] & col_mask[None, :]
+        term = tl.load(rows_ptr + row[:, None] * rows_stride + cols[None, :], mask=mask, other=0.0)
         if COPY:  # every routed row is one slot's: each is copied once
-            tl.store(copy_ptr + row * copy_stride + cols, term, mask=col_mask & routed)
+            tl.store(copy_ptr + row[:, None] * copy_stride + cols[None, :], term, mask=mask)
         term = term.to(tl.float32)
         if HAS_WEIGHTS:
-            term = term * tl.load(weights_ptr + t * TOP_K + k).to(tl.float32)
+            term = term * tl.load(weights_ptr + ts * TOP_K + k, mask=t_mask, other=0.0).to(tl.float32)[:, None]
         acc += term
-    tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(out_ptr + ts[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & col_mask[None, :])
+
+
+def combine_block_t(top_k: int) -> int:
+    """Tokens per combine program: one where each token reads 8 or more rows (the single-GPU layers' K), more where
+    it reads fewer (the EP exchange's received rows, K = 1, where one 256-column piece of one row a program ran at
+    about half the memory bandwidth the row gather reaches). The same arithmetic per element either way: the bits do
+    not depend on it."""
+    return 1 if top_k >= 8 else 16 // _next_pow2(top_k)
 
 
 def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_dtype, copy=None) -> torch.Tensor:
@@ -225,10 +235,11 @@ def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_d
         raise ValueError(f"uniep: combine copies [*, {hidden}] rows of {rows.dtype} into rows of their own dtype")
     weights_arg = weights.contiguous() if weights is not None else rows
     copy_arg = copy if copy is not None and copy.numel() else rows
-    grid = (num_tokens, _cdiv(hidden, COMBINE_BLOCK_H))
+    block_t = combine_block_t(top_k)
+    grid = (_cdiv(num_tokens, block_t), _cdiv(hidden, COMBINE_BLOCK_H))
     launch(_combine, grid, rows, rows.stride(0), slot_row, weights_arg, offsets, out, out.stride(0), copy_arg,
-           copy_arg.stride(0), hidden, offsets.numel(), TOP_K=top_k, HAS_WEIGHTS=weights is not None,
-           COPY=copy is not None and copy.numel() > 0, BLOCK_H=COMBINE_BLOCK_H)
+           copy_arg.stride(0), num_tokens, hidden, offsets.numel(), TOP_K=top_k, HAS_WEIGHTS=weights is not None,
+           COPY=copy is not None and copy.numel() > 0, BLOCK_T=block_t, BLOCK_H=COMBINE_BLOCK_H)
     return out
 
 
