@@ -160,6 +160,19 @@ def test_combine_kernel_equals_reference_at_every_tokens_per_program(top_k, weig
     assert torch.equal(copy[:-2], rows[:-2]) and torch.isnan(copy[-2:]).all()
 
 
+def test_gather_rounding_to_another_dtype_equals_a_cast_after_it():
+    """gather_rows(dtype=): fp32 gradient rows scaled by fp32 routing weights and rounded to fp16 in the kernel are
+    the bits of the fp32 gather followed by .to(float16) (the combine's backward under fp32 weights)."""
+    from uniep_dynamo.kernels import triton_routing
+
+    g = torch.Generator().manual_seed(5)
+    grad, weights = torch.randn(37, 300, generator=g) * 100, torch.rand(37 * 3, generator=g)
+    order = torch.randperm(37 * 3, generator=g)
+    rounded = triton_routing.gather_rows(grad, order, 3, weights, dtype=torch.float16)
+    assert rounded.dtype == torch.float16
+    assert torch.equal(rounded, triton_routing.gather_rows(grad, order, 3, weights).to(torch.float16))
+
+
 def test_received_plan_kernel_equals_the_ids_and_plan_of_torch_ops():
     """The EP layer's received rows (source by source, each source's rows by local expert): one launch gives the ids,
     weights 1 and routing plan that torch ops and the reference's sort give, with empty runs, an empty source, no rows

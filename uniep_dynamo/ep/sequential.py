@@ -72,7 +72,10 @@ def combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_o
         grad_out = grad_out.contiguous()
         d_weights = routing_weight_grad(grad_out, rows.contiguous(), slot_row, expert_offsets, num_tokens, top_k,
                                         weights.dtype)
-        d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous())
+        # rounded to the rows' dtype in the gather where that gives the bits of the gather and a cast after it: a
+        # gradient in fp32 (a combine in fp32 weights' promotion) needs no [S, H] rows in fp32
+        d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(),
+                             dtype=rows.dtype if grad_out.dtype in (torch.float32, rows.dtype) else None)
     else:
         routed = reference.routed_rows_mask(expert_offsets, slot_row.numel())
         d_weights, d_rows = reference.slot_grads(grad_out, rows, slot_row, row_order, routed, weights)

@@ -293,14 +293,16 @@ def _gather_rows(src_ptr, src_stride, row_order_ptr, weights_ptr, out_ptr, out_s
              mask=mask)
 
 
-def gather_rows(src, row_order, top_k: int, weights=None, out=None) -> torch.Tensor:
+def gather_rows(src, row_order, top_k: int, weights=None, out=None, dtype=None) -> torch.Tensor:
     """out[r] = src[row_order[r] // top_k] (times weights[row_order[r]] in fp32, rounded to src's dtype):
     the token rows in expert-sorted order, for GEMMs that read them as plain strided operands. With
     the routing weights this is bit for bit what the fused gather computes in a GEMM prologue
-    (A_SCALE / Q_SCALE). ``out``: a contiguous [rows, cols] buffer of src's dtype to write into."""
+    (A_SCALE / Q_SCALE). ``out``: a contiguous [rows, cols] buffer of src's dtype to write into. ``dtype``: round to
+    that dtype instead (for fp32 ``src``, the bits of the gather followed by ``.to(dtype)``, without the fp32 rows)."""
     num_rows, num_cols = row_order.numel(), src.shape[1]
-    if out is None or out.dtype != src.dtype or tuple(out.shape) != (num_rows, num_cols) or not out.is_contiguous():
-        out = torch.empty(num_rows, num_cols, dtype=src.dtype, device=src.device)
+    dtype = dtype or src.dtype
+    if out is None or out.dtype != dtype or tuple(out.shape) != (num_rows, num_cols) or not out.is_contiguous():
+        out = torch.empty(num_rows, num_cols, dtype=dtype, device=src.device)
     if num_rows == 0 or num_cols == 0:
         return out
     if src.stride(1) != 1:
