@@ -137,14 +137,16 @@ def test_routing_plan_kernel_equals_reference():
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize("top_k", [1, 2, 3, 8])
-def test_combine_kernel_equals_reference_at_every_tokens_per_program(top_k, weighted):
-    """The combine kernel (several tokens a program where K < 8: 16 at the EP exchange's K = 1) against the
+@pytest.mark.parametrize("top_k,block_t", [(1, None), (1, 1), (2, 8), (3, 4), (8, None)])
+def test_combine_kernel_equals_reference_at_every_tokens_per_program(top_k, block_t, weighted, monkeypatch):
+    """The combine kernel at several tokens a program (None: the default, 16 at the EP exchange's K = 1) against the
     reference's combine, bit for bit in fp32: T = 37 and H = 300 (no multiple of a program's tile), the last two rows
     dropped (read as zero, not copied), the rows read copied once each."""
     from uniep_dynamo.kernels import triton_routing
 
-    assert [triton_routing.combine_block_t(k) for k in (1, 2, 3, 8)] == [16, 8, 4, 1]
+    assert [triton_routing.combine_block_t(k) for k in (1, 2, 8)] == [16, 1, 1]
+    if block_t is not None:
+        monkeypatch.setattr(triton_routing, "combine_block_t", lambda k: block_t)
     num_tokens, hidden = 37, 300
     g = torch.Generator().manual_seed(top_k)
     slots = num_tokens * top_k

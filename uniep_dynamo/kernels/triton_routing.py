@@ -217,11 +217,11 @@ def _combine(rows_ptr, rows_stride, slot_row_ptr, weights_ptr, offsets_ptr, out_
 
 
 def combine_block_t(top_k: int) -> int:
-    """Tokens per combine program: one where each token reads 8 or more rows (the single-GPU layers' K), more where
-    it reads fewer (the EP exchange's received rows, K = 1, where one 256-column piece of one row a program ran at
-    about half the memory bandwidth the row gather reaches). The same arithmetic per element either way: the bits do
-    not depend on it."""
-    return 1 if top_k >= 8 else 16 // _next_pow2(top_k)
+    """Tokens per combine program: 16 where each token reads one row (the EP exchange's received rows: 386 -> 213 µs
+    for 65536 rows of 2048 on an H100, benchmarks/probes/combine_probe.py), else one (Mixtral's K = 2 and
+    Qwen3-30B-A3B's K = 8 gained nothing measurable from more). The same arithmetic per element either way: the bits
+    do not depend on it."""
+    return 16 if top_k == 1 else 1
 
 
 def combine(rows, slot_row, weights, offsets, num_tokens: int, top_k: int, out_dtype, copy=None) -> torch.Tensor:
