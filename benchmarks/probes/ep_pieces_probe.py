@@ -87,47 +87,36 @@ def _graph1(bench, H, I, E, K, x, calls, sync):
     return out
 
 
-def _op_timed(times, name, fn, *args):
-    """fn(*args), its host time added to ``times`` (and the pieces' TIMES) as "op NAME"."""
-    t0 = time.perf_counter()
-    out = fn(*args)
-    times[f"op {name}"] = time.perf_counter() - t0
-    return out
-
-
 def _plain_call(x, ids, w, w_up, w_down, grad, spec, group_name, overlap, sync):
-    """One forward and backward of the plain EP compile's ops at world size 1, each op timed alone, the GPU
-    synchronized before each: ({piece: seconds} forward, backward)."""
-    ops = torch.ops.uniep
-    forward, backward = {}, {}
-    num_experts = w_up.shape[0]
-    with torch.no_grad():
-        from uniep_dynamo.spec import RouterSpec
+    """One forward and backward of the plain EP compile's ops at world size 1, each op timed ("op NAME", beside the
+    pieces' timers), the GPU synchronized before the router, the dispatch, the exchange and the backward:
+    ({piece: seconds} forward, backward)."""
+    from uniep_dynamo.spec import RouterSpec
 
-        sync()
-        router = RouterSpec("softmax_topk", num_experts, ids.shape[1], renorm=True).encode()
-        _op_timed(forward, "moe_router", ops.moe_router, x, w_up[:, 0], None, None, router)  # the graph's router
+    ops = torch.ops.uniep
+    num_experts = w_up.shape[0]
+    router = RouterSpec("softmax_topk", num_experts, ids.shape[1], renorm=True).encode()
+    with torch.no_grad():
         sync()
         TIMES.clear()
-        send, order, counts, recv, slot_row, offsets = _op_timed(forward, "ep_dispatch", ops.ep_dispatch, x, ids,
-                                                                 num_experts, 1, group_name, True)
+        _timed("op moe_router", ops.moe_router)(x, w_up[:, 0], None, None, router)  # the graph's router
+        sync()
+        send, order, counts, recv, slot_row, offsets = _timed("op ep_dispatch", ops.ep_dispatch)(
+            x, ids, num_experts, 1, group_name, True)
         sizes = [[int(counts.sum())], [int(recv.sum())]]  # the model's .tolist(): its synchronization
-        forward.update(TIMES)
+        sync()
+        back, rx, up, table = _timed("op ep_exchange", ops.ep_exchange)(
+            send, recv, w_up, w_down, None, None, spec, group_name, sizes[0], sizes[1], "", not overlap)
+        _timed("op ep_combine", ops.ep_combine)(back, order, w)
+        forward = dict(TIMES)
         sync()
         TIMES.clear()
-        back, rx, up, table = _op_timed(forward, "ep_exchange", ops.ep_exchange, send, recv, w_up, w_down, None, None,
-                                        spec, group_name, sizes[0], sizes[1], "", not overlap)
-        out = _op_timed(forward, "ep_combine", ops.ep_combine, back, order, w)
-        forward.update(TIMES)
-        sync()
-        TIMES.clear()
-        d_back, d_w = _op_timed(backward, "ep_combine_backward", ops.ep_combine_backward, grad, back, order, w)
-        d_send = _op_timed(backward, "ep_exchange_backward", ops.ep_exchange_backward, d_back, rx, up, recv, table,
-                           w_up, w_down, None, None, spec, group_name, sizes[0], sizes[1], "")[0]
-        _op_timed(backward, "ep_dispatch_backward", ops.ep_dispatch_backward, d_send, slot_row, offsets, x.shape[0],
-                  ids.shape[1])
-        backward.update(TIMES)
-    del out
+        d_back, _ = _timed("op ep_combine_backward", ops.ep_combine_backward)(grad, back, order, w)
+        d_send = _timed("op ep_exchange_backward", ops.ep_exchange_backward)(
+            d_back, rx, up, recv, table, w_up, w_down, None, None, spec, group_name, sizes[0], sizes[1], "")[0]
+        _timed("op ep_dispatch_backward", ops.ep_dispatch_backward)(d_send, slot_row, offsets, x.shape[0],
+                                                                   ids.shape[1])
+        backward = dict(TIMES)
     return forward, backward
 
 

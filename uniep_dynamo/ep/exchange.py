@@ -177,6 +177,12 @@ def _sequential_experts(x, recv_counts, w_up, w_down, b_up, b_down, spec: str):
     return ids, ones, torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec)
 
 
+def _owned(value):
+    """The tensor a caller hands over as a one-element list holding its only reference (the list emptied, so that
+    freeing the local name frees the tensor), or the tensor given as such."""
+    return value.pop() if isinstance(value, list) else value
+
+
 def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, group, send_sizes, recv_sizes,
                      knobs: OverlapConfig | None = None, sequential: bool = False, count_table=None):
     """back rows [S, H] (the experts' rows returned to this rank, in its send order), and for the backward: the
@@ -195,9 +201,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     from ..kernels import megakernel
     from ..kernels import reference
 
-    if isinstance(send, list):
-        send = send.pop()
-
+    send = _owned(send)
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], send.shape[1], send.device
@@ -267,7 +271,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     path frees those rows once sent; so may ``x`` and ``up``, which that path then frees once the experts' backward
     has read them. Under ``spec.reuse_saved`` (the compile's reuse_saved_buffers, which refuses a second backward) the
     forward's kept experts-op results are forgotten as they are taken."""
-    grad_back, x, up = (v.pop() if isinstance(v, list) else v for v in (grad_back, x, up))
+    grad_back, x, up = _owned(grad_back), _owned(x), _owned(up)
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
