@@ -136,6 +136,59 @@ def check_op(ranks, routing):
                     assert torch.equal(a, b), (path, i)
 
 
+def _send_first_worker(rank, world, port, out_dir):
+    import time
+    import weakref
+
+    with gloo_group(rank, world, port, **INTERPRETER):
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.ep import exchange
+
+        c = _counts("random", world, 2).view(world, world, 2)  # [source, destination rank, local expert]
+        send_sizes, recv_sizes, recv_counts = c[rank].sum(1).tolist(), c[:, rank].sum(1).tolist(), c[:, rank].clone()
+        _, _, _, w_up, w_down, _, _, spec = make(1, 16, 12, 2, 1, gate=SILU_GLU, seed=10 + rank)
+        g = torch.Generator().manual_seed(20 + rank)
+        send, grad = (torch.randn(sum(send_sizes), 16, generator=g) for _ in range(2))
+        group_name = dist.group.WORLD.group_name
+        args = (recv_counts, w_up, w_down, None, None, spec.encode(), group_name, send_sizes, recv_sizes)
+        _, x, up, table = torch.ops.uniep.ep_exchange(send, *args, "", True)  # the compile's sequential steps
+        saved = (x, up, recv_counts, table, w_up, w_down, None, None, spec.encode(), group_name, send_sizes,
+                 recv_sizes, "")
+        one_op = torch.ops.uniep.ep_exchange_backward(grad, *saved)
+        # what the compiled backward runs by default: the all-to-all in an op of its own, after which the graph drops
+        # the gradient rows; the experts' backward then runs without them
+        rows = grad.clone()
+        ref = weakref.ref(rows)
+        sent = torch.ops.uniep.ep_exchange_backward_send(rows, table, group_name, send_sizes, recv_sizes)
+        del rows
+        deadline = time.monotonic() + 1.0  # gloo's worker thread may hold a finished collective's tensors a little
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        freed = ref() is None
+        two_ops = torch.ops.uniep.ep_exchange_backward(sent, *saved, True)
+        # the second step takes what the first left: without it, it says so
+        try:
+            torch.ops.uniep.ep_exchange_backward(sent, *saved, True)
+            missing = None
+        except RuntimeError as exc:
+            missing = str(exc)
+        torch.save({"freed": freed, "sent": tuple(sent.shape), "missing": missing,
+                    "equal": [torch.equal(a, b) for a, b in zip(one_op[:3], two_ops[:3])]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        assert not exchange._SENT._entries
+
+
+def test_exchange_backward_sends_the_rows_in_an_op_of_its_own(tmp_path):
+    """The sequential exchange's backward as the compile runs it (overlap_ep off): uniep.ep_exchange_backward_send
+    all-to-alls the gradient rows and keeps no reference to them, so a compiled backward frees them before the
+    experts' backward (its peak memory: the exchange apart's); uniep.ep_exchange_backward then takes the received
+    rows, and the gradients are bitwise those of the one-op backward."""
+    for r in run_workers(_send_first_worker, 2, (), tmp_path):
+        assert r["freed"] and r["sent"] == (0,), r
+        assert r["equal"] == [True] * 3, r
+        assert "ep_exchange_backward_send" in r["missing"], r["missing"]
+
+
 def test_exchange_op_refuses_inconsistent_sizes(tmp_path):
     run_workers(_inconsistent_worker, 2, (), tmp_path)
 

@@ -21,7 +21,7 @@ from .patterns.bodies import walk
 
 UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_experts_backward_combine", "moe_router", "moe_router_backward",
              "ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward", "ep_exchange",
-             "ep_exchange_backward", "ep_layer", "ep_layer_backward")
+             "ep_exchange_backward_send", "ep_exchange_backward", "ep_layer", "ep_layer_backward")
 _A2A = ("all_to_all", "this all-to-all runs in the inner backend: uniep fuses the token all-to-alls only where one "
         "graph holds the all-to-all, the experts and the all-to-all back (uniep.ep_exchange, patterns/ep.py)")
 _UNSUPPORTED_ANCHORS = {

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import reference
 from ..spec import decode_spec
-from .exchange import exchange_backward, exchange_forward
+from .exchange import exchange_backward, exchange_backward_send, exchange_forward
 from .config import knobs_from_json
 from .plan import address_key, fused, plan_and_exchange, plan_and_gather
 from .sequential import combine_rows, combine_rows_backward, gather_sum
@@ -236,31 +236,55 @@ def _ep_exchange_fake(send, recv_counts, w_up, w_down, b_up, b_down, spec, group
             torch.empty(world, 3 * world + 2 + recv_counts.shape[1], dtype=torch.int64, device="cpu"))
 
 
+_SEND_SCHEMA = ("(Tensor grad_back, Tensor table, str group_name, SymInt[] send_sizes, SymInt[] recv_sizes) "
+                "-> Tensor")
+
+
+@torch.library.custom_op("uniep::ep_exchange_backward_send", mutates_args=(), schema=_SEND_SCHEMA)
+def ep_exchange_backward_send(grad_back, table, group_name, send_sizes, recv_sizes):
+    """The sequential exchange backward's first step: the all-to-all of the gradient rows [S, H] to the experts'
+    ranks (exchange.exchange_backward_send, which keeps the received rows beside ``table``), so that a compiled
+    backward frees the gradient rows, this op's input, before ep_exchange_backward allocates the experts' buffers.
+    Returns an empty tensor, which ep_exchange_backward takes (``sent=True``) and which orders it after this op."""
+    exchange_backward_send(grad_back, table, _process_group(group_name), send_sizes, recv_sizes)
+    return grad_back.new_empty(0)
+
+
+@ep_exchange_backward_send.register_fake
+def _ep_exchange_backward_send_fake(grad_back, table, group_name, send_sizes, recv_sizes):
+    return grad_back.new_empty(0)
+
+
 @torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(),
                          schema="(Tensor grad_back, Tensor x, Tensor up, Tensor recv_counts, Tensor table, Tensor w_up, "
                                 "Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, "
-                                "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs) -> (Tensor, Tensor, Tensor, Tensor[])")
+                                "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs, bool sent=False) "
+                                "-> (Tensor, Tensor, Tensor, Tensor[])")
 def ep_exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
-                         send_sizes, recv_sizes, knobs):
-    """(d_send, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given])."""
+                         send_sizes, recv_sizes, knobs, sent=False):
+    """(d_send, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]). ``sent``: ``grad_back`` is
+    ep_exchange_backward_send's output (unread), and the rows it received are taken from beside ``table``."""
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
-        send_sizes, recv_sizes, knobs_from_json(knobs))
+        send_sizes, recv_sizes, knobs_from_json(knobs), sent=sent)
     return d_send, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 
 
 @ep_exchange_backward.register_fake
 def _ep_exchange_backward_fake(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
-                               send_sizes, recv_sizes, knobs):
-    return (torch.empty_like(grad_back), torch.empty_like(w_up), torch.empty_like(w_down),
+                               send_sizes, recv_sizes, knobs, sent=False):
+    d_send = x.new_empty(sum(send_sizes), x.shape[1]) if sent else torch.empty_like(grad_back)
+    return (d_send, torch.empty_like(w_up), torch.empty_like(w_down),
             [torch.empty_like(b) for b in (b_up, b_down) if b is not None])
 
 
 def _exchange_setup_context(ctx, inputs, output):
     send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, *rest = inputs
     ctx.save_for_backward(output[1], output[2], recv_counts, output[3], w_up, w_down, b_up, b_down)
-    # the backward takes the path the forward's host table records, so ``sequential`` is not handed on
+    # the backward takes the path the forward's host table records, so ``sequential`` is not handed on; where the
+    # forward was told to take the sequential steps the backward sends the gradient rows in an op of their own
     ctx.args = (spec, group_name, send_sizes, recv_sizes, rest[0] if rest else "")
+    ctx.sequential = bool(rest[1]) if len(rest) > 1 else False
     ctx.num_inputs = len(inputs)
     ctx.has_bias = (b_up is not None, b_down is not None)
 
@@ -269,8 +293,11 @@ def _exchange_backward(ctx, grad_back, *_unused):
     x, up, recv_counts, table, w_up, w_down, b_up, b_down = ctx.saved_tensors
     if grad_back is None:
         return (None,) * ctx.num_inputs
+    if ctx.sequential:  # the all-to-all first, in an op of its own: a compiled backward frees the rows after it
+        _, group_name, send_sizes, recv_sizes, _ = ctx.args
+        grad_back = torch.ops.uniep.ep_exchange_backward_send(grad_back, table, group_name, send_sizes, recv_sizes)
     d_send, d_w_up, d_w_down, d_biases = torch.ops.uniep.ep_exchange_backward(
-        grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, *ctx.args)
+        grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, *ctx.args, ctx.sequential)
     it = iter(d_biases)
     d_b_up = next(it) if ctx.has_bias[0] else None
     d_b_down = next(it) if ctx.has_bias[1] else None

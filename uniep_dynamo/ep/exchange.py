@@ -262,23 +262,56 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
     return win_y.back(rank)[:send.shape[0]].clone(), x, up, table
 
 
+# The gradient rows between the exchange backward's two steps (exchange_backward_send, then exchange_backward with
+# sent=True), beside the call's host table: the rows received from every rank on the sequential path, the rows as
+# given on the overlapped one (its pipeline pulls them out of the window).
+_SENT = KeptByTable()
+
+
+def _sequential_path(table, world: int) -> bool:
+    """Whether the exchange whose host table this is took the sequential steps (some rank could not overlap)."""
+    return not all(row[world] for row in _split_host(table)[0])
+
+
+def exchange_backward_send(grad_back, table, group, send_sizes, recv_sizes) -> None:
+    """The sequential exchange backward's first step, an op of its own (custom_ops.ep_exchange_backward_send) so that
+    a compiled backward frees the gradient rows, this step's input, before the experts' backward allocates its
+    buffers: their all-to-all to the experts' ranks. The rows received are kept beside the table for
+    exchange_backward(..., sent=True), which takes them. Meant for the compile's sequential exchange (overlap_ep
+    off); where the table says the overlapped path ran, the rows are kept as a copy (the caller's buffer may be
+    reused once this returns), which that path pulls out of its window."""
+    grad_back = grad_back.contiguous()
+    if _sequential_path(table, dist.get_world_size(group)):
+        _SENT.keep(table, _all_to_all(grad_back, recv_sizes, send_sizes, group))
+    else:
+        _SENT.keep(table, grad_back.clone())
+
+
 def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
-                      recv_sizes, knobs: OverlapConfig | None = None):
+                      recv_sizes, knobs: OverlapConfig | None = None, sent: bool = False):
     """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
     table says). The sequential path reads the experts op's saved results its forward kept (_SEQUENTIAL), or,
     where none were kept, runs that op's forward again on the saved received rows. ``grad_back`` may be a
     one-element list holding the caller's only reference (ep_layer's backward): it is emptied, so that the sequential
     path frees those rows once sent; so may ``x`` and ``up``, which that path then frees once the experts' backward
-    has read them. Under ``spec.reuse_saved`` (the compile's reuse_saved_buffers, which refuses a second backward) the
-    forward's kept experts-op results are forgotten as they are taken."""
-    grad_back, x, up = _owned(grad_back), _owned(x), _owned(up)
+    has read them. ``sent``: exchange_backward_send ran first for this table (``grad_back`` is then not read): the
+    rows it left are taken. Under ``spec.reuse_saved`` (the compile's reuse_saved_buffers, which refuses a second
+    backward) the forward's kept experts-op results are forgotten as they are taken."""
+    if sent:
+        grad_back = _SENT.get(table, release=True)
+        if grad_back is None:
+            raise RuntimeError("uniep.ep_exchange_backward: the gradient rows' first step "
+                               "(uniep.ep_exchange_backward_send) did not run for this call's table")
+    else:
+        grad_back = _owned(grad_back)
+    x, up = _owned(x), _owned(up)
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
     grad_back = grad_back.contiguous()
     rows, counts, _ = _split_host(table)
     if not all(row[world] for row in rows):
-        d_rows = _all_to_all(grad_back, recv_sizes, send_sizes, group)
+        d_rows = grad_back if sent else _all_to_all(grad_back, recv_sizes, send_sizes, group)
         del grad_back
         saved = _saved_sequential(table, up, release=s.reuse_saved)
         if saved is not None and saved[-1] is None and s.reuse_saved and x.dtype == w_up.dtype:
@@ -317,6 +350,10 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
                     config_shape=(layout.rows, local_experts))
     if layout.capacity == 0:
         return (grad_back.new_zeros(0, size), *zero_grads(new_grads(w_up, w_down, b_up, b_down)))
-    win_dx, grads, _ = backward_phase(layout, transfers, chunks, group, knobs, x, up, grad_back.dtype,
-                                      lambda win: win.send(rank)[:grad_back.shape[0]].copy_(grad_back))
-    return (win_dx.back(rank)[:grad_back.shape[0]].clone(), *grads)
+    sent_rows, dtype, held = grad_back.shape[0], grad_back.dtype, [grad_back]
+    del grad_back  # the fill below drops the last reference once the rows are in the window
+
+    def fill(win):
+        win.send(rank)[:sent_rows].copy_(held.pop())
+    win_dx, grads, _ = backward_phase(layout, transfers, chunks, group, knobs, x, up, dtype, fill)
+    return (win_dx.back(rank)[:sent_rows].clone(), *grads)
