@@ -44,6 +44,8 @@ it. Providers, on the same module and inputs:
              with backend="uniep" (hf_uniep_overlap: options={"overlap_ep": True}, the overlapped exchange inside
              uniep.ep_layer). Left out, with a line saying why, where transformers has no EP. Their
              weights are HF's, not the layer's above, so their rows compare with hf_eager
+  hf_inductor_graphs, hf_uniep_graphs  the same two compiles with mode="reduce-overhead" (inductor's CUDA graphs
+             around what they cannot capture: uniep.ep_layer, HF's all-to-alls and host reads)
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
 Each rank holds T tokens (bf16) and E / world experts. Two times per step, each of the slowest rank (CUDA events):
@@ -84,7 +86,7 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
              "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
              "overlap_sm_comm_only", "overlap_kernel_comm_only",
-             "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap")
+             "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -334,9 +336,12 @@ def _worker(rank, world, port, args, out_path):
                 module = liger if provider == "liger_experts" else hf if batched else layer
                 family = "hf" if batched else "layer"
                 if batched:
-                    backend = {"hf_eager": None, "hf_inductor": "inductor"}.get(provider, "uniep")
+                    backend = {"hf_eager": None, "hf_inductor": "inductor", "hf_inductor_graphs": "inductor"}.get(
+                        provider, "uniep")
                     options = {"overlap_ep": True} if provider == "hf_uniep_overlap" else None
-                    run = module if backend is None else torch.compile(module, backend=backend, options=options)
+                    mode = "reduce-overhead" if provider.endswith("_graphs") else None
+                    run = module if backend is None else torch.compile(module, backend=backend, options=options,
+                                                                       mode=mode)
                 elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif provider.startswith("uniep"):
@@ -360,7 +365,7 @@ def _worker(rank, world, port, args, out_path):
 
                 failed = None
                 try:
-                    out = step().detach()
+                    out = step().detach().clone()  # a CUDA graph's output is overwritten by its next replay
                 except Exception as exc:  # noqa: BLE001 -- a peer kernel that does not take this shape or stack
                     if provider != "liger_experts":
                         raise

@@ -172,6 +172,64 @@ def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, tmp_path, monkeypa
         assert len(found) <= 1, f"{direction}: {len(found)} host synchronizations in one call: {found}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_ep_layer_world1_under_cuda_graphs(overlap, tmp_path):
+    """mode="reduce-overhead" around uniep.ep_layer (what HF's AllToAllEP compiles to): the op synchronizes with the
+    host and runs collectives, which a CUDA graph cannot replay, so it carries torch.Tag.cudagraph_unsafe; inductor
+    then captures the rest of the forward and the backward graph in CUDA graphs and runs the op between the captured
+    parts. Output and gradients are those of the same compile without CUDA graphs, bit for bit, on every step."""
+    import uniep_dynamo  # noqa: F401
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    tokens, hidden, inter, experts, top_k = GPU_SHAPE
+    hidden_states, ids, weights, w_up, w_down, grad, spec = qwen3_like_case(*GPU_SHAPE, torch.bfloat16, device)
+
+    class Block(torch.nn.Module):  # a projection before the layer and one after it: work for the CUDA graphs
+        def __init__(self, group_name):
+            super().__init__()
+            g = torch.Generator().manual_seed(5)
+            self.group_name = group_name
+            self.before = torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).to(device,
+                                                                                                         w_up.dtype))
+            self.after = torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).to(device,
+                                                                                                        w_up.dtype))
+            self.w_up, self.w_down = torch.nn.Parameter(w_up.clone()), torch.nn.Parameter(w_down.clone())
+
+        def forward(self, x, ids, weights):
+            y = torch.ops.uniep.ep_layer(x @ self.before, ids, weights, self.w_up, self.w_down, None, None, spec,
+                                         self.group_name, 1, overlap, "")[0]
+            return torch.nn.functional.silu(y) @ self.after
+
+    def steps(compiled, block, n=3):
+        results = []
+        for _ in range(n):
+            torch.compiler.cudagraph_mark_step_begin()
+            block.zero_grad(set_to_none=True)
+            x, w = hidden_states.clone().requires_grad_(), weights.clone().requires_grad_()
+            out = compiled(x, ids, w)
+            out.backward(grad)
+            # a CUDA graph's outputs (the gradients too) are overwritten by its next replay
+            results.append([t.clone() for t in [out.detach(), x.grad, w.grad] + [p.grad for p in block.parameters()]])
+        return results
+
+    with one_rank_group(device, tmp_path) as group:
+        block = Block(group.group_name)
+        torch._dynamo.reset()
+        want = steps(torch.compile(block, backend="uniep"), block)
+        torch._dynamo.reset()
+        counters.clear()
+        got = steps(torch.compile(block, backend="uniep", mode="reduce-overhead"), block)
+        inductor = dict(counters["inductor"])
+    print("inductor counters:", {k: v for k, v in inductor.items() if "cudagraph" in k})
+    assert inductor.get("cudagraph_partitions", 0) >= 2, inductor  # the captured parts, forward and backward
+    for step, (a, b) in enumerate(zip(got, want)):
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), f"step {step}: result {i} differs under CUDA graphs"
+
+
 CPU_CASES = [
     # (UNIEP_KERNELS, dtype, overlap), what it stresses
     ("reference", torch.bfloat16, False),  # CPU's default path, in the GPU test's dtype

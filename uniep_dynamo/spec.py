@@ -13,6 +13,13 @@ from .kernels import gate_program
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+# The tags of the EP ops: each synchronizes with the host, runs collectives, or keeps state on the host between ops,
+# none of which a CUDA graph replays. Under mode="reduce-overhead" inductor then captures the rest of the graph in
+# CUDA graphs and runs these ops between the captured parts (its graph partitions), or captures nothing where it
+# cannot partition. Empty on a torch without the tag.
+CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
 # What a second backward through buffers a reuse_saved backward overwrote raises (the experts ops, the EP layer).
 SECOND_BACKWARD_ERROR = (
     "uniep: a second backward through the same compiled MoE layer (retain_graph=True, or autograd.grad twice) "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import reference
-from ..spec import decode_spec
+from ..spec import CUDAGRAPH_UNSAFE, decode_spec
 from .exchange import exchange_backward, exchange_backward_send, exchange_forward
 from .config import knobs_from_json
 from .plan import address_key, fused, plan_and_exchange, plan_and_gather
@@ -31,7 +31,7 @@ _DISPATCH_SCHEMA = ("(Tensor hidden, Tensor topk_ids, int num_experts, int world
                     "bool gather_counts=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("uniep::ep_dispatch", mutates_args=(), schema=_DISPATCH_SCHEMA)
+@torch.library.custom_op("uniep::ep_dispatch", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_DISPATCH_SCHEMA)
 def ep_dispatch(hidden, topk_ids, num_experts, world, group_name, gather_counts=False):
     """The send side of an all-to-all dispatch over the `world` ranks of `group_name`, each owning E / W
     consecutive experts. Returns (rows [S, H], row_order [S], send_counts [W, E/W], recv_counts [W, E/W],
@@ -70,7 +70,7 @@ def _ep_dispatch_fake(hidden, topk_ids, num_experts, world, group_name, gather_c
             topk_ids.new_empty(num_experts, dtype=torch.int64))
 
 
-@torch.library.custom_op("uniep::ep_dispatch_backward", mutates_args=(),
+@torch.library.custom_op("uniep::ep_dispatch_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE,
                          schema="(Tensor d_rows, Tensor slot_row, Tensor expert_offsets, SymInt num_tokens, "
                                 "int top_k) -> Tensor")
 def ep_dispatch_backward(d_rows, slot_row, expert_offsets, num_tokens, top_k):
@@ -159,7 +159,7 @@ def _unpermute_plan(row_order, weights):
     return slot_row, order.new_full((1,), slots)
 
 
-@torch.library.custom_op("uniep::ep_combine", mutates_args=(),
+@torch.library.custom_op("uniep::ep_combine", mutates_args=(), tags=CUDAGRAPH_UNSAFE,
                          schema="(Tensor rows, Tensor row_order, Tensor weights) -> Tensor")
 def ep_combine(rows, row_order, weights):
     """out[t] = sum_k weights[t, k] * rows[r] where row_order[r] = t*K + k, k in order, in fp32, in the
@@ -175,7 +175,7 @@ def _ep_combine_fake(rows, row_order, weights):
     return rows.new_empty(weights.shape[0], rows.shape[1], dtype=torch.promote_types(rows.dtype, weights.dtype))
 
 
-@torch.library.custom_op("uniep::ep_combine_backward", mutates_args=(),
+@torch.library.custom_op("uniep::ep_combine_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE,
                          schema="(Tensor grad_out, Tensor rows, Tensor row_order, Tensor weights) -> (Tensor, Tensor)")
 def ep_combine_backward(grad_out, rows, row_order, weights):
     slot_row, offsets = _unpermute_plan(row_order, weights)
@@ -208,7 +208,7 @@ _EXCHANGE_SCHEMA = ("(Tensor send, Tensor recv_counts, Tensor w_up, Tensor w_dow
                     "bool sequential=False) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("uniep::ep_exchange", mutates_args=(), schema=_EXCHANGE_SCHEMA)
+@torch.library.custom_op("uniep::ep_exchange", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_EXCHANGE_SCHEMA)
 def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, knobs="",
                 sequential=False):
     """``back = all_to_all(experts(all_to_all(send)))``: this rank's rows [S, H] (in the order the dispatch sorted
@@ -240,7 +240,7 @@ _SEND_SCHEMA = ("(Tensor grad_back, Tensor table, str group_name, SymInt[] send_
                 "-> Tensor")
 
 
-@torch.library.custom_op("uniep::ep_exchange_backward_send", mutates_args=(), schema=_SEND_SCHEMA)
+@torch.library.custom_op("uniep::ep_exchange_backward_send", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_SEND_SCHEMA)
 def ep_exchange_backward_send(grad_back, table, group_name, send_sizes, recv_sizes):
     """The sequential exchange backward's first step: the all-to-all of the gradient rows [S, H] to the experts'
     ranks (exchange.exchange_backward_send, which keeps the received rows beside ``table``), so that a compiled
@@ -255,7 +255,7 @@ def _ep_exchange_backward_send_fake(grad_back, table, group_name, send_sizes, re
     return grad_back.new_empty(0)
 
 
-@torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(),
+@torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE,
                          schema="(Tensor grad_back, Tensor x, Tensor up, Tensor recv_counts, Tensor table, Tensor w_up, "
                                 "Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, "
                                 "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs, bool sent=False) "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..spec import SECOND_BACKWARD_ERROR, decode_spec
+from ..spec import CUDAGRAPH_UNSAFE, SECOND_BACKWARD_ERROR, decode_spec
 from .config import knobs_from_json
 from .exchange import KeptByTable, exchange_backward, exchange_forward
 from .plan import count_table, layer_fused, routing_plan
@@ -69,7 +69,7 @@ def _out_dtype(spec, weights):
     return torch.promote_types(spec.out_dtype, weights.dtype)
 
 
-@torch.library.custom_op("uniep::ep_layer", mutates_args=(), schema=_LAYER_SCHEMA)
+@torch.library.custom_op("uniep::ep_layer", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_LAYER_SCHEMA)
 def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, overlap=False,
              knobs=""):
     """The EP layer over the `world` ranks of `group_name`, each owning E / W consecutive experts (w_up, w_down,
@@ -137,7 +137,7 @@ _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor topk_weights, Tensor row_order, Te
                     "str knobs) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
-@torch.library.custom_op("uniep::ep_layer_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+@torch.library.custom_op("uniep::ep_layer_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_BACKWARD_SCHEMA)
 def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offsets, recv_counts, table, sizes,
                       hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
     """(d_hidden, d_topk_weights, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]) of ep_layer.
