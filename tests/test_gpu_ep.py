@@ -203,18 +203,28 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
     results = {}
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for name in ("eager", "uniep", "uniep_again"):
+            for name in ("eager", "uniep", "uniep_again", "uniep_graphs"):
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=(
                     DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="all_to_all")))
                 torch._dynamo.reset()
                 counters.clear()
-                run = model if name == "eager" else torch.compile(model, backend="uniep")
-                loss = run(input_ids=input_ids, labels=input_ids).loss
-                loss.backward()
+                # uniep_graphs: mode="reduce-overhead", inductor's CUDA graphs around the EP layers; three steps
+                run = model if name == "eager" else torch.compile(
+                    model, backend="uniep", mode="reduce-overhead" if name == "uniep_graphs" else None)
+                try:
+                    for _ in range(3 if name == "uniep_graphs" else 1):
+                        torch.compiler.cudagraph_mark_step_begin()
+                        model.zero_grad(set_to_none=True)
+                        loss = run(input_ids=input_ids, labels=input_ids).loss
+                        loss.backward()
+                except Exception as exc:  # noqa: BLE001 -- the test reports it
+                    results[(dtype, name)] = {"error": repr(exc)[:2000]}
+                    continue
                 grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().cpu()
                          for n, p in model.named_parameters() if p.grad is not None}
                 results[(dtype, name)] = {"loss": loss.detach().float().cpu(), "grads": grads,
-                                          "counters": dict(counters["uniep"])}
+                                          "counters": dict(counters["uniep"]),
+                                          "partitions": counters["inductor"]["cudagraph_partitions"]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -256,6 +266,13 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
                 # errors (a wrong permutation, a lost slot) are caught there; fp32 is the tight check
                 assert rel < (1e-3 if fp32 else 0.25), f"rank {rank} {dtype}: {name} relative error {rel:.3g}"
                 assert torch.equal(got, again["grads"][name]), f"rank {rank} {dtype}: {name} differs between runs"
+            # under CUDA graphs (the EP ops run between the captured parts): the compile's loss and gradients
+            graphs = r[(dtype, "uniep_graphs")]
+            assert "error" not in graphs, graphs["error"]
+            assert graphs["partitions"] > 0 and graphs["counters"].get("ep_layer", 0) >= 1, graphs["counters"]
+            torch.testing.assert_close(graphs["loss"], first["loss"], atol=0, rtol=0)
+            for name, want in first["grads"].items():
+                assert torch.equal(graphs["grads"][name], want), f"rank {rank} {dtype}: {name} under CUDA graphs"
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
