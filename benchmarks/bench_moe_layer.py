@@ -8,7 +8,10 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   liger_fused_moe          Liger-Kernel's Triton fused MoE (if liger_kernel is installed)
   sonicmoe                 SonicMoE's CuTe-DSL MoE (if sonicmoe is installed; see sonicmoe_experts), run only after
                            its output and gradients matched the reference provider's
+  sort_grouped_mm_graphs   sort_grouped_mm_inductor under mode="reduce-overhead" (inductor's CUDA graphs)
   uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
+  uniep_graphs             the same under mode="reduce-overhead": the step replayed as CUDA graphs, so a
+                           synchronized step does not wait for the host to issue its kernels
   uniep_noquack            the same compiled module with UNIEP_QUACK=0 (the quack knob off: the GEMMs as without
                            quack-kernels), for the knob's A/B in one run
   uniep_quack_entry_point  the same compiled module with UNIEP_QUACK_DIRECT=0 (QuACK's GEMMs launched through its
@@ -159,6 +162,8 @@ def providers(experts, sonicmoe_autotune=True):
     out["hf_grouped_mm_inductor"] = lambda x, ids, w: compiled(x, ids, w)
     ref = torch.compile(sort_grouped_mm)
     out["sort_grouped_mm_inductor"] = lambda x, ids, w: ref(x, ids, w, experts.gate_up_proj, experts.down_proj)
+    ref_graphs = torch.compile(sort_grouped_mm, mode="reduce-overhead")
+    out["sort_grouped_mm_graphs"] = lambda x, ids, w: ref_graphs(x, ids, w, experts.gate_up_proj, experts.down_proj)
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
@@ -170,6 +175,8 @@ def providers(experts, sonicmoe_autotune=True):
 
     uniep = torch.compile(experts, backend="uniep")
     out["uniep"] = lambda x, ids, w: uniep(x, ids, w)
+    uniep_graphs = torch.compile(experts, backend="uniep", mode="reduce-overhead")
+    out["uniep_graphs"] = lambda x, ids, w: uniep_graphs(x, ids, w)
 
     def with_env(variable, value):  # the compiled module with a variable that step() sets around fwd and bwd
         def run(x, ids, w):
@@ -198,6 +205,7 @@ def step(fn, experts, x, ids, w, grad_out):
             before = os.environ.get(env[0])
             os.environ[env[0]] = env[1]
         try:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step for the *_graphs providers' CUDA graphs
             out = fn(xx, ids, ww)
             out.backward(grad_out)
         finally:
