@@ -73,16 +73,17 @@ def single_process(hidden, ids, weights, w_up, w_down, b_up, b_down, spec):
 
 
 def count_in_place_backwards() -> list:
-    """A list that gains an entry each time the experts' in-place backward claims its saved buffers (ops.py's
-    _claim_saved_buffers), in this worker process, which ends with the test."""
-    from uniep_dynamo import ops
+    """A list that gains an entry each time the experts' in-place backward claims its saved buffers
+    (megakernel.claim_saved_buffers, from the in-place op or the EP exchange's backward), in this worker process,
+    which ends with the test."""
+    from uniep_dynamo.kernels import megakernel
 
-    claim, calls = ops._claim_saved_buffers, []
+    claim, calls = megakernel.claim_saved_buffers, []
 
     def claiming(*args):
         calls.append(1)
         return claim(*args)
-    ops._claim_saved_buffers = claiming
+    megakernel.claim_saved_buffers = claiming
     return calls
 
 

@@ -289,8 +289,21 @@ def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
         def spy(t, *args):
             alive.append(([lives(ref) for ref in sent], [lives(ref, 1.0 if reuse_saved else 0.0) for ref in kept]))
             sent.append(weakref.ref(t))
-            return all_to_all(t, *args)
+            out = all_to_all(t, *args)
+            received.append(weakref.ref(out))
+            return out
         exchange._all_to_all = spy
+        # inside the MegaKernel's experts backward, once the GEMMs run: whether the received gradient rows (the third
+        # all-to-all's) are still alive
+        from uniep_dynamo.kernels import megakernel
+
+        received, grad_rows = [], []
+        act_backward = megakernel.act_backward
+
+        def act_spy(*args, **kwargs):
+            grad_rows.append(lives(received[2], 1.0) if len(received) >= 3 else None)
+            return act_backward(*args, **kwargs)
+        megakernel.act_backward = act_spy
         out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
                                        dist.group.WORLD.group_name, world, overlap, "")[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
@@ -306,7 +319,7 @@ def _op_worker(rank, world, port, kernels, overlap, reuse_saved, out_dir):
             except RuntimeError as exc:
                 again = str(exc)
         torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "in_place": first,
-                    "again": again, "alive": alive}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "again": again, "alive": alive, "grad_rows": grad_rows}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("kernels,reuse_saved", [
@@ -339,6 +352,10 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, reuse_saved, tmp_pat
     kept = [[False, True, True], [False, False, False]] if reuse_saved else [[True] * 3] * 2
     assert [r["alive"] for r in ranks] == [[([], []), ([False], []), ([False, False], kept[0]),
                                             ([False, False, False], kept[1])]] * 2, [r["alive"] for r in ranks]
+    # under reuse_saved the MegaKernel's in-place backward is handed the received gradient rows' only reference and
+    # frees them once gathered, before its GEMMs (the op's out-of-place backward holds its argument to the end)
+    assert [r["grad_rows"] for r in ranks] == [[] if kernels == "reference" else [not reuse_saved]] * 2, \
+        [r["grad_rows"] for r in ranks]
     ref_out, ref_grads = single_process(*_op_case())
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert

@@ -143,18 +143,26 @@ CPU_SHAPE = (40, 32, 16, 8, 3)  # the same logic, small enough for the reference
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
-def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap,reuse_saved", [(False, False), (True, False), (False, True)],
+                         ids=["sequential", "overlapped", "sequential-in-place"])
+def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, reuse_saved, tmp_path, monkeypatch):
     """bf16, NCCL, one rank, the heuristic tile config on both sides: the sequential steps (all-to-alls around the
-    experts op, overlap_ep off: HF's default) and the overlapped exchange (symmetric memory). After one warm-up call
-    (kernel compiles, the communicator, the window), each forward call synchronizes the host at most once (the split
-    sizes) and each backward call at most once."""
+    experts op, overlap_ep off: HF's default) and the overlapped exchange (symmetric memory); "in-place": the
+    compile's reuse_saved_buffers in the spec, so the experts' backward reuses the saved buffers on both sides (inside
+    the EP layer, handed the received gradient rows' only reference). After one warm-up call (kernel compiles, the
+    communicator, the window), each forward call synchronizes the host at most once (the split sizes) and each
+    backward call at most once."""
+    import dataclasses
+
     import uniep_dynamo  # noqa: F401
     from uniep_dynamo.kernels.config import heuristic_config, use_config
+    from uniep_dynamo.spec import decode_spec
 
     device = torch.device("cuda", torch.cuda.current_device())
     tokens, hidden, inter, experts, top_k = GPU_SHAPE
     case = qwen3_like_case(*GPU_SHAPE, torch.bfloat16, device)
+    if reuse_saved:
+        case = case[:-1] + (dataclasses.replace(decode_spec(case[-1]), reuse_saved=True).encode(),)
     spec = case[-1]
     phases = record_phases(monkeypatch)
     with one_rank_group(device, tmp_path) as group, \

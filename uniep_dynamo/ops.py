@@ -131,7 +131,7 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # reuses) is a full read and write of both, 0.22 ms a step on Qwen3-30B-A3B's layer (BENCHMARKS.md). What the
 # declaration gave is kept by hand: (1) up and down are this op's own saved tensors (the forward's outputs,
 # read by nothing else); (2) a second backward through the same graph (retain_graph) raises: the op records
-# the storages it overwrites (``_claim_saved_buffers``) and refuses them a second time, with an error that names
+# the storages it overwrites (megakernel.claim_saved_buffers) and refuses them a second time, with an error that names
 # the option that avoids it (bumping their version counters instead made autograd raise first, before the op
 # ran, with PyTorch's "modified by an inplace operation", which names neither uniep nor the option); (3) the
 # combine takes this op's first output as an input, so no scheduler can run it before the rows it reads are
@@ -142,32 +142,12 @@ _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor row_order", "Tensor? row_orde
 assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-# The storages of the saved `up` and `down` buffers an in-place backward has overwritten. Keyed by the storage
-# (its StorageImpl, not its data pointer); the weak reference held here keeps that key from being reused by
-# another storage while it is listed, and a storage nothing else holds any more is dropped on the next call.
-_OVERWRITTEN: dict = {}
-
-
-def _claim_saved_buffers(up, down) -> None:
-    """Record that this backward overwrites `up` and `down`; raise if a backward did so already (the same saved
-    tensors handed to a second backward). Checked here, in the op, so that it holds whichever backend runs it:
-    the eager autograd formula and AOTAutograd's compiled backward (inductor or not) both call this op."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    for key in [key for key, ref in _OVERWRITTEN.items() if ref.expired()]:
-        del _OVERWRITTEN[key]
-    refs = [StorageWeakRef(t.untyped_storage()) for t in (up, down)]
-    if any(ref.cdata in _OVERWRITTEN for ref in refs):
-        raise RuntimeError(SECOND_BACKWARD_ERROR)
-    _OVERWRITTEN.update((ref.cdata, ref) for ref in refs)
-
-
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=(), schema=_BWD_INPLACE_SCHEMA)
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
-    _claim_saved_buffers(up, down)  # they are about to be overwritten
+    megakernel.claim_saved_buffers(up, down, SECOND_BACKWARD_ERROR)  # they are about to be overwritten
     # The in-place writes (the reference's) would bump their version counters, and autograd would then refuse a
     # second backward before this op could say why: the check above stands in for the counters.
     with torch.autograd._unsafe_preserve_version_counter((up, down)):

@@ -14,7 +14,7 @@ import array
 import torch
 import torch.distributed as dist
 
-from ..spec import decode_spec
+from ..spec import SECOND_BACKWARD_ERROR, decode_spec
 from .chunks import Chunks, new_grads, zero_grads
 from .config import OverlapConfig, cached_knobs
 from .layout import exchange_layout
@@ -316,18 +316,27 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
         saved = _saved_sequential(table, up, release=s.reuse_saved)
         if saved is not None and saved[-1] is None and s.reuse_saved and x.dtype == w_up.dtype:
             # the forward's experts-op results on the fused path (no down kept), with the compile's
-            # reuse_saved_buffers: the in-place backward, as the experts op's own autograd formula runs it. The saved
-            # up projection becomes its gradient, a new [rows, H] buffer takes the input-gradient rows, and no
+            # reuse_saved_buffers: the MegaKernel's in-place backward, as the experts op's in-place op runs it, called
+            # here directly so that it can be handed the received gradient rows' only reference and free them once
+            # gathered (an op's arguments live until it returns). The saved up projection becomes its gradient, a
+            # new [rows, H] buffer takes the gathered gradient rows and then the input-gradient rows, and no
             # [rows, 2I] buffer is allocated (the same bits). Each [rows, H] buffer is dropped once read for the last
             # time, as a compiled backward frees it
+            from ..kernels import megakernel
+
             ids, ones, row_order, slot_row, offsets, _ = saved
             rows_buf = d_rows.new_empty(x.shape[0], size, dtype=w_up.dtype)
-            head = (x, ids, ones, w_up, w_down, b_up, b_down)
-            d_ones, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
-                d_rows, *head, [], row_order, slot_row, offsets, up, rows_buf, spec, False)
-            del d_rows, up
-            d_x = torch.ops.uniep.moe_experts_backward_combine(rows_buf, d_ones, *head, slot_row, offsets, spec)
-            del rows_buf, head, x
+            held = [d_rows]
+            del d_rows
+            megakernel.claim_saved_buffers(up, rows_buf, SECOND_BACKWARD_ERROR)
+            with torch.autograd._unsafe_preserve_version_counter((up, rows_buf)):
+                _, _, *grads, _ = megakernel.experts_backward(
+                    held, x, ids, ones, w_up, w_down, b_up, b_down, row_order, slot_row, offsets, up, rows_buf, s,
+                    reuse_saved=True, weights_grad=False, input_rows=rows_buf)
+            d_w_up, d_w_down, d_b_up, d_b_down = (g.contiguous() if g is not None else None for g in grads)
+            del up, grads
+            d_x = megakernel.combine_input_rows(rows_buf, slot_row, offsets, x.shape[0], 1, x.dtype)
+            del rows_buf, x
         else:
             if saved is not None:  # the forward's experts-op results
                 ids, ones, row_order, slot_row, offsets, down_rows = saved

@@ -615,6 +615,27 @@ def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_ord
     return grad
 
 
+# The storages of the saved `up` and `down` buffers an in-place backward has overwritten. Keyed by the storage
+# (its StorageImpl, not its data pointer); the weak reference held here keeps that key from being reused by
+# another storage while it is listed, and a storage nothing else holds any more is dropped on the next call.
+_OVERWRITTEN: dict = {}
+
+
+def claim_saved_buffers(up, down, error: str) -> None:
+    """Record that an in-place backward overwrites `up` and `down`; raise RuntimeError(error) if one did so already
+    (the same saved tensors handed to a second backward). Called where the buffers are handed to
+    experts_backward(reuse_saved=True): the in-place experts op (ops.py), which the eager autograd formula and
+    AOTAutograd's compiled backward both call, and the EP exchange's backward, which calls that backward itself."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    for key in [key for key, ref in _OVERWRITTEN.items() if ref.expired()]:
+        del _OVERWRITTEN[key]
+    refs = [StorageWeakRef(t.untyped_storage()) for t in (up, down)]
+    if any(ref.cdata in _OVERWRITTEN for ref in refs):
+        raise RuntimeError(error)
+    _OVERWRITTEN.update((ref.cdata, ref) for ref in refs)
+
+
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
     """Same contract as reference.experts_forward (without post programs); `plan` is the routing plan
     of topk_ids when the router op computed it already."""
@@ -653,7 +674,9 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     routing-weight gradient is not computed (zeros in its place). With ``input_rows`` (a [rows, H] buffer of
     w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes back None, and
     ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from slot_row (its
-    inverse) and freed once the gathers are done.
+    inverse) and freed once the gathers are done. ``grad_out`` may be a one-element list holding the caller's only
+    reference (the EP exchange's received gradient rows, [rows, H]): it is emptied, and the rows are freed once
+    gathered, before the GEMMs' buffers.
 
     Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down``
     ([rows, H]) is read by the routing-weight gradient and then holds, in turn, the weighted output-gradient
@@ -671,7 +694,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     layer = Layer(hidden, topk_ids, w_up, w_down, spec)
     cfg = layer.config
     device = hidden.device
-    grad_out = grad_out.contiguous()
+    grad_out = (grad_out.pop() if isinstance(grad_out, list) else grad_out).contiguous()
     if row_order is None:
         row_order = inverse_permutation(slot_row)
     weights = topk_weights.reshape(-1).contiguous()
@@ -687,6 +710,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() else None
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
     dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch)
+    del grad_out  # read for the last time (dy is the same tensor where the GEMMs gather it themselves)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise pass turns it
     # into d_up and act in place.
