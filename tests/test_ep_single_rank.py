@@ -238,6 +238,23 @@ def test_ep_layer_world1_under_cuda_graphs(overlap, tmp_path):
             assert torch.equal(u, v), f"step {step}: result {i} differs under CUDA graphs"
 
 
+def test_ep_ops_are_marked_cudagraph_unsafe_and_the_experts_ops_are_not():
+    """What lets mode="reduce-overhead" take a graph holding EP ops (the GPU test above runs it): every EP op carries
+    torch.Tag.cudagraph_unsafe, so inductor runs it between CUDA graphs; the single-GPU experts and router ops, which
+    CUDA graphs capture (tests/test_gpu_megakernel.py), carry no such tag."""
+    import uniep_dynamo  # noqa: F401
+
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip("this torch has no torch.Tag.cudagraph_unsafe")
+    ep_ops = ("ep_layer", "ep_layer_backward", "ep_dispatch", "ep_dispatch_backward", "ep_combine",
+              "ep_combine_backward", "ep_exchange", "ep_exchange_backward_send", "ep_exchange_backward")
+    captured = ("moe_experts", "moe_experts_backward", "moe_experts_backward_", "moe_experts_backward_combine",
+                "moe_router", "moe_router_backward")
+    for name in ep_ops + captured:
+        tagged = torch.Tag.cudagraph_unsafe in getattr(torch.ops.uniep, name).default.tags
+        assert tagged == (name in ep_ops), name
+
+
 CPU_CASES = [
     # (UNIEP_KERNELS, dtype, overlap), what it stresses
     ("reference", torch.bfloat16, False),  # CPU's default path, in the GPU test's dtype

@@ -57,7 +57,8 @@ def main():
     x, ids, w, grad = bench.make_inputs(H, I, E, K, args.tokens, dtype, "cuda")
     w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
     w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
-    spec = dataclasses.replace(ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype), reuse_saved=True).encode()
+    spec = dataclasses.replace(ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype),
+                               reuse_saved=True).encode()
     for key, value in MULTICAST_OFF.items():
         os.environ.setdefault(key, value)
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)

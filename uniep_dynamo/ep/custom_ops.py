@@ -240,10 +240,11 @@ _SEND_SCHEMA = ("(Tensor grad_back, Tensor table, str group_name, SymInt[] send_
                 "-> Tensor")
 
 
-@torch.library.custom_op("uniep::ep_exchange_backward_send", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_SEND_SCHEMA)
+@torch.library.custom_op("uniep::ep_exchange_backward_send", mutates_args=(), tags=CUDAGRAPH_UNSAFE,
+                         schema=_SEND_SCHEMA)
 def ep_exchange_backward_send(grad_back, table, group_name, send_sizes, recv_sizes):
     """The sequential exchange backward's first step: the all-to-all of the gradient rows [S, H] to the experts'
-    ranks (exchange.exchange_backward_send, which keeps the received rows beside ``table``), so that a compiled
+    ranks (exchange.exchange_backward_send keeps the received rows beside ``table``), so that a compiled
     backward frees the gradient rows, this op's input, before ep_exchange_backward allocates the experts' buffers.
     Returns an empty tensor, which ep_exchange_backward takes (``sent=True``) and which orders it after this op."""
     exchange_backward_send(grad_back, table, _process_group(group_name), send_sizes, recv_sizes)

@@ -263,8 +263,8 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
 
 
 # The gradient rows between the exchange backward's two steps (exchange_backward_send, then exchange_backward with
-# sent=True), beside the call's host table: the rows received from every rank on the sequential path, the rows as
-# given on the overlapped one (its pipeline pulls them out of the window).
+# sent=True), beside the call's host table: the rows received from every rank on the sequential path, a copy of the
+# rows as given where the overlapped path ran (its pipeline pulls them out of the window).
 _SENT = KeptByTable()
 
 
@@ -280,11 +280,10 @@ def exchange_backward_send(grad_back, table, group, send_sizes, recv_sizes) -> N
     exchange_backward(..., sent=True), which takes them. Meant for the compile's sequential exchange (overlap_ep
     off); where the table says the overlapped path ran, the rows are kept as a copy (the caller's buffer may be
     reused once this returns), which that path pulls out of its window."""
-    grad_back = grad_back.contiguous()
     if _sequential_path(table, dist.get_world_size(group)):
         _SENT.keep(table, _all_to_all(grad_back, recv_sizes, send_sizes, group))
     else:
-        _SENT.keep(table, grad_back.clone())
+        _SENT.keep(table, grad_back.clone(memory_format=torch.contiguous_format))
 
 
 def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
