@@ -221,7 +221,9 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
                         model.zero_grad(set_to_none=True)
                         loss = run(input_ids=input_ids, labels=input_ids).loss
                         loss.backward()
-                except Exception as exc:  # noqa: BLE001 -- the test reports it
+                except Exception as exc:  # noqa: BLE001 -- the test reports it (the other runs raise as they are)
+                    if name != "uniep_graphs":
+                        raise
                     results[(dtype, name)] = {"error": repr(exc)[:2000]}
                     continue
                 grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().cpu()
@@ -239,7 +241,9 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
 def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
     """HF transformers' own EP (AllToAllEP, >= 5.23) over NCCL, compiled with backend="uniep" (inductor
     behind it): each layer one uniep.ep_layer; in fp32, loss and gradients within 1e-4 / 1e-3 of HF's eager EP
-    path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal."""
+    path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal. Under mode="reduce-overhead"
+    (three steps) CUDA graphs are captured around the EP layers, and loss and gradients are the compile's without
+    them, bit for bit."""
     import tempfile
 
     from test_ep_rewrite import _hf_ep_available, _tiny_qwen3_moe, hf_ep_layer_ops
