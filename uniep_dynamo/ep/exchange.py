@@ -79,6 +79,11 @@ def _split_host(host: torch.Tensor):
             [row[world + 1:3 * world + 2] for row in flat])
 
 
+def _sequential_path(rows) -> bool:
+    """Whether the exchange takes the sequential steps (some rank cannot overlap), from _split_host's rows."""
+    return not all(row[len(rows)] for row in rows)
+
+
 def _check_exchange(rows, claims):
     """Every rank checks every rank's split sizes on the same all-gathered table, so that all of them raise the
     same error together (one rank raising alone would leave the others waiting in a collective)."""
@@ -222,7 +227,7 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
         table = _exchange_host(torch.stack(parts), recv_counts)
     rows, counts, claims = _split_host(table)
     _check_exchange(rows, claims)
-    if not all(row[world] for row in rows):
+    if _sequential_path(rows):
         why = reason or "another rank cannot take it"
         if send.is_cuda and not sequential:
             megakernel.warn_once("ep_exchange", why, "uniep: the overlapped EP exchange runs the sequential steps "
@@ -268,11 +273,6 @@ def exchange_forward(send, recv_counts, w_up, w_down, b_up, b_down, spec: str, g
 _SENT = KeptByTable()
 
 
-def _sequential_path(table, world: int) -> bool:
-    """Whether the exchange whose host table this is took the sequential steps (some rank could not overlap)."""
-    return not all(row[world] for row in _split_host(table)[0])
-
-
 def exchange_backward_send(grad_back, table, group, send_sizes, recv_sizes) -> None:
     """The sequential exchange backward's first step, an op of its own (custom_ops.ep_exchange_backward_send) so that
     a compiled backward frees the gradient rows, this step's input, before the experts' backward allocates its
@@ -280,7 +280,7 @@ def exchange_backward_send(grad_back, table, group, send_sizes, recv_sizes) -> N
     exchange_backward(..., sent=True), which takes them. Meant for the compile's sequential exchange (overlap_ep
     off); where the table says the overlapped path ran, the rows are kept as a copy (the caller's buffer may be
     reused once this returns), which that path pulls out of its window."""
-    if _sequential_path(table, dist.get_world_size(group)):
+    if _sequential_path(_split_host(table)[0]):
         _SENT.keep(table, _all_to_all(grad_back, recv_sizes, send_sizes, group))
     else:
         _SENT.keep(table, grad_back.clone(memory_format=torch.contiguous_format))
@@ -309,7 +309,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
     grad_back = grad_back.contiguous()
     rows, counts, _ = _split_host(table)
-    if not all(row[world] for row in rows):
+    if _sequential_path(rows):
         d_rows = grad_back if sent else _all_to_all(grad_back, recv_sizes, send_sizes, group)
         del grad_back
         saved = _saved_sequential(table, up, release=s.reuse_saved)
