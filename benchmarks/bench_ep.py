@@ -46,12 +46,19 @@ it. Providers, on the same module and inputs:
              weights are HF's, not the layer's above, so their rows compare with hf_eager
   hf_inductor_graphs, hf_uniep_graphs  the same two compiles with mode="reduce-overhead" (inductor's CUDA graphs
              around what they cannot capture: uniep.ep_layer, HF's all-to-alls and host reads)
+  hf_uniep_overlap_graphs  hf_uniep_overlap with mode="reduce-overhead"
+  hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a one-layer
+             model of the same kind, whole (the decoder layer with its attention at the shape's real head counts, the
+             final norm, a 128-word head) on [1, T, H] input embeddings, as HF loads it under EP: the attention, norms
+             and head sharded by FSDP2 (gathered in the forward and backward, their gradients reduce-scattered);
+             eager and compiled; their rows compare with hf_layer_eager
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
 Each rank holds T tokens (bf16) and E / world experts. Two times per step, each of the slowest rank (CUDA events):
 "ms", the median over steps timed one at a time (a synchronization after each), and "back to back", the mean
 over steps issued without one between them, as a training loop runs (the host prepares a step while the GPU
-finishes the last), with its spread (the largest distance of one step's time from their median, over the median).
+finishes the last), with its spread (the largest distance of one step's time from their median, over the median;
+and "p90 spread": the 90th percentile of those distances, which one host hiccup does not set).
 With --rounds R each provider is timed R times, the providers interleaved round by round, and each time is the
 median of its rounds' (the host's speed drifts over minutes). "peak GiB": rank 0's peak memory over one more step.
 Each row also gives the largest relative difference of its output to eager's on each rank.
@@ -62,6 +69,7 @@ Each row also gives the largest relative difference of its output to eager's on 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -80,13 +88,17 @@ from uniep_dynamo.tuner import time_host  # noqa: E402
 
 # name: (hidden, moe intermediate, experts, top-k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
+# name: (attention heads, key/value heads, head dim) of the models these MoE shapes come from (the hf_layer_* rows)
+ATTENTION = {"mixtral": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "tiny": (4, 2, 16)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_apart",
              "uniep_overlap",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
              "uniep_overlap_streams", "overlap_compute_only", "overlap_comm_only", "overlap_streams_comm_only",
              "overlap_sm_comm_only", "overlap_kernel_comm_only",
-             "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs")
+             "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs",
+             "hf_uniep_overlap_graphs", "hf_layer_eager", "hf_layer_inductor", "hf_layer_uniep",
+             "hf_layer_inductor_graphs", "hf_layer_uniep_graphs")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -165,9 +177,10 @@ def _layer_class():
     return GroupedGemmEPMoE, LigerExpertsEPMoE
 
 
-def _hf_block(shape, dims, rank, world, device):
-    """HF's Qwen3-MoE sparse block under transformers' own EP: a one-layer model of these MoE dimensions,
-    saved by rank 0 and loaded by every rank with ``DistributedConfig`` (each rank keeps its experts)."""
+def _hf_model(shape, dims, rank, world):
+    """HF's Qwen3-MoE causal LM under transformers' own EP: one decoder layer of these MoE dimensions and its model's
+    attention heads (a 128-word vocabulary), saved by rank 0 and loaded by every rank with ``DistributedConfig``
+    (each rank keeps its experts; FSDP2 shards every other parameter, fsdp_size = ep_size)."""
     import shutil
     import tempfile
 
@@ -175,13 +188,14 @@ def _hf_block(shape, dims, rank, world, device):
     from transformers.distributed import DistributedConfig
 
     hidden, inter, experts, top_k = dims
+    heads, kv_heads, head_dim = ATTENTION[shape]
     # transformers places each rank's shard on GPU LOCAL_RANK (torchrun's variables; mp.spawn sets none)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     path = os.path.join(tempfile.gettempdir(), f"uniep-bench-ep-hf-{shape}-{os.getppid()}")
     if rank == 0:
         cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
-                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                             num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True)
+                             num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
     dist.barrier()
@@ -190,11 +204,37 @@ def _hf_block(shape, dims, rank, world, device):
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-    # HF's EP shards every other parameter with FSDP2 (fsdp_size = ep_size): the decoder layer gathers the
-    # router's weight when it runs. Gather it once, so that the block runs as in the layer, without the attention.
-    layer = model.model.layers[0]
+    return model
+
+
+def _hf_block(shape, dims, rank, world):
+    """HF's Qwen3-MoE sparse block of _hf_model's model. The decoder layer gathers the router's weight (sharded by
+    FSDP2) when it runs: it is gathered once here, so that the block runs as in the layer, without the attention."""
+    layer = _hf_model(shape, dims, rank, world).model.layers[0]
     layer.unshard()
     return layer.mlp
+
+
+def _family(provider: str) -> str:
+    """Which module a provider runs: "hf_layer" (HF's decoder), "hf" (HF's block) or "layer" (the plain EP layer)."""
+    return "hf_layer" if provider.startswith("hf_layer_") else "hf" if provider.startswith("hf_") else "layer"
+
+
+_GRADS: dict = {}
+
+
+def _grad_like(out, rank):
+    """A fixed random output gradient of ``out``'s shape (the logits of the hf_layer_* rows), made once."""
+    key = (tuple(out.shape), out.dtype)
+    if key not in _GRADS:
+        _GRADS[key] = torch.randn(out.shape, generator=torch.Generator().manual_seed(200 + rank)).to(out.device,
+                                                                                                     out.dtype)
+    return _GRADS[key]
+
+
+def _decoder_call(run, embeds):
+    """HF's model (``run``: it or its compile) on input embeddings: its logits."""
+    return run(inputs_embeds=embeds, use_cache=False).logits
 
 
 def _hf_missing() -> str | None:
@@ -217,10 +257,11 @@ def _time(step, iters, warmup, device):
 
 
 def _time_back_to_back(step, iters, device):
-    """(mean ms, spread) of ``iters`` steps issued back to back (no synchronization between them, as in a training
+    """(mean ms, spread, p90 spread) of ``iters`` steps issued back to back (no synchronization between them, as in a training
     loop: the host may prepare a step while the GPU finishes the last one), every rank starting together. The
     spread is the largest distance of one step's time from the median step's, over the median (on a GPU each step's
-    time is the distance between CUDA events recorded after consecutive steps: the pace the GPU got them at)."""
+    time is the distance between CUDA events recorded after consecutive steps: the pace the GPU got them at); the p90
+    spread is the 90th percentile of those distances over the median."""
     import statistics
     import time
 
@@ -242,17 +283,18 @@ def _time_back_to_back(step, iters, device):
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     median = statistics.median(times)
-    return sum(times) / len(times), max(abs(t - median) for t in times) / median
+    distances = sorted(abs(t - median) / median for t in times)
+    return sum(times) / len(times), distances[-1], distances[min(len(distances) - 1, int(0.9 * len(distances)))]
 
 
 def _round(step, args, device):
-    """(this rank's median ms, the slowest rank's median ms, back-to-back mean ms and spread) of ``step``: one round
-    of the two timings."""
+    """(this rank's median ms, the slowest rank's median ms, back-to-back mean ms, spread and p90 spread) of ``step``:
+    one round of the two timings."""
     ms = _time(step, args.iters, args.warmup, device)
-    flowing, spread = _time_back_to_back(step, args.iters, device)
-    worst = torch.tensor([ms, flowing, spread], device=device)
+    flowing, spread, spread90 = _time_back_to_back(step, args.iters, device)
+    worst = torch.tensor([ms, flowing, spread, spread90], device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return ms, float(worst[0]), float(worst[1]), float(worst[2])
+    return (ms,) + tuple(float(v) for v in worst)
 
 
 def _profile(step, label, rank, device):
@@ -302,14 +344,17 @@ def _worker(rank, world, port, args, out_path):
             g = torch.Generator().manual_seed(100 + rank)
             x = torch.randn(args.tokens, hidden, generator=g).to(device, dtype).requires_grad_()
             grad = torch.randn(args.tokens, hidden, generator=g).to(device, dtype)
-            ref, liger, hf = {}, None, None
+            ref, liger, hf, hf_decoder = {}, None, None, None
             providers = [p for p in PROVIDERS if p not in args.skip.split(",")]
             if args.device != "cuda":
                 providers = [p for p in providers if p not in OVERLAP]
             if any(p.startswith("hf_") for p in providers):
                 missing = _hf_missing()
                 if missing is None:
-                    hf = _hf_block(shape, SHAPES[shape], rank, world, device)
+                    if any(_family(p) == "hf" for p in providers):
+                        hf = _hf_block(shape, SHAPES[shape], rank, world)
+                    if any(_family(p) == "hf_layer" for p in providers):  # another model: FSDP2 wants its root
+                        hf_decoder = _hf_model(shape, SHAPES[shape], rank, world)  # run first, not the block
                 else:
                     providers = [p for p in providers if not p.startswith("hf_")]
                     if rank == 0:
@@ -331,17 +376,21 @@ def _worker(rank, world, port, args, out_path):
                 if args.rounds == 1:
                     torch._dynamo.reset()
                 counters.clear()
-                # HF's block takes [batch, sequence, hidden]; its weights are its own (compared with hf_eager)
+                # HF's block takes [batch, sequence, hidden]; its weights are its own (compared with hf_eager), and
+                # its decoder's (hf_layer_*) with hf_layer_eager
                 batched = provider.startswith("hf_")
-                module = liger if provider == "liger_experts" else hf if batched else layer
-                family = "hf" if batched else "layer"
+                family = _family(provider)
+                module = liger if provider == "liger_experts" else \
+                    {"hf": hf, "hf_layer": hf_decoder}.get(family, layer)
                 if batched:
-                    backend = {"hf_eager": None, "hf_inductor": "inductor", "hf_inductor_graphs": "inductor"}.get(
-                        provider, "uniep")
-                    options = {"overlap_ep": True} if provider == "hf_uniep_overlap" else None
+                    backend = {"eager": None, "inductor": "inductor"}.get(
+                        provider[len(family) + 1:].removesuffix("_graphs"), "uniep")
+                    options = {"overlap_ep": True} if "_uniep_overlap" in provider else None
                     mode = "reduce-overhead" if provider.endswith("_graphs") else None
                     run = module if backend is None else torch.compile(module, backend=backend, options=options,
                                                                        mode=mode)
+                    if family == "hf_layer":
+                        run = functools.partial(_decoder_call, run)
                 elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif provider.startswith("uniep"):
@@ -360,7 +409,7 @@ def _worker(rank, world, port, args, out_path):
                     module.zero_grad(set_to_none=True)
                     x.grad = None
                     out = run(x.unsqueeze(0) if batched else x)
-                    out.backward(grad.view(out.shape))
+                    out.backward(grad.view(out.shape) if out.numel() == grad.numel() else _grad_like(out, rank))
                     return out
 
                 failed = None
@@ -376,7 +425,7 @@ def _worker(rank, world, port, args, out_path):
                     if failed is not None:
                         print(f"# rank {rank}: liger_experts failed on {shape}: {failed!r}", file=sys.stderr)
                     continue
-                ms, worst, flowing, spread = _round(step, args, device)
+                ms, worst, flowing, spread, spread90 = _round(step, args, device)
                 peak = None
                 if device.type == "cuda":  # one more step, its peak memory (this rank's)
                     torch.cuda.synchronize()
@@ -396,14 +445,15 @@ def _worker(rank, world, port, args, out_path):
                              "chunks": args.chunks if provider in OVERLAP else None,
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
                              "ms": worst, "rank_ms": ms, "ms_back_to_back": flowing,
-                             "back_to_back_spread": spread, "peak_gib": peak,
+                             "back_to_back_spread": spread, "back_to_back_spread_p90": spread90,
+                             "peak_gib": peak,
                              "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()},
-                             "rounds": [[worst, flowing, spread]]})
+                             "rounds": [[worst, flowing, spread, spread90]]})
                 timed.append((rows[-1], step))
                 if rank == 0:
                     print(f"{shape:14s} {provider:20s} {worst:9.3f} ms ({flowing:.3f} back to back, spread "
-                          f"{100 * spread:.1f}%)  rel diff vs eager {diff:.2e}  "
+                          f"{100 * spread:.1f}%, p90 {100 * spread90:.1f}%)  rel diff vs eager {diff:.2e}  "
                           + (f"peak {peak:.2f} GiB  " if peak is not None else "") +
                           f"{dict(counters['uniep']) if 'uniep' in provider else ''}", flush=True)
             for _ in range(args.rounds - 1):  # the providers again, interleaved: each round times every one
@@ -415,9 +465,10 @@ def _worker(rank, world, port, args, out_path):
 
                     row["ms"], row["ms_back_to_back"] = (statistics.median(r[i] for r in row["rounds"]) for i in (0, 1))
                     row["back_to_back_spread"] = max(r[2] for r in row["rounds"])
+                    row["back_to_back_spread_p90"] = max(r[3] for r in row["rounds"])
             timed.clear()  # the steps hold their modules: this shape's are freed before the next is built
             del layer, module
-            liger = hf = step = run = None
+            liger = hf = hf_decoder = step = run = None
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -454,25 +505,29 @@ def main():
     print(f"\n{data['device']}, torch {data['torch']}, world {args.world}, T={args.tokens} tokens per rank, bf16, "
           "forward + backward (ms, slowest rank, median)")
     print("ms: each step timed alone (synchronized), the median; back to back: the mean of steps issued without a "
-          "synchronization between them. Ratios against inductor (hf_* rows: against hf_inductor)")
-    print("spread: the largest distance of one back-to-back step's time from their median, over the median "
-          "(the largest of the ranks' spreads" + (", and of the rounds'" if args.rounds > 1 else "") + ")")
+          "synchronization between them. Ratios against inductor (hf_* rows: against hf_inductor, hf_layer_* rows: "
+          "against hf_layer_inductor)")
+    print("spread: the largest distance of one back-to-back step's time from their median, over the median; p90: the "
+          "90th percentile of those distances (the largest of the ranks'" + (
+              ", and of the rounds'" if args.rounds > 1 else "") + ")")
     if args.rounds > 1:
         print(f"{args.rounds} rounds, the providers interleaved: each time is the median of the rounds'")
-    print(f"{'shape':20s} {'provider':20s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s} "
-          f"{'peak GiB':>9s}")
-    base = {(r["shape"], r["provider"]): r for r in data["rows"] if r["provider"] in ("inductor", "hf_inductor")}
+    print(f"{'shape':20s} {'provider':24s} {'ms':>9s} {'ratio':>7s} {'back to back':>13s} {'ratio':>7s} {'spread':>7s} "
+          f"{'p90':>6s} {'peak GiB':>9s}")
+    base = {(r["shape"], r["provider"]): r for r in data["rows"]
+            if r["provider"] in ("inductor", "hf_inductor", "hf_layer_inductor")}
     for r in data["rows"]:
-        b = base.get((r["shape"], "hf_inductor" if r["provider"].startswith("hf_") else "inductor"))
+        family = _family(r["provider"])
+        b = base.get((r["shape"], "inductor" if family == "layer" else f"{family}_inductor"))
         ratio = f"{b['ms'] / r['ms']:6.2f}x" if b else ""
         ratio2 = f"{b['ms_back_to_back'] / r['ms_back_to_back']:6.2f}x" if b else ""
-        print(f"{r['shape']:20s} {r['provider']:20s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s} "
-              f"{100 * r['back_to_back_spread']:6.1f}% "
+        print(f"{r['shape']:20s} {r['provider']:24s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s} "
+              f"{100 * r['back_to_back_spread']:6.1f}% {100 * r.get('back_to_back_spread_p90', float('nan')):5.1f}% "
               + (f"{r['peak_gib']:9.2f}" if r.get("peak_gib") is not None else f"{'-':>9s}"))
     if args.rounds > 1:
         print("each round's ms / back to back:")
         for r in data["rows"]:
-            print(f"{r['shape']:20s} {r['provider']:20s} " + "  ".join(f"{a:.3f}/{b:.3f}" for a, b, _ in r["rounds"]))
+            print(f"{r['shape']:20s} {r['provider']:24s} " + "  ".join(f"{r_[0]:.3f}/{r_[1]:.3f}" for r_ in r["rounds"]))
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
         ms = {r["provider"]: r["ms"] for r in data["rows"] if r["shape"] == shape}
         for layer, comm in (("uniep_overlap", "overlap_comm_only"), ("uniep_overlap_sm", "overlap_sm_comm_only"),
