@@ -387,6 +387,8 @@ def _worker(rank, world, port, args, out_path):
                         provider[len(family) + 1:].removesuffix("_graphs"), "uniep")
                     options = {"overlap_ep": True} if "_uniep_overlap" in provider else None
                     mode = "reduce-overhead" if provider.endswith("_graphs") else None
+                    if options and mode:  # torch.compile takes one of them: the mode's settings go in uniep's options
+                        options["inductor"], mode = dict(torch._inductor.list_mode_options(mode)), None
                     run = module if backend is None else torch.compile(module, backend=backend, options=options,
                                                                        mode=mode)
                     if family == "hf_layer":
