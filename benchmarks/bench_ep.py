@@ -407,7 +407,9 @@ def _worker(rank, world, port, args, out_path):
                 else:
                     run = module if provider == "eager" else torch.compile(module, backend="inductor")
 
-                def step(module=module, run=run, batched=batched):  # bound now: later rounds call it again
+                def step(module=module, run=run, batched=batched, graphs=provider.endswith("_graphs")):
+                    if graphs:  # a new iteration for inductor's CUDA-graph trees (bound now: later rounds call it)
+                        torch.compiler.cudagraph_mark_step_begin()
                     module.zero_grad(set_to_none=True)
                     x.grad = None
                     out = run(x.unsqueeze(0) if batched else x)
