@@ -221,6 +221,7 @@ def _family(provider: str) -> str:
 
 
 _GRADS: dict = {}
+STEP_TIMES: list = []  # each round's back-to-back step times on this rank (ms), the last one's in the row
 
 
 def _grad_like(out, rank):
@@ -257,7 +258,7 @@ def _time(step, iters, warmup, device):
 
 
 def _time_back_to_back(step, iters, device):
-    """(mean ms, spread, p90 spread) of ``iters`` steps issued back to back (no synchronization between them, as in a training
+    """(mean ms, spread, p90 spread, each step's ms) of ``iters`` steps issued back to back (no synchronization between them, as in a training
     loop: the host may prepare a step while the GPU finishes the last one), every rank starting together. The
     spread is the largest distance of one step's time from the median step's, over the median (on a GPU each step's
     time is the distance between CUDA events recorded after consecutive steps: the pace the GPU got them at); the p90
@@ -284,14 +285,25 @@ def _time_back_to_back(step, iters, device):
         times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     median = statistics.median(times)
     distances = sorted(abs(t - median) / median for t in times)
-    return sum(times) / len(times), distances[-1], distances[min(len(distances) - 1, int(0.9 * len(distances)))]
+    return sum(times) / len(times), distances[-1], distances[min(len(distances) - 1, int(0.9 * len(distances)))], times
 
 
 def _round(step, args, device):
     """(this rank's median ms, the slowest rank's median ms, back-to-back mean ms, spread and p90 spread) of ``step``:
-    one round of the two timings."""
-    ms = _time(step, args.iters, args.warmup, device)
-    flowing, spread, spread90 = _time_back_to_back(step, args.iters, device)
+    one round of the two timings; with --no-gc, Python's garbage collector is off in both (collected before). Each
+    back-to-back step's ms (this rank's) goes to ``STEP_TIMES``."""
+    import gc
+
+    if args.no_gc:
+        gc.collect()
+        gc.disable()
+    try:
+        ms = _time(step, args.iters, args.warmup, device)
+        flowing, spread, spread90, times = _time_back_to_back(step, args.iters, device)
+    finally:
+        if args.no_gc:
+            gc.enable()
+    STEP_TIMES.append(times)
     worst = torch.tensor([ms, flowing, spread, spread90], device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return (ms,) + tuple(float(v) for v in worst)
@@ -450,6 +462,7 @@ def _worker(rank, world, port, args, out_path):
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
                              "ms": worst, "rank_ms": ms, "ms_back_to_back": flowing,
                              "back_to_back_spread": spread, "back_to_back_spread_p90": spread90,
+                             "back_to_back_steps_rank0": [round(t, 4) for t in STEP_TIMES[-1]],
                              "peak_gib": peak,
                              "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()},
@@ -476,7 +489,7 @@ def _worker(rank, world, port, args, out_path):
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                           "torch": torch.__version__, "rows": rows}, f, indent=1)
+                           "torch": torch.__version__, "no_gc": args.no_gc, "rows": rows}, f, indent=1)
 
 
 def main():
@@ -485,6 +498,8 @@ def main():
     parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-gc", action="store_true",
+                        help="Python's garbage collector off while timing (collected first): is it the hiccups?")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default="ep.json")
@@ -507,7 +522,7 @@ def main():
     with open(args.out) as f:
         data = json.load(f)
     print(f"\n{data['device']}, torch {data['torch']}, world {args.world}, T={args.tokens} tokens per rank, bf16, "
-          "forward + backward (ms, slowest rank, median)")
+          "forward + backward (ms, slowest rank, median)" + (", Python's gc off while timing" if data.get("no_gc") else ""))
     print("ms: each step timed alone (synchronized), the median; back to back: the mean of steps issued without a "
           "synchronization between them. Ratios against inductor (hf_* rows: against hf_inductor, hf_layer_* rows: "
           "against hf_layer_inductor)")
