@@ -258,17 +258,21 @@ def _time(step, iters, warmup, device):
 
 
 def _time_back_to_back(step, iters, device):
-    """(mean ms, spread, p90 spread, each step's ms) of ``iters`` steps issued back to back (no synchronization between them, as in a training
-    loop: the host may prepare a step while the GPU finishes the last one), every rank starting together. The
-    spread is the largest distance of one step's time from the median step's, over the median (on a GPU each step's
-    time is the distance between CUDA events recorded after consecutive steps: the pace the GPU got them at); the p90
-    spread is the 90th percentile of those distances over the median."""
+    """(mean ms, spread, p90 spread, each step's ms) of ``iters`` steps issued back to back (no synchronization
+    between them, as in a training loop: the host may prepare a step while the GPU finishes the last one), every rank
+    starting together. The spread is the largest distance of one step's time from the median step's, over the median
+    (on a GPU each step's time is the distance between CUDA events recorded after consecutive steps: the pace the GPU
+    got them at); the p90 spread is the 90th percentile of those distances over the median. One step runs before the
+    first event: the steady state is timed, not the first step's start on an idle GPU (that step waited for the
+    host's whole launch path, 10-28% above the median in every row of a 2-GPU run, and so set the spread of every
+    provider; BENCHMARKS.md 2026-11-27, fifth session)."""
     import statistics
     import time
 
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
+    step()  # (not timed: it fills the GPU's queue)
     if device.type != "cuda":
         stamps = [time.perf_counter()]
         for _ in range(iters):

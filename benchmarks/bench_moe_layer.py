@@ -46,8 +46,11 @@ from uniep_dynamo.tuner import time_cuda  # noqa: F401 (the tuner's timing loop;
 
 def time_cuda_back_to_back(step, steps: int) -> float:
     """Mean ms of ``steps`` calls of ``step()`` issued back to back, with no synchronization between them (CUDA
-    events around the whole run, as a training loop runs them)."""
+    events around the whole run, as a training loop runs them). One call runs before the first event, so the
+    steady state is timed: before 2026-11-27 (fifth session) the first timed call started on an idle GPU, and its
+    host time before its first kernel (about 0.6 ms on Qwen3-30B-A3B's layer on an H100) was in the mean too."""
     torch.cuda.synchronize()
+    step()  # (not timed: it fills the GPU's queue)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
