@@ -349,35 +349,3 @@ def test_ep_layer_refuses_an_expert_id_out_of_range_before_any_transfer(tmp_path
         with pytest.raises(ValueError, match=rf"an expert id lies outside \[0, {w_up.shape[0]}\) on rank\(s\) \[0\]"):
             layer(hidden, bad, weights, w_up, w_down)
         assert layer(hidden, ids, weights, w_up, w_down).shape == hidden.shape
-
-
-def test_ep_layer_gathers_the_rows_to_send_beside_the_count_table(tmp_path, monkeypatch):
-    """The rows to send need only this rank's plan, so ep_layer issues their gather inside count_table (its ``beside``:
-    after the counts' copy to the host, before the host waits for it; the GPU then gathers while the host wakes and
-    lays out the exchange), not after the wait; the output is the same as the single-rank op's."""
-    from test_ep import use_kernels
-
-    use_kernels(monkeypatch, "reference")
-    import uniep_dynamo  # noqa: F401
-    from uniep_dynamo.ep import layer as layer_mod
-
-    order = []
-    real = layer_mod.count_table
-
-    def spy(offsets, num_tokens, group, beside=None):
-        assert beside is not None, "ep_layer waited for the count table with nothing issued beside it"
-
-        def traced():
-            order.append("gather issued")
-            beside()
-
-        result = real(offsets, num_tokens, group, beside=traced)
-        order.append("table on the host")
-        return result
-
-    monkeypatch.setattr(layer_mod, "count_table", spy)
-    hidden, ids, weights, w_up, w_down, _, spec = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
-    with one_rank_group(torch.device("cpu"), tmp_path) as group:
-        got = ep_layer_fn(spec, group, False)(hidden, ids, weights, w_up, w_down)
-    assert order == ["gather issued", "table on the host"], order
-    torch.testing.assert_close(got, single_op_fn(spec)(hidden, ids, weights, w_up, w_down), rtol=0, atol=0)

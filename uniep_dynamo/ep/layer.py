@@ -7,10 +7,8 @@ back inside one call:
 
     forward     the stable routing plan (rows ordered by expert, token, k); every rank's per-expert counts and
                 slot count all-gathered (one collective) and copied to the host (plan.count_table: the layer's
-                one synchronization; the rows to send are gathered into plan order after that copy, before the
-                host waits for it, so the GPU has work while the host wakes), from which every rank checks every
-                rank's ids (all raise together) and takes the split sizes, and the exchange its table (no
-                collective of its own);
+                one synchronization), from which every rank checks every rank's ids (all raise together) and
+                takes the split sizes, and the exchange its table (no collective of its own);
                 exchange_forward: the overlapped exchange (transfers beside the grouped GEMMs) where every rank
                 can take it and ``overlap`` is on, else the all-to-all, the experts op, the all-to-all back;
                 combine_rows: out[t] = sum_k w[t, k] * row, k in order, in fp32.
@@ -91,15 +89,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     num_experts = w_up.shape[0] * world
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
-    send = []  # the rows to send, in plan order: the only reference, which the exchange drops once they are sent
-
-    def gather_send():  # needs only this rank's plan: the GPU gathers while the host waits for the count table
-        from ..kernels.triton_routing import gather_rows  # and lays out the exchange (BENCHMARKS.md, 2026-11-27)
-
-        send.append(gather_rows(hidden, row_order, top_k) if fused_kernels else hidden[row_order // top_k])
-
-    # the layer's one host synchronization
-    counts, slots, every = count_table(offsets, topk_ids.numel(), group, beside=gather_send)
+    counts, slots, every = count_table(offsets, topk_ids.numel(), group)  # the layer's one host synchronization
     # an id outside [0, E) sorts past every expert's rows: that rank's counts then sum to fewer than its slots
     short = [r for r in range(world) if sum(counts[r]) != slots[r]]
     if short:
@@ -110,6 +100,12 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     recv = every[:, rank * local:(rank + 1) * local].contiguous()
     sizes = torch.tensor([send_sizes, recv_sizes], dtype=torch.int64)
     # every slot is routed (checked above), so the rows sent are all of them and y_rows needs no padding
+    if fused_kernels:
+        from ..kernels.triton_routing import gather_rows
+        send = gather_rows(hidden, row_order, top_k)
+    else:
+        send = hidden[row_order // top_k]
+    send = [send]  # the only reference, which the exchange drops once the rows are sent
     back, x, up, table = exchange_forward(send, recv, w_up, w_down, b_up, b_down, spec, group, send_sizes,
                                           recv_sizes, knobs_from_json(knobs), sequential=not overlap,
                                           count_table=counts)
