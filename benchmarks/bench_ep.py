@@ -264,8 +264,8 @@ def _time_back_to_back(step, iters, device):
     (on a GPU each step's time is the distance between CUDA events recorded after consecutive steps: the pace the GPU
     got them at); the p90 spread is the 90th percentile of those distances over the median. One step runs before the
     first event: the steady state is timed, not the first step's start on an idle GPU (that step waited for the
-    host's whole launch path, 10-28% above the median in every row of a 2-GPU run, and so set the spread of every
-    provider; BENCHMARKS.md 2026-11-27, fifth session)."""
+    host's whole launch path: 8-28% above the median in every row of a 2-GPU run, the largest spread in six rows of
+    eight; BENCHMARKS.md 2026-11-27, fifth session)."""
     import statistics
     import time
 
