@@ -97,7 +97,8 @@ def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
 
             results[name] = {"loss": loss.detach(), "grads": grads, "counters": dict(counters["uniep"]), "aot": aot,
                              "ran": dict(ran), "other_ops": _graph_ops(dynamo_graphs),
-                             "summary": Report.from_recorder(rec).summary().splitlines()[0]}
+                             "summary": Report.from_recorder(rec).summary().splitlines()[0],
+                             "gaps": [gap for g in rec.graphs for gap in g.coverage_gaps()]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -132,6 +133,7 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
             fused["aot"]
         assert not any(op.startswith(("ep_dispatch", "ep_combine", "ep_exchange"))
                        for ops in fused["aot"].values() for op in ops), fused["aot"]
+        assert fused["gaps"] == [], fused["gaps"]  # the report's own check of both graphs agrees
         # the ops that ran: one ep_layer per MoE layer forward, one ep_layer_backward per layer backward
         ran = r["uniep_again"]["ran"]
         assert ran.get("forward ep_layer") == layers, ran

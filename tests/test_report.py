@@ -114,6 +114,21 @@ def test_experts_taken_into_an_ep_exchange_are_covered():
     assert alone.coverage_gaps() == ["forward graph holds 0 uniep.moe_experts for 1 rewrites"]
 
 
+def test_hf_ep_layers_traced_as_the_op_are_checked_in_both_graphs():
+    """HF's EP layers are traced as uniep.ep_layer (no rewrite record, traced_ops counts them): a forward graph without
+    the op, or a backward graph without its backward op, is a gap; a record with no backward graph checks the
+    forward only."""
+    traced = {"ep_layer": 2, "moe_router": 0}
+    covered = GraphRecord("2/0", traced_ops=traced, aot_graphs={"forward": {"ep_layer": 2, "moe_router": 2},
+                                                                "backward": {"ep_layer_backward": 2}})
+    assert covered.coverage_gaps() == []
+    short = GraphRecord("2/0", traced_ops=traced, aot_graphs={"forward": {"ep_layer": 2}, "backward": {}})
+    assert short.coverage_gaps() == ["backward graph holds 0 uniep.ep_layer_backward for 2 traced uniep.ep_layer"]
+    inference = GraphRecord("2/0", traced_ops=traced, aot_graphs={"inference": {"ep_layer": 1}})
+    assert inference.coverage_gaps() == ["forward graph holds 1 uniep.ep_layer for 2 traced uniep.ep_layer"]
+    assert GraphRecord("2/0", traced_ops=traced).coverage_gaps() == []  # no AOT graph traced: nothing to check
+
+
 def test_collapse_identical_layers():
     assert collapse_modules([f"model.layers.{i}.mlp.experts" for i in range(32)]) == "model.layers.{0-31}.mlp.experts"
     assert collapse_modules(["a.0.x", "a.2.x"]) == "a.{0,2}.x"

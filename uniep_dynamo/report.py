@@ -85,8 +85,10 @@ class GraphRecord:
             counts[op] = counts.get(op, 0) + n
 
     def coverage_gaps(self) -> list[str]:
-        """Rewrites whose op is missing from the traced forward or backward graph."""
-        if self.aot_graphs is None or not self.rewrites:
+        """Rewrites whose op is missing from the traced forward or backward graph, and HF EP layers traced as
+        uniep.ep_layer (traced_ops) whose op, or its backward op, is missing there."""
+        layers = self.traced_ops.get("ep_layer", 0)
+        if self.aot_graphs is None or not (self.rewrites or layers):
             return []
         forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
         # an experts rewrite that an EP exchange took in (patterns/ep.py) runs inside uniep.ep_exchange and its
@@ -105,6 +107,10 @@ class GraphRecord:
             if held < count:
                 also = f" and {ops.get(inside, 0)} uniep.{inside}" if inside and taken else ""
                 gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op}{also} for {count} rewrites")
+        for kind, ops, op in (("forward", forward, "ep_layer"),
+                              ("backward", self.aot_graphs.get("backward"), "ep_layer_backward")):
+            if ops is not None and ops.get(op, 0) < layers:
+                gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op} for {layers} traced uniep.ep_layer")
         return gaps
 
 
