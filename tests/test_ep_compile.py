@@ -362,3 +362,55 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, reuse_saved, tmp_pat
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
         assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name
+
+
+# ---- generate() on HF's EP model ---------------------------------------------------------------------------------
+
+def _generate_worker(rank, world, port, model_dir, out_dir):
+    _init(rank, world, port)
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo import hf_ep
+
+    assert hf_ep.install()
+    from test_distributed_training import _counting_backend
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
+        ep_size=world, fsdp_size=world, ep_implementation="all_to_all")).eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))  # each rank its own prompts
+    # every rank takes the same number of steps (each step's layers are collectives over the ranks)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    try:
+        with torch.no_grad():
+            want = model.generate(ids, **kwargs)
+            inner, graphs = _counting_backend()
+            counters.clear()
+            model.forward = torch.compile(model.forward, backend="uniep", options={"inner_backend": inner})
+            got = model.generate(ids, **kwargs)
+        torch.save({"want": want.sequences, "got": got.sequences, "want_scores": list(want.scores),
+                    "got_scores": list(got.scores), "ran": dict(graphs["ran"]), "counters": dict(counters["uniep"]),
+                    "graphs": len(graphs["forward"])}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_hf_ep_generate_matches_eager(tmp_path):
+    """generate() on HF's EP model (ep_size=2, each rank its own prompts), its forward compiled with uniep as users
+    speed it up: greedy decoding with the KV cache gives eager's tokens and, step by step, its scores; the prefill
+    and every decode step run each MoE layer as one uniep.ep_layer (forward only: no backward under no_grad)."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        _save_model("qwen3_moe", model_dir, 4)
+        ranks = run_workers(_generate_worker, 2, (model_dir,), tmp_path, timeout=900)
+    layers, steps = 2, 4  # tests/hf_models.py: two MoE layers; the prefill and three decode steps
+    for r in ranks:
+        assert torch.equal(r["got"], r["want"]), (r["got"], r["want"])
+        assert len(r["got_scores"]) == len(r["want_scores"]) == steps
+        for step, (a, b) in enumerate(zip(r["got_scores"], r["want_scores"])):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        assert r["ran"].get("forward ep_layer") == layers * steps, r["ran"]
+        assert not any(k.startswith("backward") for k in r["ran"]), r["ran"]
+        assert r["graphs"] >= 2, r["graphs"]  # the prefill and at least one decode graph
