@@ -414,3 +414,74 @@ def test_hf_ep_generate_matches_eager(tmp_path):
         assert r["ran"].get("forward ep_layer") == layers * steps, r["ran"]
         assert not any(k.startswith("backward") for k in r["ran"]), r["ran"]
         assert r["graphs"] >= 2, r["graphs"]  # the prefill and at least one decode graph
+
+
+# ---- HF's EP model under gradient checkpointing ---------------------------------------------------------------------
+
+def _checkpointing_worker(rank, world, port, model_dir, out_dir):
+    _init(rank, world, port)
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo import hf_ep
+
+    assert hf_ep.install()
+    from test_distributed_training import _counting_backend
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    try:
+        for name in ("eager", "model", "blocks"):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                         distributed_config=DistributedConfig(
+                                                             ep_size=world, fsdp_size=world,
+                                                             ep_implementation="all_to_all"))
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+            torch._dynamo.reset()
+            inner, graphs = _counting_backend()
+            run = model
+            if name == "model":  # the whole model compiled
+                run = torch.compile(model, backend="uniep", options={"inner_backend": inner})
+            elif name == "blocks":  # each MoE block compiled, inside the checkpointed decoder layer
+                for layer in model.model.layers:
+                    layer.mlp.compile(backend="uniep", options={"inner_backend": inner})
+            losses = []
+            for _ in range(2):  # the first step compiles inside the checkpointed region, the second does not
+                model.zero_grad(set_to_none=True)
+                loss = run(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+                loss.backward()
+                losses.append(loss.detach())
+            grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = {"losses": losses, "grads": grads, "ran": dict(graphs["ran"])}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_hf_ep_layer_under_gradient_checkpointing(tmp_path):
+    """HF's EP model (ep_size=2) with HF's gradient checkpointing on (non-reentrant, as HF recommends). Compiled
+    whole, Dynamo traces no checkpointed decoder layer, for any backend: FSDP2's hook on the experts module breaks the
+    graph inside the checkpoint, so the layers run eagerly (README, Limits); the loss is eager's. With each MoE block
+    compiled by uniep, each runs as one uniep.ep_layer in the forward and again in the recomputation, with its backward
+    op; loss and every gradient equal the model without uniep over two steps. The first step compiles inside the
+    checkpointed region: hf_ep's trace-time probe of the experts saves its tensors apart from the checkpoint's, whose
+    forward and recomputation must save as many (before, torch.utils.checkpoint raised "A different number of tensors
+    was saved during the original forward and recomputation")."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        _save_model("qwen3_moe", model_dir, 4)
+        ranks = run_workers(_checkpointing_worker, 2, (model_dir,), tmp_path, timeout=900)
+    layers, steps = 2, 2  # tests/hf_models.py: two MoE layers
+    for r in ranks:
+        eager, whole, blocks = r["eager"], r["model"], r["blocks"]
+        assert not whole["ran"], whole["ran"]  # (if this fails, PyTorch or HF traces the layers now: update the docs)
+        assert blocks["ran"].get("forward ep_layer") == 2 * layers * steps, blocks["ran"]  # forward and recomputation
+        assert blocks["ran"].get("backward ep_layer_backward") == layers * steps, blocks["ran"]
+        for got in (whole, blocks):
+            for a, b in zip(got["losses"], eager["losses"]):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            assert got["grads"].keys() == eager["grads"].keys()
+            for name, want in eager["grads"].items():
+                torch.testing.assert_close(got["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)

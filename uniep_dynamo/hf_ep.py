@@ -302,6 +302,11 @@ def _local(p):
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def _own(t):
+    """The identity pack and unpack hook: a saved tensor kept as itself."""
+    return t
+
+
 def _probe(experts, dtype, hidden_size: int, device):
     """(spec text, (w_up, w_down, b_up, b_down) parameter names) of the experts computation, called as AllToAllEP
     calls it, as patterns/experts.py proves it on a Dynamo graph of it; or _Decline with the pattern's reason."""
@@ -349,7 +354,10 @@ def _probe(experts, dtype, hidden_size: int, device):
     probe = types.FunctionType(probe.__code__.replace(), probe.__globals__, "uniep_experts_probe", None,
                                probe.__closure__)
     try:
-        with torch.enable_grad():
+        # the probe runs while Dynamo traces the model: inside a checkpointed region its saved tensors would otherwise
+        # go to the checkpoint's pack hook, which would then count more of them in the forward than the recomputation
+        # saves (torch.utils.checkpoint raises); identity hooks on top of the stack keep them the probe's own
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_own, _own):
             returned = torch.compile(probe, backend=capture, fullgraph=True, dynamic=False)(twin, hidden, ids, ones)
     except _Decline:
         raise
