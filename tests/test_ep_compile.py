@@ -428,10 +428,17 @@ def _checkpointing_worker(rank, world, port, model_dir, out_dir):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    import logging
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("uniep").addHandler(handler)
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
     results = {}
     try:
         for name in ("eager", "model", "blocks"):
+            messages.clear()
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                          distributed_config=DistributedConfig(
                                                              ep_size=world, fsdp_size=world,
@@ -454,7 +461,8 @@ def _checkpointing_worker(rank, world, port, model_dir, out_dir):
                 losses.append(loss.detach())
             grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                      for n, p in model.named_parameters() if p.grad is not None}
-            results[name] = {"losses": losses, "grads": grads, "ran": dict(graphs["ran"])}
+            results[name] = {"losses": losses, "grads": grads, "ran": dict(graphs["ran"]),
+                             "graphs": len(graphs["forward"]), "warned": messages.count(hf_ep.EAGER_WARNING)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -464,7 +472,8 @@ def _checkpointing_worker(rank, world, port, model_dir, out_dir):
 def test_hf_ep_layer_under_gradient_checkpointing(tmp_path):
     """HF's EP model (ep_size=2) with HF's gradient checkpointing on (non-reentrant, as HF recommends). Compiled
     whole, Dynamo traces no checkpointed decoder layer, for any backend: FSDP2's hook on the experts module breaks the
-    graph inside the checkpoint, so the layers run eagerly (README, Limits); the loss is eager's. With each MoE block
+    graph inside the checkpoint, so the layers run eagerly (README, Training set-ups); the loss is eager's, and uniep
+    says once that HF's EP layers ran eagerly, with the recipe (before, nothing was said). With each MoE block
     compiled by uniep, each runs as one uniep.ep_layer in the forward and again in the recomputation, with its backward
     op; loss and every gradient equal the model without uniep over two steps. The first step compiles inside the
     checkpointed region: hf_ep's trace-time probe of the experts saves its tensors apart from the checkpoint's, whose
@@ -477,6 +486,9 @@ def test_hf_ep_layer_under_gradient_checkpointing(tmp_path):
     for r in ranks:
         eager, whole, blocks = r["eager"], r["model"], r["blocks"]
         assert not whole["ran"], whole["ran"]  # (if this fails, PyTorch or HF traces the layers now: update the docs)
+        assert whole["graphs"] >= 1, "nothing compiled"  # the graphs around the layers: uniep compiled, and
+        assert whole["warned"] == 1, whole  # says once that HF's EP layers ran eagerly (before: silent)
+        assert eager["warned"] == 0, eager  # no compile in the process yet: running eagerly is what was asked
         assert blocks["ran"].get("forward ep_layer") == 2 * layers * steps, blocks["ran"]  # forward and recomputation
         assert blocks["ran"].get("backward ep_layer_backward") == layers * steps, blocks["ran"]
         for got in (whole, blocks):

@@ -296,6 +296,7 @@ def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
 def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Entry point registered as torch.compile(backend="uniep")."""
     opts = UniepOptions.from_options(options)
+    hf_ep.note_compile()
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
     compiled = _inner_compile(gm, example_inputs, opts, mode)

@@ -58,6 +58,20 @@ KNOWN_SOURCES = {
 _installed = False
 _PROBES: dict = {}  # experts signature -> (spec text, parameter names) or a decline reason (str)
 _WARNED: set = set()
+_COMPILING: list = []  # not empty once uniep's backend has compiled a graph in this process (note_compile)
+EAGER_WARNING = ("uniep: HF's expert-parallel layer (transformers' AllToAllEP) ran eagerly in a process where uniep "
+                 "compiles graphs: Dynamo did not trace it, so it is not one uniep.ep_layer. Under activation "
+                 "checkpointing with HF's EP, FSDP2's hook on the experts module breaks the graph inside the "
+                 "checkpoint and Dynamo runs the decoder layers eagerly; compile the MoE blocks instead: "
+                 "`for layer in model.model.layers: layer.mlp.compile(backend=\"uniep\")`. (Said once; a model meant "
+                 "to run eagerly here needs nothing.)")
+
+
+def note_compile() -> None:
+    """uniep's backend compiled a graph: from now on HF's EP layer running eagerly is worth one warning (a compile
+    that silently leaves the layers to eager, as under activation checkpointing, says so)."""
+    if not _COMPILING:
+        _COMPILING.append(True)
 
 
 class _Decline(Exception):
@@ -116,6 +130,9 @@ def _patch(module) -> bool:
                     w_up, w_down, b_up, b_down = (None if n is None else getattr(experts, n) for n in names)
                     return torch.ops.uniep.ep_layer(hidden_states, top_k_index, top_k_weights, w_up, w_down, b_up,
                                                     b_down, spec, group_name, world, overlap, knobs)[0]
+        elif _COMPILING and "eager" not in _WARNED:
+            _WARNED.add("eager")
+            log.warning(EAGER_WARNING)
         return original(self, hidden_states, top_k_index, top_k_weights)
 
     __call__._uniep_substitute = True
