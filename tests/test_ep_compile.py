@@ -160,9 +160,9 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
                 torch.testing.assert_close(ind["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
 
 
-# ---- Dynamo guards what the probed spec rests on (hf_ep._signature, compared in the trace by hf_ep._same) --------
-
-def _guard_worker(rank, world, port, model_dir, out_dir):
+def _hf_ep_setup(rank, world, port, model_dir):
+    """A worker's start: its process group's environment, uniep with hf_ep installed, the uniep log's messages collected
+    in a list, and a loader of the saved model under HF's EP (ep_size = fsdp_size = world, fp32). Returns both."""
     _init(rank, world, port)
     import logging
 
@@ -170,16 +170,27 @@ def _guard_worker(rank, world, port, model_dir, out_dir):
     from uniep_dynamo import hf_ep
 
     assert hf_ep.install()
-    from test_distributed_training import _counting_backend
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    declines = []
+    messages = []
     handler = logging.Handler()
-    handler.emit = lambda record: declines.append(record.getMessage())
+    handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("uniep").addHandler(handler)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
-        ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
+            ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
+    return load, messages
+
+
+# ---- Dynamo guards what the probed spec rests on (hf_ep._signature, compared in the trace by hf_ep._same) --------
+
+def _guard_worker(rank, world, port, model_dir, out_dir):
+    load, declines = _hf_ep_setup(rank, world, port, model_dir)
+    from test_distributed_training import _counting_backend
+
+    model = load()
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
     inner, graphs = _counting_backend()
     run = torch.compile(model, backend="uniep", options={"inner_backend": inner})
@@ -367,18 +378,11 @@ def test_ep_layer_bitwise_equals_single_process_op(kernels, reuse_saved, tmp_pat
 # ---- generate() on HF's EP model ---------------------------------------------------------------------------------
 
 def _generate_worker(rank, world, port, model_dir, out_dir):
-    _init(rank, world, port)
-    import uniep_dynamo  # noqa: F401
-    from uniep_dynamo import hf_ep
-
-    assert hf_ep.install()
+    load, _ = _hf_ep_setup(rank, world, port, model_dir)
     from test_distributed_training import _counting_backend
     from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
-        ep_size=world, fsdp_size=world, ep_implementation="all_to_all")).eval()
+    model = load().eval()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))  # each rank its own prompts
     # every rank takes the same number of steps (each step's layers are collectives over the ranks)
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_scores=True,
@@ -419,30 +423,16 @@ def test_hf_ep_generate_matches_eager(tmp_path):
 # ---- HF's EP model under gradient checkpointing ---------------------------------------------------------------------
 
 def _checkpointing_worker(rank, world, port, model_dir, out_dir):
-    _init(rank, world, port)
-    import uniep_dynamo  # noqa: F401
+    load, messages = _hf_ep_setup(rank, world, port, model_dir)
+    from test_distributed_training import _counting_backend
     from uniep_dynamo import hf_ep
 
-    assert hf_ep.install()
-    from test_distributed_training import _counting_backend
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    import logging
-
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("uniep").addHandler(handler)
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
     results = {}
     try:
         for name in ("eager", "model", "blocks"):
             messages.clear()
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                         distributed_config=DistributedConfig(
-                                                             ep_size=world, fsdp_size=world,
-                                                             ep_implementation="all_to_all"))
+            model = load()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
             torch._dynamo.reset()
