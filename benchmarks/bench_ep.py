@@ -61,7 +61,8 @@ finishes the last), with its spread (the largest distance of one step's time fro
 and "p90 spread": the 90th percentile of those distances, which one host hiccup does not set).
 With --rounds R each provider is timed R times, the providers interleaved round by round, and each time is the
 median of its rounds' (the host's speed drifts over minutes). "peak GiB": rank 0's peak memory over one more step.
-Each row also gives the largest relative difference of its output to eager's on each rank.
+Each row also gives the largest relative difference of its output to eager's on each rank, and rank 0's
+back-to-back step times (its first round's); --no-gc turns Python's garbage collector off while timing.
 
     python benchmarks/bench_ep.py --world 4 --shapes mixtral,qwen3-30b-a3b --tokens 8192
     python benchmarks/bench_ep.py --world 2 --device cpu --tokens 64 --shapes tiny   # a CPU smoke run (gloo)
@@ -221,7 +222,7 @@ def _family(provider: str) -> str:
 
 
 _GRADS: dict = {}
-STEP_TIMES: list = []  # each round's back-to-back step times on this rank (ms), the last one's in the row
+STEP_TIMES: list = []  # each round's back-to-back step times on this rank (ms); a row keeps its first round's
 
 
 def _grad_like(out, rank):
