@@ -85,14 +85,20 @@ def test_block_under_checkpoint_or_nested_region(wrap):
     x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(run, backend="uniep", options={"inner_backend": "aot_eager"})
     results = []
-    for fn in (run, compiled, compiled):
-        model.zero_grad(set_to_none=True)
-        xx = x.clone().requires_grad_()
-        out = fn(xx)
-        out.square().sum().backward()
-        results.append((out.detach(), xx.grad, {n: p.grad for n, p in block.named_parameters()}))
+    with report.recording() as rec:
+        for fn in (run, compiled, compiled):
+            model.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_()
+            out = fn(xx)
+            out.square().sum().backward()
+            results.append((out.detach(), xx.grad, {n: p.grad for n, p in block.named_parameters()}))
     eager, first, second = results
     assert counters["uniep"]["moe_experts"] == 1 and counters["uniep"]["moe_router"] == 1
+    # the report finds the ops in the AOT graphs, a nested compile region's shared body (a subgraph module) included
+    (graph,) = [g for g in rec.graphs if g.rewrites]
+    assert graph.aot_graphs["forward"].get("moe_experts", 0) >= 1, graph.aot_graphs
+    assert graph.aot_graphs["backward"].get("moe_experts_backward", 0) >= 1, graph.aot_graphs
+    assert not graph.coverage_gaps(), graph.coverage_gaps()
     for i in (0, 1):
         assert max_rel_err(first[i], eager[i]) <= TOLERANCE[torch.float32]
         assert torch.equal(first[i], second[i])

@@ -208,7 +208,7 @@ def _recording_inner_compile(record, inner_compile):
     """Wrap inductor's inner_compile to count uniep ops in the AOTAutograd forward/backward graphs."""
     def compile_and_count(graph_module, example_inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
-        record.note_aot_graph(kind, graph_module.graph)
+        record.note_aot_graph(kind, graph_module)
         return inner_compile(graph_module, example_inputs, **kwargs)
     return compile_and_count
 
@@ -274,7 +274,7 @@ def _inner_compile(gm, example_inputs, opts: UniepOptions, mode: str | None):
 
         def keep(kind):
             def compiler(graph_module, _example_inputs):
-                record.note_aot_graph(kind, graph_module.graph)
+                record.note_aot_graph(kind, graph_module)
                 return make_boxed_func(graph_module.forward)
             return compiler
 

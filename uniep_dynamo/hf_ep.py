@@ -33,6 +33,7 @@ transformers 5.17's sentinel-mask EP has no ``AllToAllEP``: nothing is installed
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -60,11 +61,12 @@ _PROBES: dict = {}  # experts signature -> (spec text, parameter names) or a dec
 _WARNED: set = set()
 _COMPILING: list = []  # not empty once uniep's backend has compiled a graph in this process (note_compile)
 EAGER_WARNING = ("uniep: HF's expert-parallel layer (transformers' AllToAllEP) ran eagerly in a process where uniep "
-                 "compiles graphs: Dynamo did not trace it, so it is not one uniep.ep_layer. Under activation "
-                 "checkpointing with HF's EP, FSDP2's hook on the experts module breaks the graph inside the "
-                 "checkpoint and Dynamo runs the decoder layers eagerly; compile the MoE blocks instead: "
-                 "`for layer in model.model.layers: layer.mlp.compile(backend=\"uniep\")`. (Said once; a model meant "
-                 "to run eagerly here needs nothing.)")
+                 "compiles graphs: Dynamo did not trace it, so it is not one uniep.ep_layer. Known causes: "
+                 "generate() called on torch.compile(model)'s wrapper runs the uncompiled model (compile in place "
+                 "instead: model.compile(backend=\"uniep\")); under activation checkpointing with HF's EP, FSDP2's "
+                 "hook on the experts module breaks the graph inside the checkpoint and Dynamo runs the decoder "
+                 "layers eagerly (compile the MoE blocks instead: `for layer in model.model.layers: "
+                 "layer.mlp.compile(backend=\"uniep\")`). Said once; a model meant to run eagerly here needs nothing.")
 
 
 def note_compile() -> None:
@@ -320,8 +322,20 @@ def _local(p):
 
 
 def _own(t):
-    """The identity pack and unpack hook: a saved tensor kept as itself."""
+    """The pack hook that keeps a saved tensor as itself (detached: an op's saved output would otherwise hold its own
+    grad_fn, a reference cycle)."""
+    return t.detach()
+
+
+def _unpack(t):
     return t
+
+
+def _own_saved_tensors():
+    """Saved-tensor hooks that keep the probe's saved tensors its own, over any checkpoint's; none where saved-tensor
+    hooks are disabled (entering them would raise there, and then no checkpoint's hooks are on the stack either)."""
+    disabled = getattr(torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)()
+    return contextlib.nullcontext() if disabled else torch.autograd.graph.saved_tensors_hooks(_own, _unpack)
 
 
 def _probe(experts, dtype, hidden_size: int, device):
@@ -374,7 +388,7 @@ def _probe(experts, dtype, hidden_size: int, device):
         # the probe runs while Dynamo traces the model: inside a checkpointed region its saved tensors would otherwise
         # go to the checkpoint's pack hook, which would then count more of them in the forward than the recomputation
         # saves (torch.utils.checkpoint raises); identity hooks on top of the stack keep them the probe's own
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_own, _own):
+        with torch.enable_grad(), _own_saved_tensors():
             returned = torch.compile(probe, backend=capture, fullgraph=True, dynamic=False)(twin, hidden, ids, ones)
     except _Decline:
         raise

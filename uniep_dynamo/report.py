@@ -76,13 +76,18 @@ class GraphRecord:
     # time (uniep.ep_layer), are not rewrites of the graph but would go unreported without this
     traced_ops: dict = field(default_factory=dict)
 
-    def note_aot_graph(self, kind: str, graph: Graph) -> None:
-        """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference"). Counts add up:
-        where DDP's optimizer splits a Dynamo graph into pieces, the pieces share its record (ddp.py)."""
+    def note_aot_graph(self, kind: str, graph) -> None:
+        """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference"): a Graph, or a
+        GraphModule, whose subgraph modules count too, each once (AOTAutograd keeps a nested compile region's body,
+        which its calls share, as one: invoke_subgraph). Counts add up: where DDP's optimizer splits a Dynamo graph
+        into pieces, the pieces share its record (ddp.py)."""
         self.aot_graphs = self.aot_graphs or {}
         counts = self.aot_graphs.setdefault(kind, {})
-        for op, n in count_uniep_ops(graph).items():
-            counts[op] = counts.get(op, 0) + n
+        graphs = [graph] if isinstance(graph, Graph) else \
+            [m.graph for m in graph.modules() if isinstance(m, torch.fx.GraphModule)]
+        for g in graphs:
+            for op, n in count_uniep_ops(g).items():
+                counts[op] = counts.get(op, 0) + n
 
     def coverage_gaps(self) -> list[str]:
         """Rewrites whose op is missing from the traced forward or backward graph, and HF EP layers traced as
