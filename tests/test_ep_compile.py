@@ -487,3 +487,56 @@ def test_hf_ep_layer_under_gradient_checkpointing(tmp_path):
             assert got["grads"].keys() == eager["grads"].keys()
             for name, want in eager["grads"].items():
                 torch.testing.assert_close(got["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---- HF's EP model under autocast -----------------------------------------------------------------------------------
+
+def _autocast_worker(rank, world, port, model_dir, out_dir):
+    load, messages = _hf_ep_setup(rank, world, port, model_dir)
+    from test_distributed_training import _counting_backend
+    from torch._dynamo.utils import counters
+
+    input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    try:
+        for name in ("eager", "uniep"):
+            model = load()
+            torch._dynamo.reset()
+            counters.clear()
+            inner, graphs = _counting_backend()
+            run = model if name == "eager" else torch.compile(model, backend="uniep", options={"inner_backend": inner})
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = run(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            loss.backward()
+            grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = {"loss": loss.detach(), "grads": grads, "ran": dict(graphs["ran"]),
+                             "counters": dict(counters["uniep"]), "messages": list(messages)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_hf_ep_model_under_autocast(tmp_path):
+    """HF's EP model (ep_size=2, fp32 weights) trained under CPU autocast to bf16, compiled with uniep: hf_ep declines
+    the layer (uniep.ep_layer runs no autocast; the log says why), and HF's code, traced, is rewritten piece by piece
+    (the router, dispatch, experts and combine ops run in both directions), with the loss and every gradient of the
+    uncompiled model under the same autocast (bf16 tolerances)."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        _save_model("qwen3_moe", model_dir, 4)
+        ranks = run_workers(_autocast_worker, 2, (model_dir,), tmp_path, timeout=900)
+    for r in ranks:
+        fused, eager = r["uniep"], r["eager"]
+        assert not fused["ran"].get("forward ep_layer"), fused["ran"]
+        assert any("runs under autocast" in m for m in fused["messages"]), fused["messages"]
+        layers = 2  # tests/hf_models.py: two MoE layers
+        for op in ("moe_router", "ep_dispatch", "moe_experts", "ep_combine"):
+            assert fused["ran"].get(f"forward {op}") == layers, fused["ran"]
+        for op in ("moe_router_backward", "ep_dispatch_backward", "moe_experts_backward", "ep_combine_backward"):
+            assert fused["ran"].get(f"backward {op}") == layers, fused["ran"]
+        torch.testing.assert_close(fused["loss"], eager["loss"], atol=1e-2, rtol=1e-2)
+        assert fused["grads"].keys() == eager["grads"].keys()
+        for name, want in eager["grads"].items():
+            got = fused["grads"][name]
+            assert (got - want).abs().max() <= 2e-2 * want.abs().max().clamp_min(1e-6), name
