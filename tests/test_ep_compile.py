@@ -39,20 +39,35 @@ def _graph_ops(graphs) -> set:
     return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
 
 
-def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
+def _hf_ep_setup(rank, world, port, model_dir):
+    """A worker's start: its process group's environment, uniep with hf_ep installed, the uniep log's messages collected
+    in a list, and a loader of the saved model under HF's EP (ep_size = fsdp_size = world, fp32). Returns both."""
     _init(rank, world, port)
-    import uniep_dynamo
+    import logging
+
+    import uniep_dynamo  # noqa: F401
     from uniep_dynamo import hf_ep
 
     assert hf_ep.install()
-    from test_distributed_training import _counting_backend
-    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    def load(ep_size):
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("uniep").addHandler(handler)
+
+    def load():
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=ep_size, fsdp_size=ep_size, ep_implementation="all_to_all"))
+            ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
+    return load, messages
+
+
+def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
+    load, _ = _hf_ep_setup(rank, world, port, model_dir)
+    import uniep_dynamo
+    from test_distributed_training import _counting_backend
+    from torch._dynamo.utils import counters
 
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
     results = {}
@@ -61,7 +76,7 @@ def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
         # AOTAutograd with eager kernels, through a counting inner backend that counts the uniep ops that RUN;
         # "uniep_inductor": the default inner backend
         for name in ("eager", "uniep", "uniep_again", "other_backend") + (("uniep_inductor",) if inductor else ()):
-            model = load(world)
+            model = load()
             torch._dynamo.reset()
             counters.clear()
             dynamo_graphs = []
@@ -158,30 +173,6 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
             torch.testing.assert_close(ind["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
             for name, want in eager["grads"].items():
                 torch.testing.assert_close(ind["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def _hf_ep_setup(rank, world, port, model_dir):
-    """A worker's start: its process group's environment, uniep with hf_ep installed, the uniep log's messages collected
-    in a list, and a loader of the saved model under HF's EP (ep_size = fsdp_size = world, fp32). Returns both."""
-    _init(rank, world, port)
-    import logging
-
-    import uniep_dynamo  # noqa: F401
-    from uniep_dynamo import hf_ep
-
-    assert hf_ep.install()
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("uniep").addHandler(handler)
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
-    return load, messages
 
 
 # ---- Dynamo guards what the probed spec rests on (hf_ep._signature, compared in the trace by hf_ep._same) --------

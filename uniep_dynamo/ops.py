@@ -147,10 +147,7 @@ def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
-    megakernel.claim_saved_buffers(up, down, SECOND_BACKWARD_ERROR)  # they are about to be overwritten
-    # The in-place writes (the reference's) would bump their version counters, and autograd would then refuse a
-    # second backward before this op could say why: the check above stands in for the counters.
-    with torch.autograd._unsafe_preserve_version_counter((up, down)):
+    with megakernel.overwriting_saved_buffers(up, down, SECOND_BACKWARD_ERROR):  # (the reference's writes too)
         return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                               row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad,
                               reuse_saved=True, input_rows=down)[1:6]

@@ -327,8 +327,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
             rows_buf = d_rows.new_empty(x.shape[0], size, dtype=w_up.dtype)
             held = [d_rows]
             del d_rows
-            megakernel.claim_saved_buffers(up, rows_buf, SECOND_BACKWARD_ERROR)
-            with torch.autograd._unsafe_preserve_version_counter((up, rows_buf)):
+            with megakernel.overwriting_saved_buffers(up, rows_buf, SECOND_BACKWARD_ERROR):
                 _, _, *grads, _ = megakernel.experts_backward(
                     held, x, ids, ones, w_up, w_down, b_up, b_down, row_order, slot_row, offsets, up, rows_buf, s,
                     reuse_saved=True, weights_grad=False, input_rows=rows_buf)

@@ -25,6 +25,7 @@ either implementation's backward can consume either forward's results.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -623,9 +624,9 @@ _OVERWRITTEN: dict = {}
 
 def claim_saved_buffers(up, down, error: str) -> None:
     """Record that an in-place backward overwrites `up` and `down`; raise RuntimeError(error) if one did so already
-    (the same saved tensors handed to a second backward). Called where the buffers are handed to
-    experts_backward(reuse_saved=True): the in-place experts op (ops.py), which the eager autograd formula and
-    AOTAutograd's compiled backward both call, and the EP exchange's backward, which calls that backward itself."""
+    (the same saved tensors handed to a second backward). Called by overwriting_saved_buffers where the buffers are
+    handed to experts_backward(reuse_saved=True): the in-place experts op (ops.py), which the eager autograd formula
+    and AOTAutograd's compiled backward both call, and the EP exchange's backward, which calls that backward itself."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     for key in [key for key, ref in _OVERWRITTEN.items() if ref.expired()]:
@@ -634,6 +635,16 @@ def claim_saved_buffers(up, down, error: str) -> None:
     if any(ref.cdata in _OVERWRITTEN for ref in refs):
         raise RuntimeError(error)
     _OVERWRITTEN.update((ref.cdata, ref) for ref in refs)
+
+
+@contextlib.contextmanager
+def overwriting_saved_buffers(up, down, error: str):
+    """The block that hands `up` and `down` to an in-place backward: claim_saved_buffers first, then their version
+    counters kept as they were. The in-place writes would bump them, and autograd would then refuse a second backward
+    before the claim could say why: the claim stands in for the counters."""
+    claim_saved_buffers(up, down, error)
+    with torch.autograd._unsafe_preserve_version_counter((up, down)):
+        yield
 
 
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
