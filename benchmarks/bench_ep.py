@@ -341,6 +341,52 @@ def _profile(step, label, rank, device):
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
+def _trace_steps(step, iters, rank):
+    """Each rank's back-to-back steps under the profiler (CUDA activity only, so the host is slowed little), cut at a
+    marker kernel (``torch.cuda._sleep``) issued between steps: per step, its span on the GPU, the time the GPU was
+    busy (the union of kernel and copy intervals), the NCCL kernels' union (their time includes waiting for the
+    peers), the rest's union, and the host's time for the step's issue (µs; for each rank). Which of them moves in the
+    slow steps says what the spread is: the host (idle grows), the peers (NCCL grows) or the kernels (the rest grows)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def union(intervals):
+        total, reach = 0.0, None
+        for start, end in sorted(intervals):
+            total += max(0.0, end - max(start, reach if reach is not None else start))
+            reach = end if reach is None else max(reach, end)
+        return total
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    step()
+    host = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(100)
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - start) * 1e6)
+            torch.cuda._sleep(100)
+        torch.cuda.synchronize()
+    work = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    marks = [s for s, _, name in work if "spin_kernel" in name]
+    steps = []
+    for i, (a, b) in enumerate(zip(marks, marks[1:])):
+        inside = [(max(s, a), min(e, b), n) for s, e, n in work if e > a and s < b and "spin_kernel" not in n]
+        nccl = union([(s, e) for s, e, n in inside if "nccl" in n.lower()])
+        rest = union([(s, e) for s, e, n in inside if "nccl" not in n.lower()])
+        busy = union([(s, e) for s, e, _ in inside])
+        steps.append({"span": round(b - a, 1), "busy": round(busy, 1), "idle": round(b - a - busy, 1),
+                      "nccl": round(nccl, 1), "rest": round(rest, 1),
+                      "host": round(host[i], 1) if i < len(host) else None})
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, steps)
+    return gathered
+
+
 def _worker(rank, world, port, args, out_path):
     from torch._dynamo.utils import counters
 
@@ -348,6 +394,10 @@ def _worker(rank, world, port, args, out_path):
 
     dtype = torch.bfloat16
     rows = []
+    if args.pin_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // world)
+        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
     with local_rank(rank, world, port, args.device) as device:
         for shape in args.shapes.split(","):
             hidden, inter, experts, top_k = SHAPES[shape]
@@ -456,6 +506,8 @@ def _worker(rank, world, port, args, out_path):
                     peak = torch.cuda.max_memory_allocated() / 2 ** 30
                 if provider in args.profile.split(",") and device.type == "cuda":
                     _profile(step, f"{shape} {provider}", rank, device)
+                traced = _trace_steps(step, args.trace_steps, rank) if args.trace_steps and device.type == "cuda" \
+                    else None
                 ref.setdefault(family, out)
                 if provider.startswith("overlap_"):  # timing only: no result to compare
                     diff = float("nan")
@@ -469,6 +521,7 @@ def _worker(rank, world, port, args, out_path):
                              "back_to_back_spread": spread, "back_to_back_spread_p90": spread90,
                              "back_to_back_steps_rank0": [round(t, 4) for t in STEP_TIMES[-1]],
                              "peak_gib": peak,
+                             "traced_steps": traced,
                              "max_rel_vs_eager": diff,
                              "rewrites": {k: v for k, v in counters["uniep"].items()},
                              "rounds": [[worst, flowing, spread, spread90]]})
@@ -497,6 +550,24 @@ def _worker(rank, world, port, args, out_path):
                            "torch": torch.__version__, "no_gc": args.no_gc, "rows": rows}, f, indent=1)
 
 
+def _print_traced(rows):
+    """Per traced row and rank: the median step's span, busy, idle, NCCL and other GPU time and host issue time (ms),
+    and the same for the slowest 20% of steps: which of them grows in the slow steps."""
+    import statistics
+
+    keys = ("span", "busy", "idle", "nccl", "rest", "host")
+    for r in rows:
+        for rank, steps in enumerate(r.get("traced_steps") or []):
+            if not steps:
+                continue
+            slow = sorted(steps, key=lambda s: s["span"])[-max(1, len(steps) // 5):]
+            mid = {k: statistics.median(s[k] for s in steps if s[k] is not None) / 1e3 for k in keys}
+            top = {k: statistics.mean(s[k] for s in slow if s[k] is not None) / 1e3 for k in keys}
+            print(f"# traced {r['shape']} {r['provider']} rank {rank}, {len(steps)} steps (ms): median " +
+                  " ".join(f"{k} {mid[k]:.3f}" for k in keys) + " | slowest fifth " +
+                  " ".join(f"{k} {top[k]:.3f}" for k in keys))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=4)
@@ -520,6 +591,12 @@ def main():
     parser.add_argument("--profile", default="",
                         help="comma-separated providers to profile one step of (after timing): rank 0's kernels by "
                              "device time and ops by host time")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="after timing, this many back-to-back steps under the profiler on every rank: per step "
+                             "the GPU's span, busy, idle, NCCL and other time, and the host's issue time (JSON "
+                             "\"traced_steps\"; a summary printed)")
+    parser.add_argument("--pin-cores", action="store_true",
+                        help="pin each rank's process to its own share of the host's cores (os.sched_setaffinity)")
     args = parser.parse_args()
     from uniep_dynamo.ep import free_port
 
@@ -548,6 +625,7 @@ def main():
         print(f"{r['shape']:20s} {r['provider']:24s} {r['ms']:9.3f} {ratio:>7s} {r['ms_back_to_back']:13.3f} {ratio2:>7s} "
               f"{100 * r['back_to_back_spread']:6.1f}% {100 * r.get('back_to_back_spread_p90', float('nan')):5.1f}% "
               + (f"{r['peak_gib']:9.2f}" if r.get("peak_gib") is not None else f"{'-':>9s}"))
+    _print_traced(data["rows"])
     if args.rounds > 1:
         print("each round's ms / back to back:")
         for r in data["rows"]:
