@@ -379,9 +379,15 @@ def _trace_steps(step, iters, rank):
         nccl = union([(s, e) for s, e, n in inside if "nccl" in n.lower()])
         rest = union([(s, e) for s, e, n in inside if "nccl" not in n.lower()])
         busy = union([(s, e) for s, e, _ in inside])
+        gaps, reach, last = [], a, "(step start)"
+        for s_, e_, n in sorted(inside):
+            if s_ - reach > 20:
+                gaps.append([last[:70], n[:70], round(s_ - reach, 1)])
+            if e_ > reach:
+                reach, last = e_, n
         steps.append({"span": round(b - a, 1), "busy": round(busy, 1), "idle": round(b - a - busy, 1),
                       "nccl": round(nccl, 1), "rest": round(rest, 1),
-                      "host": round(host[i], 1) if i < len(host) else None})
+                      "host": round(host[i], 1) if i < len(host) else None, "gaps": gaps})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, steps)
     return gathered
@@ -566,6 +572,13 @@ def _print_traced(rows):
             print(f"# traced {r['shape']} {r['provider']} rank {rank}, {len(steps)} steps (ms): median " +
                   " ".join(f"{k} {mid[k]:.3f}" for k in keys) + " | slowest fifth " +
                   " ".join(f"{k} {top[k]:.3f}" for k in keys))
+            pairs = {}  # the GPU's idle gaps over 20 µs by the kernels around them: µs a step, all steps / slowest
+            for group, chosen in ((0, steps), (1, slow)):
+                for s in chosen:
+                    for before, after, us in s.get("gaps", []):
+                        pairs.setdefault((before, after), [0.0, 0.0])[group] += us / len(chosen)
+            for (before, after), (every, worst) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:6]:
+                print(f"#   gap {every:7.1f} / {worst:7.1f} µs a step after {before} before {after}")
 
 
 def main():
