@@ -393,6 +393,34 @@ def _trace_steps(step, iters, rank):
     return gathered
 
 
+def _cprofile(step, iters, label, rank, device):
+    """``iters`` back-to-back steps with rank 0's Python under cProfile (the other ranks run them plain): its host time
+    by function, own time and cumulative, for where a host-bound step's host time goes (cProfile slows Python code,
+    not the ops' C++ and CUDA calls, so Python's share reads high)."""
+    import cProfile
+    import io
+    import pstats
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    step()
+    profiler = cProfile.Profile() if rank == 0 else None
+    if profiler is not None:
+        profiler.enable()
+    for _ in range(iters):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if profiler is None:
+        return
+    profiler.disable()
+    for key in ("tottime", "cumtime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(45)
+        print(f"# cProfile {label}, {iters} steps, by {key}:\n" + text.getvalue(), flush=True)
+
+
 def _worker(rank, world, port, args, out_path):
     from torch._dynamo.utils import counters
 
@@ -512,6 +540,8 @@ def _worker(rank, world, port, args, out_path):
                     peak = torch.cuda.max_memory_allocated() / 2 ** 30
                 if provider in args.profile.split(",") and device.type == "cuda":
                     _profile(step, f"{shape} {provider}", rank, device)
+                if provider in args.cprofile.split(","):
+                    _cprofile(step, 20, f"{shape} {provider}", rank, device)
                 traced = _trace_steps(step, args.trace_steps, rank) if args.trace_steps and device.type == "cuda" \
                     else None
                 ref.setdefault(family, out)
@@ -608,6 +638,9 @@ def main():
                         help="after timing, this many back-to-back steps under the profiler on every rank: per step "
                              "the GPU's span, busy, idle, NCCL and other time, and the host's issue time (JSON "
                              "\"traced_steps\"; a summary printed)")
+    parser.add_argument("--cprofile", default="",
+                        help="comma-separated providers whose rank 0 runs 20 back-to-back steps under cProfile (after "
+                             "timing): host time by Python function")
     parser.add_argument("--pin-cores", action="store_true",
                         help="pin each rank's process to its own share of the host's cores (os.sched_setaffinity)")
     args = parser.parse_args()
