@@ -393,6 +393,22 @@ def _trace_steps(step, iters, rank):
     return gathered
 
 
+def _chrome_trace(step, path):
+    """Three back-to-back steps (after one untimed) under the profiler, host and GPU, written as a chrome trace: which
+    host work lies between two launches where the GPU waits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
+
+
 def _cprofile(step, iters, label, rank, device):
     """``iters`` back-to-back steps with rank 0's Python under cProfile (the other ranks run them plain): its host time
     by function, own time and cumulative, for where a host-bound step's host time goes (cProfile slows Python code,
@@ -540,6 +556,8 @@ def _worker(rank, world, port, args, out_path):
                     peak = torch.cuda.max_memory_allocated() / 2 ** 30
                 if provider in args.profile.split(",") and device.type == "cuda":
                     _profile(step, f"{shape} {provider}", rank, device)
+                if args.trace_dir and provider in args.profile.split(",") and device.type == "cuda":
+                    _chrome_trace(step, os.path.join(args.trace_dir, f"{shape}-{provider}-rank{rank}.json.gz"))
                 if provider in args.cprofile.split(","):
                     _cprofile(step, 20, f"{shape} {provider}", rank, device)
                 traced = _trace_steps(step, args.trace_steps, rank) if args.trace_steps and device.type == "cuda" \
@@ -638,6 +656,9 @@ def main():
                         help="after timing, this many back-to-back steps under the profiler on every rank: per step "
                              "the GPU's span, busy, idle, NCCL and other time, and the host's issue time (JSON "
                              "\"traced_steps\"; a summary printed)")
+    parser.add_argument("--trace-dir", default="",
+                        help="with --profile: also write each rank's chrome trace of three back-to-back steps of those "
+                             "providers here")
     parser.add_argument("--cprofile", default="",
                         help="comma-separated providers whose rank 0 runs 20 back-to-back steps under cProfile (after "
                              "timing): host time by Python function")
