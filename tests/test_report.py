@@ -97,6 +97,38 @@ def test_coverage_gap_is_flagged():
     assert record.coverage_gaps() == ["backward graph holds 1 uniep.moe_experts_backward for 2 rewrites"]
 
 
+def test_frozen_layer_expects_no_backward_op():
+    """Partial fine-tuning: layer 0 and the embeddings frozen, so layer 0's router and experts read no tensor that
+    requires grad and AOTAutograd's backward holds one experts backward, not two. That is no coverage gap (it was
+    reported as one); a trainable layer's missing backward op still is."""
+    from uniep_dynamo.report import Rewrite
+
+    model = tiny_mixtral()
+    for name, p in model.named_parameters():
+        if "embed" in name or ".layers.0." in name:
+            p.requires_grad_(False)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    (graph,) = json.loads(uniep_dynamo.explain(model, input_ids=ids, labels=ids).to_json())["graphs"]
+    assert {r["module"]: r["needs_grad"] for r in graph["rewrites"]} == {
+        "model.layers.0.mlp.experts": False, "model.layers.1.mlp.experts": True,
+        "model.layers.0.mlp.gate": False, "model.layers.1.mlp.gate": True}
+    assert graph["aot_graphs"]["forward"] == {"moe_experts": 2, "moe_router": 2}
+    assert graph["aot_graphs"]["backward"]["moe_experts_backward"] == 1
+    assert graph["coverage_gaps"] == []
+    trainable = Rewrite("moe_experts", "m", "grouped_mm", "", [], [])
+    frozen = Rewrite("moe_experts", "m", "grouped_mm", "", [], [], needs_grad=False)
+    missing = GraphRecord("0/0", rewrites=[trainable, frozen],
+                          aot_graphs={"forward": {"moe_experts": 2}, "backward": {}})
+    assert missing.coverage_gaps() == ["backward graph holds 0 uniep.moe_experts_backward for 1 rewrites needing a "
+                                       "gradient"]
+    layers = GraphRecord("2/0", traced_ops={"ep_layer": 2}, traced_without_grad={"ep_layer": 1},
+                         aot_graphs={"forward": {"ep_layer": 2}, "backward": {"ep_layer_backward": 1}})
+    assert layers.coverage_gaps() == []
+    layers.aot_graphs["backward"] = {}
+    assert layers.coverage_gaps() == ["backward graph holds 0 uniep.ep_layer_backward for 1 traced uniep.ep_layer "
+                                      "needing a gradient"]
+
+
 def test_experts_taken_into_an_ep_exchange_are_covered():
     """Plain PyTorch EP: the experts rewrite runs inside uniep.ep_exchange (and its backward inside the exchange's
     backward), so the graphs holding the exchange ops are no gap; missing them is."""

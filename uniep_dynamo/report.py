@@ -48,6 +48,9 @@ class Rewrite:
     replaced: list  # ids of the nodes the op call replaced
     added: list  # ids of the nodes added
     graph: str = ""  # the higher-order op body it lives in (wrap_body_0 under activation checkpointing); "" top level
+    # whether a tensor the op call reads requires grad as Dynamo traced it (False: a frozen layer whose inputs need no
+    # gradient either, which gets no backward op); True where the graph does not say
+    needs_grad: bool = True
 
 
 @dataclass
@@ -75,6 +78,8 @@ class GraphRecord:
     # uniep ops the Dynamo graph held as traced, before any rewrite: HF's EP layers, which hf_ep.py substitutes at trace
     # time (uniep.ep_layer), are not rewrites of the graph but would go unreported without this
     traced_ops: dict = field(default_factory=dict)
+    # of those, the calls none of whose tensors requires grad (no backward op follows them)
+    traced_without_grad: dict = field(default_factory=dict)
 
     def note_aot_graph(self, kind: str, graph) -> None:
         """Count the uniep ops of an AOTAutograd graph ("forward", "backward" or "inference"): a Graph, or a
@@ -91,31 +96,37 @@ class GraphRecord:
 
     def coverage_gaps(self) -> list[str]:
         """Rewrites whose op is missing from the traced forward or backward graph, and HF EP layers traced as
-        uniep.ep_layer (traced_ops) whose op, or its backward op, is missing there."""
+        uniep.ep_layer (traced_ops) whose op, or its backward op, is missing there. A backward op is expected only
+        for calls that read a tensor requiring grad (a frozen layer with frozen inputs has none)."""
         layers = self.traced_ops.get("ep_layer", 0)
         if self.aot_graphs is None or not (self.rewrites or layers):
             return []
         forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
+        backward = self.aot_graphs.get("backward")
+
+        def rewrites(op, grad=False):
+            return sum(1 for r in self.rewrites if r.op == op and (r.needs_grad or not grad))
+        gaps = []
         # an experts rewrite that an EP exchange took in (patterns/ep.py) runs inside uniep.ep_exchange and its
         # backward inside uniep.ep_exchange_backward
-        taken = sum(1 for r in self.rewrites if r.op == "ep_exchange")
-        experts = sum(1 for r in self.rewrites if r.op == "moe_experts")
-        routers = sum(1 for r in self.rewrites if r.op == "moe_router")
-        gaps = []
-        for kind, ops, op, inside, count in (("forward", forward, "moe_experts", "ep_exchange", experts),
-                                             ("forward", forward, "moe_router", None, routers),
-                                             ("backward", self.aot_graphs.get("backward"), "moe_experts_backward",
-                                              "ep_exchange_backward", experts)):
+        for kind, ops, op, inside, count, taken in (
+                ("forward", forward, "moe_experts", "ep_exchange", rewrites("moe_experts"), rewrites("ep_exchange")),
+                ("forward", forward, "moe_router", None, rewrites("moe_router"), 0),
+                ("backward", backward, "moe_experts_backward", "ep_exchange_backward", rewrites("moe_experts", True),
+                 rewrites("ep_exchange", True))):
             if ops is None:  # no backward graph traced
                 continue
             held = ops.get(op, 0) + (min(taken, ops.get(inside, 0)) if inside else 0)
             if held < count:
                 also = f" and {ops.get(inside, 0)} uniep.{inside}" if inside and taken else ""
-                gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op}{also} for {count} rewrites")
-        for kind, ops, op in (("forward", forward, "ep_layer"),
-                              ("backward", self.aot_graphs.get("backward"), "ep_layer_backward")):
-            if ops is not None and ops.get(op, 0) < layers:
-                gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op} for {layers} traced uniep.ep_layer")
+                gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op}{also} for {count} rewrites"
+                            + (" needing a gradient" if kind == "backward" and count < rewrites("moe_experts") else ""))
+        frozen = self.traced_without_grad.get("ep_layer", 0)
+        for kind, ops, op, count in (("forward", forward, "ep_layer", layers),
+                                     ("backward", backward, "ep_layer_backward", layers - frozen)):
+            if ops is not None and ops.get(op, 0) < count:
+                gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op} for {count} traced uniep.ep_layer"
+                            + (" needing a gradient" if count < layers else ""))
         return gaps
 
 
@@ -211,11 +222,13 @@ def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> 
     bodies; `lowered` holds (match, names of the replaced nodes, names of the added nodes, body) per rewrite,
     `misses` (pattern, near miss) pairs. `publish` hands the record on."""
     record = GraphRecord(_compile_id(), before, after)
+    nodes = {node_id(n.name, where): n for module, where, _ in walk(gm) for n in module.graph.nodes}
     for match, replaced, added, where in lowered:
         op = getattr(match, "op", None) or ("moe_router" if hasattr(match, "ids") else "moe_experts")
+        calls = [nodes[i] for i in (node_id(n, where) for n in added) if i in nodes and uniep_op_of(nodes[i]) == op]
         record.rewrites.append(Rewrite(op, match.module, match.spelling, match.spec.describe(),
                                        [node_id(n, where) for n in replaced], [node_id(n, where) for n in added],
-                                       where))
+                                       where, needs_grad=not calls or any(map(needs_grad, calls))))
     for pattern, miss in misses:
         record.near_misses.append(NearMissRecord(miss.module, node_id(miss.node.name, miss.graph), miss.reason,
                                                  pattern, miss.expected, miss.actual, miss.matched_nodes,
@@ -226,6 +239,8 @@ def record_graph(before: list, after: list, gm, lowered: list, misses: list) -> 
             op = uniep_op_of(node)  # a uniep op the graph held as traced (not one a rewrite added)
             if op is not None and node_id(node.name, where) not in added:
                 record.traced_ops[op] = record.traced_ops.get(op, 0) + 1
+                if not needs_grad(node):
+                    record.traced_without_grad[op] = record.traced_without_grad.get(op, 0) + 1
             name = gu.op_name(node)  # patterns that do not exist yet: every anchor of theirs is a near miss
             if name in _UNSUPPORTED_ANCHORS:
                 pattern, reason = _UNSUPPORTED_ANCHORS[name]
@@ -253,6 +268,23 @@ def _emit_trace_artifact(record: GraphRecord) -> None:
                          payload_fn=lambda: json.dumps(asdict(record)))
     except (ImportError, TypeError):  # a torch without structured tracing, or another signature
         pass
+
+
+def needs_grad(node: Node) -> bool:
+    """Whether a tensor the call reads requires grad as Dynamo traced it (its example values), so that AOTAutograd's
+    backward graph holds the call's backward; True where no argument carries an example value (nothing to go by)."""
+    values = []
+
+    def visit(arg):
+        if isinstance(arg, Node):
+            value = gu.example(arg)
+            if isinstance(value, torch.Tensor):
+                values.append(value)
+        elif isinstance(arg, (list, tuple)):
+            for a in arg:
+                visit(a)
+    visit(list(node.args) + list(node.kwargs.values()))
+    return not values or any(v.requires_grad for v in values)
 
 
 def uniep_op_of(node) -> str | None:
