@@ -121,6 +121,10 @@ def test_frozen_layer_expects_no_backward_op():
                           aot_graphs={"forward": {"moe_experts": 2}, "backward": {}})
     assert missing.coverage_gaps() == ["backward graph holds 0 uniep.moe_experts_backward for 1 rewrites needing a "
                                        "gradient"]
+    # DDP's optimizer split the graph: the frozen layer's piece traced as inference, the other as forward
+    pieces = GraphRecord("0/0", rewrites=[trainable, frozen], aot_graphs={
+        "inference": {"moe_experts": 1}, "forward": {"moe_experts": 1}, "backward": {"moe_experts_backward": 1}})
+    assert pieces.coverage_gaps() == []
     layers = GraphRecord("2/0", traced_ops={"ep_layer": 2}, traced_without_grad={"ep_layer": 1},
                          aot_graphs={"forward": {"ep_layer": 2}, "backward": {"ep_layer_backward": 1}})
     assert layers.coverage_gaps() == []

@@ -101,7 +101,10 @@ class GraphRecord:
         layers = self.traced_ops.get("ep_layer", 0)
         if self.aot_graphs is None or not (self.rewrites or layers):
             return []
-        forward = self.aot_graphs.get("forward", self.aot_graphs.get("inference", {}))
+        forward = {}  # under DDP's optimizer some pieces of one graph may trace as inference beside the others
+        for kind in ("forward", "inference"):
+            for op, n in self.aot_graphs.get(kind, {}).items():
+                forward[op] = forward.get(op, 0) + n
         backward = self.aot_graphs.get("backward")
 
         def rewrites(op, grad=False):
