@@ -217,7 +217,8 @@ def step(fn, experts, x, ids, w, grad_out):
                     os.environ.pop(env[0], None)
                 else:
                     os.environ[env[0]] = before
-        return out, xx.grad, ww.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+        grads = (experts.gate_up_proj.grad, experts.down_proj.grad)
+        return (out, xx.grad, ww.grad) + (grads if experts.gate_up_proj.requires_grad else ())
     return run
 
 
@@ -290,16 +291,19 @@ def time_provider(row, pname, run, iters, warmup, flops, peak_tflops):
 
 
 def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None,
-                sonicmoe_autotune=True):
+                sonicmoe_autotune=True, frozen_experts=False):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no automatic-dynamic carry-over from the previous shape
     counters.clear()
     H, I, E, K = SHAPES[name]
     experts = hf_experts(H, I, E, K, dtype, device)
+    for p in experts.parameters():  # --frozen-experts: no weight gradients (LoRA fine-tuning), 2 GEMMs of 6 fewer
+        p.requires_grad_(not frozen_experts)
     x, ids, w, grad_out = make_inputs(H, I, E, K, T, dtype, device)
-    flops = 3 * 2 * T * K * 3 * H * I
-    row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", "")}
+    flops = (2 if frozen_experts else 3) * 2 * T * K * 3 * H * I
+    row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", ""),
+           "frozen_experts": frozen_experts}
     reference = None
     for pname, fn in providers(experts, sonicmoe_autotune).items():
         if pname in skip:
@@ -366,6 +370,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip", default="", help="providers to leave out, comma separated")
     parser.add_argument("--profile", default="", help="providers to profile (top CUDA kernels), comma separated")
+    parser.add_argument("--frozen-experts", action="store_true",
+                        help="the expert weights need no gradient (LoRA fine-tuning): fwd + the input and routing-"
+                             "weight gradients, 4 GEMMs of the 6 (TFLOP/s counts those)")
     parser.add_argument("--sonicmoe-default-configs", action="store_true",
                         help="run SonicMoE's GEMMs at QuACK's default config instead of autotuning them per shape")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_moe_layer.json"))
@@ -394,7 +401,7 @@ def main():
                           skip=tuple(filter(None, args.skip.split(","))),
                           profile_providers=tuple(filter(None, args.profile.split(","))),
                           peak_tflops=meta["bf16_matmul_tflops"],
-                          sonicmoe_autotune=not args.sonicmoe_default_configs)
+                          sonicmoe_autotune=not args.sonicmoe_default_configs, frozen_experts=args.frozen_experts)
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(args.out, "w") as f:  # after every shape: a run stopped at its time limit keeps what it measured

@@ -295,6 +295,36 @@ def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monke
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.parametrize("kernels,dtype,overlap", CPU_CASES,
+                         ids=["reference-bf16", "interpreter-overlapped", "interpreter-sequential"])
+def test_ep_layer_with_frozen_experts(kernels, dtype, overlap, tmp_path, monkeypatch):
+    """Frozen experts (their weights need no gradient, as in LoRA fine-tuning) under ep_layer: the input and
+    routing-weight gradients are those of trainable experts, bit for bit, the weights get none, and the sequential
+    steps run no weight-gradient GEMM (the overlapped pipeline computes them and drops them)."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, kernels)
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.kernels import megakernel
+
+    case = qwen3_like_case(*CPU_SHAPE, dtype, torch.device("cpu"))
+    hidden, ids, weights, w_up, w_down, grad, spec = case
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        layer = ep_layer_fn(spec, group, overlap)
+        want, _ = run_layer(layer, case)
+        calls = []
+        monkeypatch.setattr(megakernel, "weight_grad", lambda *a, _run=megakernel.weight_grad, **k:
+                            (calls.append(1), _run(*a, **k))[1])
+        leaves = [t.clone().requires_grad_() for t in (hidden, weights)]
+        out = layer(leaves[0], ids, leaves[1], w_up, w_down)
+        out.backward(grad)
+    for name, a, b in zip(NAMES, [out.detach(), leaves[0].grad, leaves[1].grad], want):
+        assert torch.equal(a, b), name
+    if kernels == "triton" and not overlap:
+        assert not calls
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_ep_exchange_sequential_backward_reads_its_forward_in_eager_autograd(tmp_path, monkeypatch):
     """The compile op uniep.ep_exchange under eager autograd (as inner_backend="eager" / "aot_eager" run it, where the
     saved up projection comes back to the backward as another tensor object over the same storage): its sequential

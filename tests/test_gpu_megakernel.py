@@ -155,6 +155,37 @@ def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
         assert torch.equal(a, b) and torch.equal(a, c), f"quack {sweep} changed tensor {i}"
 
 
+@pytest.mark.parametrize("quack", [False, True], ids=["triton_gemms", "quack"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+def test_frozen_experts_skip_two_gemms_and_keep_the_other_bits(in_place, quack):
+    """Frozen experts (LoRA fine-tuning): the backward runs two GEMMs, not four (no weight gradient), and d_hidden
+    and d_weights are those of trainable experts bit for bit; with QuACK on every GEMM it counts 2 + 2."""
+    from uniep_dynamo.kernels import quack_gemm
+
+    if quack and quack_gemm.unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(f"QuACK does not run here: {quack_gemm.unavailable_reason(torch.device('cuda'))}")
+    case = CASES[1]
+    args = cuda_args(*case)
+    if in_place:
+        args = args[:7] + (dataclasses.replace(args[7], reuse_saved=True),)
+    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False,
+                                                                                                 quack="")
+    cfg = dataclasses.replace(base, **{g: dataclasses.replace(getattr(base, g), quack=kconfig.QUACK_CONFIGS[g])
+                                       for g in kconfig.GEMMS}) if quack else base
+    hidden, ids, weights, w_up, w_down, _, _, spec = args
+    with kconfig.use_config(cfg):
+        expected = fwd_bwd(args)
+        counters.clear()
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weights)]
+        out = torch.ops.uniep.moe_experts(leaves[0], ids, leaves[1], w_up, w_down, None, None, [], spec.encode())[0]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        out.backward(torch.randn(out.shape, device="cuda", generator=g).to(out.dtype))
+    if quack:
+        assert counters["uniep_kernels"]["quack_gemms"] == 2 + 2
+    for name, a, b in zip(("out", "d_hidden", "d_weights"), [out, leaves[0].grad, leaves[1].grad], expected):
+        assert torch.equal(a, b), name
+
+
 def test_quack_direct_launch_matches_its_entry_point(monkeypatch):
     """uniep's direct launch of QuACK's compiled GEMMs (kernels/quack_gemm.py) gives the bits of QuACK's public entry
     point, in the forward and the backward, the gathered GEMMs included; a spy shows each path ran."""

@@ -356,6 +356,41 @@ def test_routing_weights_without_grad_skip_their_gradient(reuse_saved, monkeypat
     assert calls
 
 
+@pytest.mark.parametrize("mode", ["triton", "reference"])
+@pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
+def test_frozen_experts_skip_their_weight_gradients(reuse_saved, mode, monkeypatch):
+    """Expert weights and biases that need no gradient (frozen experts, as in LoRA fine-tuning): the fused backward
+    runs neither weight-gradient GEMM (nor the hidden rows' gather they read), autograd gets no gradient for them,
+    and the input and routing-weight gradients keep their bits. A trainable bias alone keeps them all computed."""
+    from uniep_dynamo.kernels import megakernel
+
+    args = make(29, 32, 16, 6, 2, GPT_OSS, "io", True)
+    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    want = run(args, mode, monkeypatch, spec=spec)
+    calls = []
+    inner = megakernel.weight_grad
+    monkeypatch.setattr(megakernel, "weight_grad", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    hidden, ids, weights, w_up, w_down, b_up, b_down, _ = args
+
+    def frozen_run(trainable_bias=False):
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weights)]
+        params = [t.detach().clone() for t in (w_up, w_down, b_up, b_down)]
+        params[3].requires_grad_(trainable_bias)
+        out = torch.ops.uniep.moe_experts(leaves[0], ids, leaves[1], *params, [], spec.encode())[0]
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        return out, leaves, params
+
+    out, leaves, params = frozen_run()
+    assert not calls
+    assert all(p.grad is None for p in params)
+    for name, x, y in zip(("out", "d_hidden", "d_weights"), [out, leaves[0].grad, leaves[1].grad], want[:3]):
+        assert torch.equal(x, y), name
+    _, _, params = frozen_run(trainable_bias=True)
+    assert torch.equal(params[3].grad, want[6])
+    if mode == "triton":
+        assert len(calls) == 2
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 def test_every_top_k_from_1_to_8(top_k, monkeypatch):
     """K = 1..8 over 8 experts (K = 8: every token visits every expert), T = 13 (no tile multiple)."""

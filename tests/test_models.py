@@ -34,6 +34,39 @@ def test_whole_model_matches_eager_under_inductor(family):
         assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name  # inductor reorders reductions elsewhere
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_frozen_experts_match_eager_and_skip_their_weight_gradients(kernels, monkeypatch):
+    """LoRA-style fine-tuning: the experts frozen (their weights need no gradient), the rest trainable. The compiled
+    model's loss and every gradient match eager's, the experts get none, and the fused backward (the Triton kernels in
+    the interpreter) runs no weight-gradient GEMM."""
+    if kernels == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+        from uniep_dynamo.kernels import config as kconfig
+        if not kconfig.interpreting():
+            pytest.skip("the fused kernels run here in Triton's interpreter (TRITON_INTERPRET=1, set by conftest "
+                        "without a GPU)")
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setenv("UNIEP_KERNELS", kernels)
+    model = build_model("qwen3_moe")
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.requires_grad_(False)
+    input_ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss, logits, grads = loss_and_grads(model, input_ids)
+    calls = []
+    inner = megakernel.weight_grad
+    monkeypatch.setattr(megakernel, "weight_grad", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    counters.clear()
+    c_loss, c_logits, c_grads = loss_and_grads(model, input_ids, torch.compile(model, backend="uniep"))
+    assert counters["uniep"]["moe_experts"] == 2
+    assert not calls
+    assert not any(".experts." in name for name in c_grads) and c_grads.keys() == grads.keys()
+    assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
+    for name in grads:
+        assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name
+
+
 def test_two_compiled_training_runs_are_bitwise_equal():
     model = build_model("mixtral")
     input_ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -27,8 +27,8 @@ _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_u
                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
                "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor[] post_operands, Tensor row_order, "
-               "Tensor slot_row, Tensor expert_offsets, Tensor up, Tensor down, str spec, bool weights_grad=True) "
-               "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
+               "Tensor slot_row, Tensor expert_offsets, Tensor up, Tensor down, str spec, bool weights_grad=True, "
+               "bool param_grads=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
@@ -80,39 +80,46 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 
 def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                    row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, reuse_saved=False,
-                   input_rows=None):
+                   input_rows=None, param_grads=True):
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         *grads, d_operands = megakernel.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
-            expert_offsets, up, down, s, reuse_saved=reuse_saved, weights_grad=weights_grad, input_rows=input_rows)
+            expert_offsets, up, down, s, reuse_saved=reuse_saved, weights_grad=weights_grad, input_rows=input_rows,
+            param_grads=param_grads)
     else:
         *grads, d_operands = reference.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
             row_order, slot_row, expert_offsets, up, down, s, input_rows=input_rows)
-    # A schema cannot return None: absent bias gradients travel as empty tensors. Every output is
-    # contiguous, as the fake implementation promises.
+        if not param_grads:  # (the reference computes them; the op's contract is the same on every path)
+            grads[2:6] = [None] * 4
+    # A schema cannot return None: absent bias gradients, and the expert parameters' gradients under
+    # param_grads=False, travel as empty tensors. Every output is contiguous, as the fake implementation promises.
     return (*(g.contiguous() if g is not None else hidden.new_empty(0) for g in grads),
             [g.contiguous() for g in d_operands])
 
 
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
 def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                         row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
+                         row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True):
     """``weights_grad=False`` (the routing weights need no gradient, as the constant ones of an EP layer's
-    received rows): the fused path skips that gradient and returns zeros in its place."""
+    received rows): the fused path skips that gradient and returns zeros in its place. ``param_grads=False`` (the
+    expert weights and biases need none: frozen experts, as in LoRA fine-tuning): their two weight-gradient GEMMs
+    are not run, and empty tensors stand in their place; the other gradients keep their bits."""
     return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad)
+                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad,
+                          param_grads=param_grads)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                               row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
-    def like(t):
-        return t.new_empty(t.shape) if t is not None else hidden.new_empty(0)
+                               row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True,
+                               param_grads=True):
+    def like(t, needed=True):
+        return t.new_empty(t.shape) if t is not None and needed else hidden.new_empty(0)
 
-    return (like(hidden), like(topk_weights), like(w_up), like(w_down), like(b_up), like(b_down),
-            [like(t) for t in post_operands])
+    return (like(hidden), like(topk_weights), like(w_up, param_grads), like(w_down, param_grads),
+            like(b_up, param_grads), like(b_down, param_grads), [like(t) for t in post_operands])
 
 
 # The in-place variant (spec.reuse_saved, the backend's default): the fused backward uses the saved
@@ -144,21 +151,22 @@ assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)
 
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=(), schema=_BWD_INPLACE_SCHEMA)
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True):
+                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
     with megakernel.overwriting_saved_buffers(up, down, SECOND_BACKWARD_ERROR):  # (the reference's writes too)
         return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                               row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad,
-                              reuse_saved=True, input_rows=down)[1:6]
+                              reuse_saved=True, input_rows=down, param_grads=param_grads)[1:6]
 
 
 @moe_experts_backward_.register_fake
 def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                        post_operands, row_order, slot_row, expert_offsets, up, down, spec,
-                                       weights_grad=True):
+                                       weights_grad=True, param_grads=True):
     return _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                                      post_operands, row_order, slot_row, expert_offsets, up, down, spec)[1:6]
+                                      post_operands, row_order, slot_row, expert_offsets, up, down, spec,
+                                      param_grads=param_grads)[1:6]
 
 
 _BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor topk_ids, Tensor topk_weights, "
@@ -206,16 +214,19 @@ def _backward(ctx, grad_out, *_unused_grads):
     head, operands, plan = saved[:7], saved[7:7 + ctx.num_operands], saved[7 + ctx.num_operands:]
     grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
     weights_grad = ctx.needs_input_grad[2]  # False for weights that need none (the ones of an EP layer's rows)
+    param_grads = any(ctx.needs_input_grad[3:7])  # False for frozen experts: their weight-gradient GEMMs are skipped
     if ctx.reuse_saved:
         d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
-            grad_out, *head, operands, *plan, ctx.spec, weights_grad)
+            grad_out, *head, operands, *plan, ctx.spec, weights_grad, param_grads)
         _, slot_row, expert_offsets, _, down = plan  # down now holds the input-gradient rows
         d_hidden = torch.ops.uniep.moe_experts_backward_combine(down, d_weights, *head[:7], slot_row, expert_offsets,
                                                                 ctx.spec)
         d_operands = []
     else:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
-            grad_out, *head, operands, *plan, ctx.spec, weights_grad)
+            grad_out, *head, operands, *plan, ctx.spec, weights_grad, param_grads)
+    if not param_grads:
+        d_w_up = d_w_down = d_b_up = d_b_down = None
     return (d_hidden, None, d_weights if weights_grad else None, d_w_up, d_w_down, d_b_up if ctx.has_bias[0] else None,
             d_b_down if ctx.has_bias[1] else None, list(d_operands), None) + (None,) * ctx.num_plan_inputs
 

@@ -287,7 +287,7 @@ def exchange_backward_send(grad_back, table, group, send_sizes, recv_sizes) -> N
 
 
 def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
-                      recv_sizes, knobs: OverlapConfig | None = None, sent: bool = False):
+                      recv_sizes, knobs: OverlapConfig | None = None, sent: bool = False, param_grads: bool = True):
     """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the
     table says). The sequential path reads the experts op's saved results its forward kept (_SEQUENTIAL), or,
     where none were kept, runs that op's forward again on the saved received rows. ``grad_back`` may be a
@@ -295,7 +295,8 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     path frees those rows once sent; so may ``x`` and ``up``, which that path then frees once the experts' backward
     has read them. ``sent``: exchange_backward_send ran first for this table (``grad_back`` is then not read): the
     rows it left are taken. Under ``spec.reuse_saved`` (the compile's reuse_saved_buffers, which refuses a second
-    backward) the forward's kept experts-op results are forgotten as they are taken."""
+    backward) the forward's kept experts-op results are forgotten as they are taken. ``param_grads=False`` (frozen
+    experts): the sequential path runs no weight-gradient GEMM and returns None for those gradients."""
     if sent:
         grad_back = _SENT.get(table, release=True)
         if grad_back is None:
@@ -330,7 +331,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
             with megakernel.overwriting_saved_buffers(up, rows_buf, SECOND_BACKWARD_ERROR):
                 _, _, *grads, _ = megakernel.experts_backward(
                     held, x, ids, ones, w_up, w_down, b_up, b_down, row_order, slot_row, offsets, up, rows_buf, s,
-                    reuse_saved=True, weights_grad=False, input_rows=rows_buf)
+                    reuse_saved=True, weights_grad=False, input_rows=rows_buf, param_grads=param_grads)
             d_w_up, d_w_down, d_b_up, d_b_down = (g.contiguous() if g is not None else None for g in grads)
             del up, grads
             d_x = megakernel.combine_input_rows(rows_buf, slot_row, offsets, x.shape[0], 1, x.dtype)
@@ -346,10 +347,13 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
                     x, recv_counts, w_up, w_down, b_up, b_down, spec)
             d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
                 d_rows, x, ids, ones, w_up, w_down, b_up, b_down, [], row_order, slot_row, offsets, up_rows,
-                down_rows, spec, False)
+                down_rows, spec, False, param_grads)
+            if not param_grads:
+                d_w_up = d_w_down = d_b_up = d_b_down = None
             del d_rows, down_rows, up_rows, up, x
         return (_all_to_all(d_x, send_sizes, recv_sizes, group), d_w_up, d_w_down,
-                d_b_up if b_up is not None else None, d_b_down if b_down is not None else None)
+                d_b_up if b_up is not None and param_grads else None,
+                d_b_down if b_down is not None and param_grads else None)
     knobs = knobs or cached_knobs(grad_back, grad_back.shape[0], w_up, w_down, s, group)
     layout = exchange_layout(rows, counts, rank, local_experts, knobs, size)
     offsets, transfers = layout.to_device(device)

@@ -134,16 +134,18 @@ def _ep_layer_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor topk_weights, Tensor row_order, Tensor slot_row, "
                     "Tensor expert_offsets, Tensor recv_counts, Tensor table, Tensor sizes, Tensor hidden_like, "
                     "Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, bool overlap, "
-                    "str knobs) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])")
+                    "str knobs, bool param_grads=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("uniep::ep_layer_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_BACKWARD_SCHEMA)
 def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offsets, recv_counts, table, sizes,
-                      hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
+                      hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs, param_grads=True):
     """(d_hidden, d_topk_weights, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]) of ep_layer.
     ``hidden_like``: a 0-row tensor of the hidden states' dtype. Under ``spec.reuse_saved`` the forward's kept rows
     are taken from _SAVED, and each is freed after its last read: the rows sent back after the combine's backward,
-    the received rows and their up projection after the experts' backward (exchange_backward)."""
+    the received rows and their up projection after the experts' backward (exchange_backward). ``param_grads=False``
+    (frozen experts): the sequential exchange runs no weight-gradient GEMM, and empty tensors stand in for those
+    gradients (the overlapped one computes them, and they are dropped)."""
     held = _take(table, decode_spec(spec).reuse_saved)  # [y_rows, x, up, fused_kernels]
     fused_kernels, dtype = held[3], held[1].dtype
     num_tokens, top_k = topk_weights.shape
@@ -155,16 +157,23 @@ def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offset
     del held
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         d_rows, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
-        _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs))
+        _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs), param_grads=param_grads)
+    if not param_grads:  # a schema returns no None: empty tensors, the biases' only for the biases given
+        d_w_up, d_w_down = hidden_like.new_empty(0), hidden_like.new_empty(0)
+        d_b_up, d_b_down = (hidden_like.new_empty(0) if b is not None else None for b in (b_up, b_down))
     d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, dtype, fused_kernels)
     return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 
 
 @ep_layer_backward.register_fake
 def _ep_layer_backward_fake(grad_out, topk_weights, row_order, slot_row, expert_offsets, recv_counts, table,
-                            sizes, hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs):
-    return (grad_out.new_empty(topk_weights.shape[0], grad_out.shape[1], dtype=hidden_like.dtype), torch.empty_like(topk_weights),
-            torch.empty_like(w_up), torch.empty_like(w_down), [torch.empty_like(b) for b in (b_up, b_down) if b is not None])
+                            sizes, hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs,
+                            param_grads=True):
+    def like(t):
+        return torch.empty_like(t) if param_grads else hidden_like.new_empty(0)
+
+    return (grad_out.new_empty(topk_weights.shape[0], grad_out.shape[1], dtype=hidden_like.dtype),
+            torch.empty_like(topk_weights), like(w_up), like(w_down), [like(b) for b in (b_up, b_down) if b is not None])
 
 
 def _setup_context(ctx, inputs, output):
@@ -180,11 +189,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, *_unused):
     if grad_out is None:
         return (None,) * ctx.num_inputs
+    param_grads = any(ctx.needs_input_grad[3:7])  # False for frozen experts: no weight-gradient GEMM
     d_hidden, d_weights, d_w_up, d_w_down, d_biases = torch.ops.uniep.ep_layer_backward(grad_out, *ctx.saved_tensors,
-                                                                                        *ctx.args)
+                                                                                        *ctx.args, param_grads)
     it = iter(d_biases)
     d_b_up = next(it) if ctx.has_bias[0] else None
     d_b_down = next(it) if ctx.has_bias[1] else None
+    if not param_grads:
+        d_w_up = d_w_down = d_b_up = d_b_down = None
     return (d_hidden, None, d_weights, d_w_up, d_w_down, d_b_up, d_b_down) + (None,) * (ctx.num_inputs - 7)
 
 

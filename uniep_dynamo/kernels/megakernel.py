@@ -680,9 +680,11 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                      row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False,
-                     weights_grad: bool = True, input_rows=None):
+                     weights_grad: bool = True, input_rows=None, param_grads: bool = True):
     """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
-    routing-weight gradient is not computed (zeros in its place). With ``input_rows`` (a [rows, H] buffer of
+    routing-weight gradient is not computed (zeros in its place); with ``param_grads=False`` (frozen experts) the
+    two weight-gradient GEMMs and the hidden rows' gather they read are not run, and the four expert-parameter
+    gradients come back None (the other gradients are computed as with them, to the bit). With ``input_rows`` (a [rows, H] buffer of
     w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes back None, and
     ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from slot_row (its
     inverse) and freed once the gathers are done. ``grad_out`` may be a one-element list holding the caller's only
@@ -712,8 +714,9 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
                                     topk_weights.dtype) if weights_grad else \
         torch.zeros(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
-    d_b_up = torch.empty(b_up.shape, dtype=b_up.dtype, device=device) if b_up is not None else None
-    d_b_down = torch.empty(b_down.shape, dtype=b_down.dtype, device=device) if b_down is not None else None
+    d_b_up = torch.empty(b_up.shape, dtype=b_up.dtype, device=device) if b_up is not None and param_grads else None
+    d_b_down = torch.empty(b_down.shape, dtype=b_down.dtype, device=device) if b_down is not None and param_grads \
+        else None
     # Weight gradients in the [E, in, out] math: grad[e][i, o], i.e. dims (1, 2) for "io", (2, 1) for "oi".
     down_dims = (1, 2) if spec.down_layout == "io" else (2, 1)
     up_dims = (1, 2) if spec.up_layout == "io" else (2, 1)
@@ -729,18 +732,22 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                     b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
                     w=weights, offsets=offsets)
     act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
-    d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
-                           row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape, m_dim=down_dims[0],
-                           n_dim=down_dims[1], bias_grad=d_b_down)
+    d_w_down = d_w_up = None
+    if param_grads:
+        d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
+                               row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape,
+                               m_dim=down_dims[0], n_dim=down_dims[1], bias_grad=d_b_down)
     del act, dy
-    x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0], d_b_up)
-    x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
-    if not x_gather:
-        row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
-    d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=x_gather, q=d_up, q_gather=False, q_scale=False,
-                         row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
-                         n_dim=up_dims[1], bias_grad=d_b_up)
-    del x, row_order
+    if param_grads:
+        x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0], d_b_up)
+        x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
+        if not x_gather:
+            row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
+        d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=x_gather, q=d_up, q_gather=False, q_scale=False,
+                             row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
+                             n_dim=up_dims[1], bias_grad=d_b_up)
+        del x
+    del row_order
     # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
     # would need a [rows, H] buffer of its own).
     combine_here = input_rows is None
