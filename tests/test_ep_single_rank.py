@@ -363,6 +363,42 @@ def test_ep_exchange_sequential_backward_reads_its_forward_in_eager_autograd(tmp
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "overlapped"])
+def test_ep_exchange_with_frozen_experts(sequential, tmp_path, monkeypatch):
+    """The plain EP compile's exchange op with frozen experts: the rows' gradient is that of trainable experts, bit
+    for bit, the weights get none, and the sequential steps run no weight-gradient GEMM (interpreter)."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.kernels import megakernel
+
+    hidden, ids, _, w_up, w_down, _, spec = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    flat = ids.reshape(-1)
+    send = hidden[torch.argsort(flat, stable=True) // ids.shape[1]]  # rows in send (expert) order
+    counts = torch.bincount(flat, minlength=w_up.shape[0]).view(1, -1)
+    grad = torch.randn(send.shape, generator=torch.Generator().manual_seed(7))
+
+    def run(group, frozen):
+        leaves = [t.clone().requires_grad_(t is send or not frozen) for t in (send, w_up, w_down)]
+        back = torch.ops.uniep.ep_exchange(leaves[0], counts, leaves[1], leaves[2], None, None, spec,
+                                           group.group_name, [send.shape[0]], [send.shape[0]], "", sequential)[0]
+        back.backward(grad)
+        return [back.detach()] + [t.grad for t in leaves]
+
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        want = run(group, frozen=False)
+        calls = []
+        monkeypatch.setattr(megakernel, "weight_grad", lambda *a, _run=megakernel.weight_grad, **k:
+                            (calls.append(1), _run(*a, **k))[1])
+        got = run(group, frozen=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2] is None and got[3] is None
+    if sequential:
+        assert not calls
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_ep_layer_refuses_an_expert_id_out_of_range_before_any_transfer(tmp_path, monkeypatch):
     """An id outside [0, E) is an error the layer raises from the host count table (on every rank alike, so none is
     left waiting in a collective), before any row moves; the same call with the ids in range runs."""

@@ -259,24 +259,31 @@ def _ep_exchange_backward_send_fake(grad_back, table, group_name, send_sizes, re
 @torch.library.custom_op("uniep::ep_exchange_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE,
                          schema="(Tensor grad_back, Tensor x, Tensor up, Tensor recv_counts, Tensor table, Tensor w_up, "
                                 "Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, "
-                                "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs, bool sent=False) "
-                                "-> (Tensor, Tensor, Tensor, Tensor[])")
+                                "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs, bool sent=False, "
+                                "bool param_grads=True) -> (Tensor, Tensor, Tensor, Tensor[])")
 def ep_exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
-                         send_sizes, recv_sizes, knobs, sent=False):
+                         send_sizes, recv_sizes, knobs, sent=False, param_grads=True):
     """(d_send, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]). ``sent``: ``grad_back`` is
-    ep_exchange_backward_send's output (unread), and the rows it received are taken from beside ``table``."""
+    ep_exchange_backward_send's output (unread), and the rows it received are taken from beside ``table``.
+    ``param_grads=False`` (frozen experts): empty tensors for the expert parameters' gradients, which the sequential
+    path does not compute."""
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
-        send_sizes, recv_sizes, knobs_from_json(knobs), sent=sent)
+        send_sizes, recv_sizes, knobs_from_json(knobs), sent=sent, param_grads=param_grads)
+    if not param_grads:  # a schema returns no None: empty tensors, the biases' only for the biases given
+        d_w_up, d_w_down = x.new_empty(0), x.new_empty(0)
+        d_b_up, d_b_down = (x.new_empty(0) if b is not None else None for b in (b_up, b_down))
     return d_send, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
 
 
 @ep_exchange_backward.register_fake
 def _ep_exchange_backward_fake(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
-                               send_sizes, recv_sizes, knobs, sent=False):
+                               send_sizes, recv_sizes, knobs, sent=False, param_grads=True):
+    def like(t):
+        return torch.empty_like(t) if param_grads else x.new_empty(0)
+
     d_send = x.new_empty(sum(send_sizes), x.shape[1]) if sent else torch.empty_like(grad_back)
-    return (d_send, torch.empty_like(w_up), torch.empty_like(w_down),
-            [torch.empty_like(b) for b in (b_up, b_down) if b is not None])
+    return d_send, like(w_up), like(w_down), [like(b) for b in (b_up, b_down) if b is not None]
 
 
 def _exchange_setup_context(ctx, inputs, output):
@@ -297,11 +304,14 @@ def _exchange_backward(ctx, grad_back, *_unused):
     if ctx.sequential:  # the all-to-all first, in an op of its own: a compiled backward frees the rows after it
         _, group_name, send_sizes, recv_sizes, _ = ctx.args
         grad_back = torch.ops.uniep.ep_exchange_backward_send(grad_back, table, group_name, send_sizes, recv_sizes)
+    param_grads = any(ctx.needs_input_grad[2:6])  # False for frozen experts: no weight-gradient GEMM
     d_send, d_w_up, d_w_down, d_biases = torch.ops.uniep.ep_exchange_backward(
-        grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, *ctx.args, ctx.sequential)
+        grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, *ctx.args, ctx.sequential, param_grads)
     it = iter(d_biases)
     d_b_up = next(it) if ctx.has_bias[0] else None
     d_b_down = next(it) if ctx.has_bias[1] else None
+    if not param_grads:
+        d_w_up = d_w_down = d_b_up = d_b_down = None
     return (d_send, None, d_w_up, d_w_down, d_b_up, d_b_down) + (None,) * (ctx.num_inputs - 6)
 
 
