@@ -67,6 +67,34 @@ def test_frozen_experts_match_eager_and_skip_their_weight_gradients(kernels, mon
         assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name
 
 
+def test_peft_lora_on_every_linear_layer(monkeypatch):
+    """LoRA through PEFT on every linear layer (``target_modules="all-linear"``), the way MoE models are most often
+    fine-tuned: the experts and the router stay HF's modules (frozen), uniep rewrites both in each layer, and the
+    compiled model's loss and LoRA gradients match eager's, with no expert weight-gradient GEMM (interpreter)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
+    from uniep_dynamo.kernels import config as kconfig
+    from uniep_dynamo.kernels import megakernel
+
+    if kconfig.interpreting():
+        monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    model = peft.get_peft_model(build_model("qwen3_moe"), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                            target_modules="all-linear"))
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".mlp." in n and "lora_" not in n)
+    input_ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss, _, grads = loss_and_grads(model, input_ids)
+    calls = []
+    inner = megakernel.weight_grad
+    monkeypatch.setattr(megakernel, "weight_grad", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    counters.clear()
+    c_loss, _, c_grads = loss_and_grads(model, input_ids, torch.compile(model, backend="uniep"))
+    assert counters["uniep"]["moe_experts"] == 2 and counters["uniep"]["moe_router"] == 2
+    assert not calls
+    assert c_grads.keys() == grads.keys() and all("lora_" in name for name in grads)
+    assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
+    for name in grads:
+        assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name
+
+
 def test_two_compiled_training_runs_are_bitwise_equal():
     model = build_model("mixtral")
     input_ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
