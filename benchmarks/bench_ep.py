@@ -345,8 +345,9 @@ def _trace_steps(step, iters, rank):
     """Each rank's back-to-back steps under the profiler (CUDA activity only, so the host is slowed little), cut at a
     marker kernel (``torch.cuda._sleep``) issued between steps: per step, its span on the GPU, the time the GPU was
     busy (the union of kernel and copy intervals), the NCCL kernels' union (their time includes waiting for the
-    peers), the rest's union, and the host's time for the step's issue (µs; for each rank). Which of them moves in the
-    slow steps says what the spread is: the host (idle grows), the peers (NCCL grows) or the kernels (the rest grows)."""
+    peers), the rest's union, and the host's time for the step's issue (µs; for each rank). Which of them moves in
+    the slow steps says what the spread is: the host (idle grows), the peers (NCCL grows) or the kernels (the rest
+    grows)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile

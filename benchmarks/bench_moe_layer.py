@@ -302,8 +302,8 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
         p.requires_grad_(not frozen_experts)
     x, ids, w, grad_out = make_inputs(H, I, E, K, T, dtype, device)
     flops = (2 if frozen_experts else 3) * 2 * T * K * 3 * H * I
-    row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).replace("torch.", ""),
-           "frozen_experts": frozen_experts}
+    row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K,
+           "dtype": str(dtype).replace("torch.", ""), "frozen_experts": frozen_experts}
     reference = None
     for pname, fn in providers(experts, sonicmoe_autotune).items():
         if pname in skip:

@@ -108,7 +108,11 @@ def test_frozen_layer_expects_no_backward_op():
         if "embed" in name or ".layers.0." in name:
             p.requires_grad_(False)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
-    (graph,) = json.loads(uniep_dynamo.explain(model, input_ids=ids, labels=ids).to_json())["graphs"]
+    report = uniep_dynamo.explain(model, input_ids=ids, labels=ids)
+    assert "rewrote model.layers.0.mlp.experts: " in report.summary()
+    assert "(reads no tensor that requires grad: no backward op)" in report.summary().split(
+        "rewrote model.layers.0.mlp.experts: ")[1].splitlines()[0]
+    (graph,) = json.loads(report.to_json())["graphs"]
     assert {r["module"]: r["needs_grad"] for r in graph["rewrites"]} == {
         "model.layers.0.mlp.experts": False, "model.layers.1.mlp.experts": True,
         "model.layers.0.mlp.gate": False, "model.layers.1.mlp.gate": True}

@@ -102,15 +102,17 @@ class Report:
             lines.append(f"graph {g['compile_id']}: {len(g['before'])} -> {len(g['after'])} nodes")
             groups: dict = {}
             for r in g["rewrites"]:
-                key = (r["op"], r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]), r.get("graph", ""))
+                key = (r["op"], r["spelling"], r["spec"], len(r["replaced"]), len(r["added"]), r.get("graph", ""),
+                       r.get("needs_grad", True))
                 groups.setdefault(key, []).append(r["module"])
-            for (op, spelling, spec, removed, added, body), modules in groups.items():
+            for (op, spelling, spec, removed, added, body, needs_grad), modules in groups.items():
                 same = " (same match)" if len(modules) > 1 else ""
                 what = f"router ({spelling})" if spelling in ROUTER_MODES else \
                     f"uniep.{op} ({spelling})" if op.startswith("ep_") else f"{spelling} spelling"
                 inside = f" in {body}" if body else ""
+                frozen = "" if needs_grad else " (reads no tensor that requires grad: no backward op)"
                 lines.append(f"  rewrote {collapse_modules(modules)}{same}{inside}: {what}, "
-                             f"-{removed}/+{added} nodes each [{spec}]")
+                             f"-{removed}/+{added} nodes each [{spec}]{frozen}")
             if g["aot_graphs"] is not None:
                 lines.append("  " + "; ".join(f"{kind} graph: " + (", ".join(f"{n} uniep.{op}" for op, n in ops.items())
                                                                   or "no uniep op")

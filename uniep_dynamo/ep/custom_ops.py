@@ -265,8 +265,8 @@ def ep_exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_u
                          send_sizes, recv_sizes, knobs, sent=False, param_grads=True):
     """(d_send, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]). ``sent``: ``grad_back`` is
     ep_exchange_backward_send's output (unread), and the rows it received are taken from beside ``table``.
-    ``param_grads=False`` (frozen experts): empty tensors for the expert parameters' gradients, which the sequential
-    path does not compute."""
+    ``param_grads=False`` (frozen experts): empty tensors for the expert parameters' gradients, which neither path
+    computes."""
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
         send_sizes, recv_sizes, knobs_from_json(knobs), sent=sent, param_grads=param_grads)

@@ -296,7 +296,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
     has read them. ``sent``: exchange_backward_send ran first for this table (``grad_back`` is then not read): the
     rows it left are taken. Under ``spec.reuse_saved`` (the compile's reuse_saved_buffers, which refuses a second
     backward) the forward's kept experts-op results are forgotten as they are taken. ``param_grads=False`` (frozen
-    experts): the sequential path runs no weight-gradient GEMM and returns None for those gradients."""
+    experts): neither path runs a weight-gradient GEMM, and None comes back for those gradients."""
     if sent:
         grad_back = _SENT.get(table, release=True)
         if grad_back is None:
@@ -366,5 +366,6 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
 
     def fill(win):
         win.send(rank)[:sent_rows].copy_(held.pop())
-    win_dx, grads, _ = backward_phase(layout, transfers, chunks, group, knobs, x, up, dtype, fill)
+    win_dx, grads, _ = backward_phase(layout, transfers, chunks, group, knobs, x, up, dtype, fill,
+                                      param_grads=param_grads)
     return (win_dx.back(rank)[:sent_rows].clone(), *grads)

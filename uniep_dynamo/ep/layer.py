@@ -144,8 +144,7 @@ def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offset
     ``hidden_like``: a 0-row tensor of the hidden states' dtype. Under ``spec.reuse_saved`` the forward's kept rows
     are taken from _SAVED, and each is freed after its last read: the rows sent back after the combine's backward,
     the received rows and their up projection after the experts' backward (exchange_backward). ``param_grads=False``
-    (frozen experts): the sequential exchange runs no weight-gradient GEMM, and empty tensors stand in for those
-    gradients (the overlapped one computes them, and they are dropped)."""
+    (frozen experts): the exchange runs no weight-gradient GEMM, and empty tensors stand in for those gradients."""
     held = _take(table, decode_spec(spec).reuse_saved)  # [y_rows, x, up, fused_kernels]
     fused_kernels, dtype = held[3], held[1].dtype
     num_tokens, top_k = topk_weights.shape

@@ -230,13 +230,14 @@ def forward_phase(layout: Layout, table, group, knobs: OverlapConfig, x, out_dty
 
 
 def backward_phase(layout: Layout, table, chunks: Chunks, group, knobs: OverlapConfig, x, up, dy_dtype, fill,
-                   beside=None):
+                   beside=None, param_grads: bool = True):
     """The backward's transfers and GEMMs: fill(window) writes this rank's output-gradient rows into the
     window's ``send``; every chunk's rows are pulled, run the input- and weight-gradient GEMMs and the
     input-gradient rows are pushed back. beside() (work of the current stream that reads no row of the phase)
     runs once the first pulls are issued, beside them. Returns the window whose ``back`` holds this rank's
-    input-gradient rows, in its send order, [d_w_up, d_w_down, d_b_up, d_b_down] (None for a missing bias) and
-    what beside returned (None without it)."""
+    input-gradient rows, in its send order, [d_w_up, d_w_down, d_b_up, d_b_down] (None for a missing bias; all None
+    with ``param_grads=False``: frozen experts, whose weight-gradient GEMMs do not run) and what beside returned
+    (None without it)."""
     size, device = x.shape[1], x.device
     win_dy = window(group, layout.capacity, size, dy_dtype, device)
     win_dx = window(group, layout.capacity, size, chunks.w_up.dtype, device)
@@ -247,9 +248,10 @@ def backward_phase(layout: Layout, table, chunks: Chunks, group, knobs: OverlapC
     extra = beside() if beside is not None else None
     act = torch.empty(layout.rows, chunks.inter, dtype=chunks.w_down.dtype, device=device)
     d_up = torch.empty_like(up)
-    last = knobs.weight_grads_last
-    grads = new_grads(chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down, weights=not last)
+    last = knobs.weight_grads_last or not param_grads
+    grads = new_grads(chunks.w_up, chunks.w_down, chunks.b_up, chunks.b_down, weights=not last) if param_grads \
+        else [None] * 4
     run(lambda c, scatter: chunks.backward(c, x, up, dy, act, d_up, grads=grads, weight_grads=not last,
                                            scatter=scatter),
-        after=(lambda: chunks.weight_grads(x, dy, act, d_up, grads)) if last else None)
+        after=(lambda: chunks.weight_grads(x, dy, act, d_up, grads)) if last and param_grads else None)
     return win_dx, grads, extra
