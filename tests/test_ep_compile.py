@@ -531,3 +531,52 @@ def test_hf_ep_model_under_autocast(tmp_path):
         for name, want in eager["grads"].items():
             got = fused["grads"][name]
             assert (got - want).abs().max() <= 2e-2 * want.abs().max().clamp_min(1e-6), name
+
+
+# ---- HF's EP model with frozen experts (LoRA-style fine-tuning) -----------------------------------------------------
+
+def _frozen_worker(rank, world, port, model_dir, out_dir):
+    load, _ = _hf_ep_setup(rank, world, port, model_dir)
+    from uniep_dynamo.ep import layer as ep_layer_module
+
+    asked = []  # param_grads of each ep_layer backward's exchange
+    inner = ep_layer_module.exchange_backward
+    ep_layer_module.exchange_backward = lambda *a, **k: asked.append(k.get("param_grads", True)) or inner(*a, **k)
+    input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    try:
+        for name in ("eager", "uniep"):
+            model = load()
+            for n, p in model.named_parameters():
+                if ".experts." in n:
+                    p.requires_grad_(False)
+            torch._dynamo.reset()
+            asked.clear()
+            run = model if name == "eager" else torch.compile(model, backend="uniep",
+                                                              options={"inner_backend": "aot_eager"})
+            loss = run(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+            grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            results[name] = {"loss": loss.detach(), "grads": grads, "asked": list(asked)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_hf_ep_model_with_frozen_experts(tmp_path):
+    """HF's EP model (ep_size=2) with its experts frozen, as LoRA fine-tuning leaves them: each MoE layer is one
+    uniep.ep_layer whose backward asks the exchange for no expert weight gradient, and the loss and every gradient are
+    the uncompiled model's."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        _save_model("qwen3_moe", model_dir, 4)
+        ranks = run_workers(_frozen_worker, 2, (model_dir,), tmp_path, timeout=900)
+    for r in ranks:
+        fused, eager = r["uniep"], r["eager"]
+        assert fused["asked"] == [False, False], fused["asked"]  # tests/hf_models.py: two MoE layers
+        assert not any(".experts." in name for name in eager["grads"])
+        torch.testing.assert_close(fused["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
+        assert fused["grads"].keys() == eager["grads"].keys()
+        for name, want in eager["grads"].items():
+            torch.testing.assert_close(fused["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
