@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import reference
 from ..spec import CUDAGRAPH_UNSAFE, decode_spec
-from .exchange import exchange_backward, exchange_backward_send, exchange_forward
+from .exchange import exchange_backward, exchange_backward_send, exchange_forward, schema_param_grads
 from .config import knobs_from_json
 from .plan import address_key, fused, plan_and_exchange, plan_and_gather
 from .sequential import combine_rows, combine_rows_backward, gather_sum
@@ -270,10 +270,7 @@ def ep_exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_u
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, _process_group(group_name),
         send_sizes, recv_sizes, knobs_from_json(knobs), sent=sent, param_grads=param_grads)
-    if not param_grads:  # a schema returns no None: empty tensors, the biases' only for the biases given
-        d_w_up, d_w_down = x.new_empty(0), x.new_empty(0)
-        d_b_up, d_b_down = (x.new_empty(0) if b is not None else None for b in (b_up, b_down))
-    return d_send, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
+    return (d_send,) + schema_param_grads(d_w_up, d_w_down, d_b_up, d_b_down, b_up, b_down, x)
 
 
 @ep_exchange_backward.register_fake

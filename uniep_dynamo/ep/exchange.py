@@ -286,6 +286,15 @@ def exchange_backward_send(grad_back, table, group, send_sizes, recv_sizes) -> N
         _SENT.keep(table, grad_back.clone(memory_format=torch.contiguous_format))
 
 
+def schema_param_grads(d_w_up, d_w_down, d_b_up, d_b_down, b_up, b_down, like: torch.Tensor):
+    """exchange_backward's expert-parameter gradients as an op's schema returns them: (d_w_up, d_w_down, [the biases'
+    for the biases given]), an empty tensor like ``like`` where one was not computed (param_grads=False): a schema
+    returns no None."""
+    def given(g):
+        return g if g is not None else like.new_empty(0)
+    return given(d_w_up), given(d_w_down), [given(g) for g, b in ((d_b_up, b_up), (d_b_down, b_down)) if b is not None]
+
+
 def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec: str, group, send_sizes,
                       recv_sizes, knobs: OverlapConfig | None = None, sent: bool = False, param_grads: bool = True):
     """(d_send, d_w_up, d_w_down, d_b_up, d_b_down) of exchange_forward, on the path the forward took (the

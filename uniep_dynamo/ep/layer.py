@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..spec import CUDAGRAPH_UNSAFE, SECOND_BACKWARD_ERROR, decode_spec
 from .config import knobs_from_json
-from .exchange import KeptByTable, exchange_backward, exchange_forward
+from .exchange import KeptByTable, exchange_backward, exchange_forward, schema_param_grads
 from .plan import count_table, layer_fused, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 
@@ -157,11 +157,8 @@ def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offset
     d_send, d_w_up, d_w_down, d_b_up, d_b_down = exchange_backward(
         d_rows, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec,
         _process_group(group_name), send_sizes, recv_sizes, knobs_from_json(knobs), param_grads=param_grads)
-    if not param_grads:  # a schema returns no None: empty tensors, the biases' only for the biases given
-        d_w_up, d_w_down = hidden_like.new_empty(0), hidden_like.new_empty(0)
-        d_b_up, d_b_down = (hidden_like.new_empty(0) if b is not None else None for b in (b_up, b_down))
     d_hidden = gather_sum(d_send, slot_row, expert_offsets, num_tokens, top_k, dtype, fused_kernels)
-    return d_hidden, d_weights, d_w_up, d_w_down, [g for g in (d_b_up, d_b_down) if g is not None]
+    return (d_hidden, d_weights) + schema_param_grads(d_w_up, d_w_down, d_b_up, d_b_down, b_up, b_down, hidden_like)
 
 
 @ep_layer_backward.register_fake
@@ -172,7 +169,8 @@ def _ep_layer_backward_fake(grad_out, topk_weights, row_order, slot_row, expert_
         return torch.empty_like(t) if param_grads else hidden_like.new_empty(0)
 
     return (grad_out.new_empty(topk_weights.shape[0], grad_out.shape[1], dtype=hidden_like.dtype),
-            torch.empty_like(topk_weights), like(w_up), like(w_down), [like(b) for b in (b_up, b_down) if b is not None])
+            torch.empty_like(topk_weights), like(w_up), like(w_down),
+            [like(b) for b in (b_up, b_down) if b is not None])
 
 
 def _setup_context(ctx, inputs, output):
