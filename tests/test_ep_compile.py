@@ -580,3 +580,59 @@ def test_hf_ep_model_with_frozen_experts(tmp_path):
         assert fused["grads"].keys() == eager["grads"].keys()
         for name, want in eager["grads"].items():
             torch.testing.assert_close(fused["grads"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# ---- the layer with its plan on the device (no host synchronization) ------------------------------------------------
+
+def _device_plan_worker(rank, world, port, kernels, shards, routing, out_dir):
+    from test_ep import gloo_group, rank_leaves, sorted_by_reference
+
+    with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.ep import device_plan, plan
+
+        if kernels == "triton":
+            from uniep_dynamo.kernels import triton_routing
+
+            triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
+        calls = {"host": 0, "device": 0}
+        count_table, forward = plan.count_table, device_plan.forward
+        plan.count_table = lambda *a, **k: (calls.__setitem__("host", calls["host"] + 1), count_table(*a, **k))[1]
+        device_plan.forward = lambda *a, **k: (calls.__setitem__("device", calls["device"] + 1), forward(*a, **k))[1]
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+        if routing == "rank0_only":  # rank 1's experts get no row: it receives nothing, and sends its rows away
+            ids = ids % 2
+        e_local = w_up.shape[0] // world
+        start = sum(shards[:rank])
+        mine, experts = slice(start, start + shards[rank]), slice(rank * e_local, (rank + 1) * e_local)
+        leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+        out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
+                                       dist.group.WORLD.group_name, world, False, "", True)[0]
+        grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
+        out.backward(grad)
+        torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "calls": calls},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("kernels,shards,routing", [
+    ("triton", (12, 12), "spread"),  # the MegaKernel's kernels in the interpreter, as on a GPU
+    ("reference", (5, 19), "spread"),  # ranks of different token counts: the windows take the most rows of any
+    ("reference", (12, 12), "rank0_only"),  # a rank that receives no row
+])
+def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, routing, tmp_path, monkeypatch):
+    """uniep.ep_layer with device_plan=True (the compile's ep_device_plan: no host synchronization) at EP=2: the
+    counts never reach the host (plan.count_table is not called), the transfer kernel pulls and pushes the rows
+    through the symmetric-memory windows (a shared file on CPU) by tables made on the device, and output and every
+    gradient are uniep.moe_experts' over the global batch in one process, bit for bit."""
+    from test_ep import single_process, use_kernels
+
+    use_kernels(monkeypatch, kernels)
+    ranks = run_workers(_device_plan_worker, 2, (kernels, shards, routing), tmp_path)
+    assert [r["calls"] for r in ranks] == [{"host": 0, "device": 1}] * 2, [r["calls"] for r in ranks]
+    case = list(_op_case())
+    if routing == "rank0_only":
+        case[1] = case[1] % 2
+    ref_out, ref_grads = single_process(*case)
+    assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
+    for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
+        assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name

@@ -49,6 +49,10 @@ class UniepOptions:
     # default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x on Qwen3-30B-A3B, where it
     # is host-bound and its step time erratic (BENCHMARKS.md)
     overlap_ep: bool = False
+    # HF's EP layer (uniep.ep_layer) with its routing plan kept on the device: no host synchronization in the layer,
+    # so the host runs ahead of the GPU (ep/device_plan.py: device-side split sizes, symmetric-memory windows sized
+    # for the most rows a rank can receive). Where it cannot run, the synchronized path runs, with a warning
+    ep_device_plan: bool = False
     # OverlapConfig fields for those exchanges (ep/config.py), e.g. {"chunks": 8, "copy_kernel": True}
     ep_knobs: dict = field(default_factory=dict)
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes

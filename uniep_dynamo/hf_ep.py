@@ -128,10 +128,10 @@ def _patch(module) -> bool:
                 # guards what the proof rests on, so switching the experts' implementation retraces either way
                 experts = self.experts_forward.__self__
                 if _same(_signature(experts), plan[0]) and len(plan) > 1:
-                    _, spec, group_name, world, overlap, knobs, names = plan
+                    _, spec, group_name, world, overlap, knobs, device_plan, names = plan
                     w_up, w_down, b_up, b_down = (None if n is None else getattr(experts, n) for n in names)
                     return torch.ops.uniep.ep_layer(hidden_states, top_k_index, top_k_weights, w_up, w_down, b_up,
-                                                    b_down, spec, group_name, world, overlap, knobs)[0]
+                                                    b_down, spec, group_name, world, overlap, knobs, device_plan)[0]
         elif _COMPILING and "eager" not in _WARNED:
             _WARNED.add("eager")
             log.warning(EAGER_WARNING)
@@ -246,7 +246,8 @@ def _layer_plan():
     group = ep.ep_mesh.get_group()
     knobs = json.dumps(opts.ep_knobs, sort_keys=True) if opts.ep_knobs else ""
     log.info("uniep: HF's %s traced as uniep.ep_layer over %d ranks [%s]", where, ep.ep_mesh.size(), spec)
-    return signature, spec, group.group_name, ep.ep_mesh.size(), opts.overlap_ep, knobs, names
+    return (signature, spec, group.group_name, ep.ep_mesh.size(), opts.overlap_ep, knobs, opts.ep_device_plan,
+            names)
 
 
 def _declined(ep):

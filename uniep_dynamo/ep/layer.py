@@ -21,12 +21,15 @@ single-GPU op over all ranks' tokens (each rank holding a contiguous shard of th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from ..spec import CUDAGRAPH_UNSAFE, SECOND_BACKWARD_ERROR, decode_spec
-from .config import knobs_from_json
+from .config import OverlapConfig, knobs_from_json
 from .exchange import KeptByTable, exchange_backward, exchange_forward, schema_param_grads
+from . import device_plan as device_plan_path
 from .plan import count_table, layer_fused, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 
@@ -37,7 +40,8 @@ def _process_group(group_name: str):
 
 
 _LAYER_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, Tensor? b_up, "
-                 "Tensor? b_down, str spec, str group_name, int world, bool overlap=False, str knobs=\"\") "
+                 "Tensor? b_down, str spec, str group_name, int world, bool overlap=False, str knobs=\"\", "
+                 "bool device_plan=False) "
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
@@ -71,7 +75,7 @@ def _out_dtype(spec, weights):
 
 @torch.library.custom_op("uniep::ep_layer", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_LAYER_SCHEMA)
 def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, overlap=False,
-             knobs=""):
+             knobs="", device_plan=False):
     """The EP layer over the `world` ranks of `group_name`, each owning E / W consecutive experts (w_up, w_down,
     b_up, b_down are this rank's): hidden [T, H], topk_ids [T, K] (global ids), topk_weights [T, K] are this
     rank's tokens. ``spec``: the experts op's spec for the received rows (each one expert, weight 1; its out_dtype
@@ -79,7 +83,10 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     [T*K, H], then what the backward reads: row_order, slot_row, expert_offsets, the received counts [W, E/W], and on
     the host the exchange's table and the split sizes [2, W]). The rows sent back, the received rows and their up
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
-    the op) are kept for the backward beside the table (_keep), not saved by autograd."""
+    the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: the plan
+    stays on the device (ep/device_plan.py: no host synchronization; ``overlap`` is then not read) where that path
+    runs; the host table and sizes are then placeholders of their shapes, and the received counts are on the device
+    as ever."""
     group = _process_group(group_name)
     if group.size() != world:
         raise ValueError(f"uniep.ep_layer: compiled for {world} ranks, but process group {group_name!r} has "
@@ -88,6 +95,13 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0] * world
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
+    if device_plan:
+        why = device_plan_path.unsupported_reason(hidden, group)
+        if why is None:
+            return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
+                                        knobs, fused_kernels)
+        from ..kernels import megakernel
+        megakernel.warn_once("ep_layer", why, "uniep: the EP layer's plan goes to the host (device_plan is off): %s")
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     counts, slots, every = count_table(offsets, topk_ids.numel(), group)  # the layer's one host synchronization
     # an id outside [0, E) sorts past every expert's rows: that rank's counts then sum to fewer than its slots
@@ -115,9 +129,25 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     return out, y_rows, row_order, slot_row, offsets, recv, table, sizes
 
 
+def _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group, knobs,
+                         fused_kernels):
+    world, local = group.size(), w_up.shape[0]
+    rank = dist.get_rank(group)
+    back, row_order, slot_row, offsets, every, saved = device_plan_path.forward(
+        hidden, topk_ids, w_up, w_down, b_up, b_down, spec, group, knobs_from_json(knobs) or OverlapConfig(),
+        fused_kernels)
+    out, saved.y_rows = device_plan_path.combine(back, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights),
+                                                 s.out_dtype, fused_kernels)
+    recv = every[:, rank * local:(rank + 1) * local].contiguous()
+    # placeholders of the host outputs' shapes: nothing of this call is on the host; the table object finds Saved
+    table = torch.zeros(world, 3 * world + 2 + local, dtype=torch.int64)
+    _SAVED.keep(table, saved)
+    return out, saved.y_rows, row_order, slot_row, offsets, recv, table, torch.zeros(2, world, dtype=torch.int64)
+
+
 @ep_layer.register_fake
 def _ep_layer_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world,
-                   overlap=False, knobs=""):
+                   overlap=False, knobs="", device_plan=False):
     s = decode_spec(spec)
     num_tokens, top_k = topk_ids.shape
     slots, size = topk_ids.numel(), hidden.shape[1]
@@ -145,7 +175,14 @@ def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offset
     are taken from _SAVED, and each is freed after its last read: the rows sent back after the combine's backward,
     the received rows and their up projection after the experts' backward (exchange_backward). ``param_grads=False``
     (frozen experts): the exchange runs no weight-gradient GEMM, and empty tensors stand in for those gradients."""
-    held = _take(table, decode_spec(spec).reuse_saved)  # [y_rows, x, up, fused_kernels]
+    held = _take(table, decode_spec(spec).reuse_saved)  # [y_rows, x, up, fused_kernels], or device_plan.Saved
+    if isinstance(held, device_plan_path.Saved):
+        if not decode_spec(spec).reuse_saved:  # a second backward reads them again
+            held = dataclasses.replace(held)
+        *grads, d_b_up, d_b_down = device_plan_path.backward(
+            grad_out, topk_weights, row_order, slot_row, expert_offsets, held, w_up, w_down, b_up, b_down, spec,
+            _process_group(group_name), knobs_from_json(knobs) or OverlapConfig(), param_grads)
+        return tuple(grads[:2]) + schema_param_grads(grads[2], grads[3], d_b_up, d_b_down, b_up, b_down, hidden_like)
     fused_kernels, dtype = held[3], held[1].dtype
     num_tokens, top_k = topk_weights.shape
     send_sizes, recv_sizes = sizes.tolist()  # on the host: no synchronization
@@ -178,7 +215,7 @@ def _setup_context(ctx, inputs, output):
     _, _y_rows, row_order, slot_row, offsets, recv, table, sizes = output  # y_rows is kept in _SAVED
     ctx.save_for_backward(topk_weights, row_order, slot_row, offsets, recv, table, sizes, hidden[:0], w_up,
                           w_down, b_up, b_down)
-    ctx.args = (spec, group_name, bool(rest[0]) if rest else False, rest[1] if len(rest) > 1 else "")
+    ctx.args = (spec, group_name, bool(rest[0]) if rest else False, rest[1] if len(rest) > 1 else "")  # not device_plan
     ctx.num_inputs = len(inputs)
     ctx.has_bias = (b_up is not None, b_down is not None)
 

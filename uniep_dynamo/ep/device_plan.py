@@ -1,0 +1,226 @@
+"""The EP layer with its plan on the device: no host synchronization in the forward or the backward.
+
+ep_layer's other paths read every rank's per-expert counts on the host (plan.count_table: the layer's one
+synchronization). The host waits there for the GPU to finish all the work before it, so each MoE layer drains the
+GPU's queue, and the host's time from the read to the next launch (split sizes, layout, launches) is GPU idle time
+that varies with the host: the step time's spread (BENCHMARKS.md, sixth session). On this path the counts never go
+to the host, so the host runs ahead of the GPU as it does in a dense model:
+
+    plan        the routing plan (on the device); every rank's per-expert counts all-gathered on the device (one
+                collective). The host learns only every rank's token count, from an all-gather over a CPU (gloo)
+                group, which waits for the other ranks' hosts and for no GPU
+    send        this rank's rows, gathered in plan order straight into its ``send`` window (symmetric memory)
+    pull        after a barrier (a kernel on the stream), the transfer kernel pulls every (local expert, source)
+                segment into a receive buffer sized for the most rows this rank could receive (every rank's T*K),
+                in the overlapped layer's receive order (expert-major, then source, token, k). Its table comes from
+                the device count table (kernels.layout_tables): the host never sees a split size
+    experts     the experts op over the receive buffer with the identity plan and the device's expert ends: rows
+                past the last end are dropped, never computed
+    push        the result rows pushed into their sources' ``back`` windows at their plan-order places, a barrier
+    combine     the single-GPU op's fixed-order combine
+
+The backward runs the same steps reversed: the gradient rows into ``send``, pulled, the experts' backward, pushed
+back, gather_sum. Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
+its source-major received rows by expert, stably), so the bits are the same for one tile configuration.
+
+The cost: the receive buffer and the experts' buffers are sized for the worst case (W * T * K rows at equal T), so
+memory grows with the EP size; the rows past the received ones cost no GEMM work. Where it cannot run
+(unsupported_reason) ep_layer takes the synchronized path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.triton_transfer import MAX_PEERS
+from .plan import _all_gather_flat, routing_plan
+from .sequential import combine_rows, combine_rows_backward, gather_sum
+from .transfer import sm_count, window
+
+_HOST_GROUPS: dict = {}  # process group name -> a group over the same ranks that takes CPU tensors, or None
+
+
+def _cpu_capable(group) -> bool:
+    try:
+        group._get_backend(torch.device("cpu"))
+        return True
+    except Exception:  # noqa: BLE001  (no CPU backend on this group: RuntimeError in torch 2.11-2.13)
+        return False
+
+
+def host_group(group):
+    """A process group over ``group``'s ranks that takes CPU tensors (the group itself where it has a CPU backend,
+    else a gloo group made once), or None. Making a group is a collective over every rank of the default group:
+    it is made only where ``group`` holds all of them (every rank is then in this call)."""
+    name = group.group_name
+    if name not in _HOST_GROUPS:
+        if _cpu_capable(group):
+            _HOST_GROUPS[name] = group
+        elif group.size() == dist.get_world_size():
+            _HOST_GROUPS[name] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+        else:
+            _HOST_GROUPS[name] = None
+    return _HOST_GROUPS[name]
+
+
+def unsupported_reason(hidden, group) -> str | None:
+    """None where the device-plan path runs, else why ep_layer takes the synchronized one."""
+    from ..kernels.config import interpreting
+
+    if not (hidden.is_cuda or interpreting()):
+        return "the transfer kernel runs on CUDA or in Triton's interpreter only"
+    if group.size() > MAX_PEERS:
+        return f"{group.size()} ranks; the transfer kernel takes at most {MAX_PEERS}"
+    if host_group(group) is None:
+        return ("the EP group has no CPU backend and is smaller than the default group (a gloo twin of it would be "
+                "a collective over ranks outside the layer)")
+    return None
+
+
+def device_count_table(offsets: torch.Tensor, num_tokens: int, group) -> torch.Tensor:
+    """Every rank's per-expert counts and token count, [W, E + 1] on the device: one all-gather, no host copy."""
+    experts = offsets.numel()
+    mine = offsets.new_empty(experts + 1)
+    if experts:
+        mine[:1].copy_(offsets[:1])
+        torch.sub(offsets[1:], offsets[:-1], out=mine[1:experts])
+    mine[experts:].fill_(num_tokens)
+    every = offsets.new_empty(dist.get_world_size(group) * (experts + 1))  # flat: gloo takes no [W, n] output
+    _all_gather_flat(every, mine, group)
+    return every.view(-1, experts + 1)
+
+
+def _host_tokens(num_tokens: int, group) -> list:
+    """Every rank's token count on the host, all-gathered over the host group (no GPU involved)."""
+    hosts = host_group(group)
+    out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
+    _all_gather_flat(out, torch.tensor([num_tokens], dtype=torch.int64), hosts)
+    return out.tolist()
+
+
+def _buffer(rows: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """[rows, H] rows buffer; zeroed off CUDA (the reference path reads every row, dropped ones too)."""
+    make = torch.empty if like.is_cuda else torch.zeros
+    return make(rows, like.shape[1], dtype=dtype or like.dtype, device=like.device)
+
+
+@dataclasses.dataclass
+class Saved:
+    """What the device-plan forward keeps for its backward (beside the call's host table, layer._SAVED)."""
+    y_rows: torch.Tensor | None  # the rows sent back, in plan order (the routing weights' gradient reads them)
+    x: torch.Tensor | None  # the receive buffer [capacity, H]
+    up: torch.Tensor | None  # the experts op's up projection of it
+    down: torch.Tensor | None  # its down rows where the backward reads them (the reference path), else None
+    ids: torch.Tensor
+    ones: torch.Tensor
+    plan: tuple  # the receive buffer's identity plan (row_order, slot_row, the local experts' ends)
+    table: torch.Tensor  # the transfer table (device)
+    send_rows: int  # capacity of the windows' rows (the most slots of any rank)
+    fused_kernels: bool
+
+
+def _transfer(table, local, peers, push: bool, knobs) -> None:
+    from ..kernels.triton_transfer import copy_segments
+
+    if table.shape[0]:
+        copy_segments(table, local, peers, push, sm_count(local.device), knobs.copy_block, knobs.copy_warps)
+
+
+def _identity_plan(ends: torch.Tensor, rows: int, dtype):
+    """(ids [rows, 1], ones [rows, 1], (row_order, slot_row, ends)) of a receive buffer whose rows are in expert order
+    already: local expert e's rows end at ends[e]; rows past the last end get the id E_local (dropped)."""
+    index = torch.arange(rows, device=ends.device)
+    ids = torch.searchsorted(ends, index, right=True).unsqueeze(1)
+    ones = torch.ones(rows, 1, dtype=dtype, device=ends.device)
+    return ids, ones, (index, index, ends)
+
+
+def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knobs, fused_kernels: bool):
+    """(rows sent back [T*K, H] in plan order, row_order, slot_row, offsets, every rank's counts [W, E + 1] on the
+    device, Saved) of the EP layer's exchange with the plan on the device."""
+    from ..kernels import megakernel
+    from ..kernels.triton_transfer import layout_tables
+    from ..spec import decode_spec
+
+    s = decode_spec(spec)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_tokens, top_k = topk_ids.shape
+    slots, size, local = topk_ids.numel(), hidden.shape[1], w_up.shape[0]
+    num_experts = local * world
+    row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
+    every = device_count_table(offsets, slots, group)
+    tokens = _host_tokens(num_tokens, group)
+    # an id outside [0, E) sorts past every expert's rows: its rank's counts sum to fewer than its slots. Checked on
+    # the device (a failed check stops the process with this message), not lost
+    torch._assert_async(every[:, :num_experts].sum(1).eq(every[:, num_experts]).all(),
+                        f"uniep.ep_layer: an expert id lies outside [0, {num_experts})")
+    send_rows, capacity = max(tokens) * top_k, sum(tokens) * top_k
+    win_x = window(group, send_rows, size, hidden.dtype, hidden.device)
+    send = win_x.send(rank)[:slots]
+    if fused_kernels:
+        from ..kernels.triton_routing import gather_rows
+        gather_rows(hidden, row_order, top_k, out=send)
+    else:
+        send.copy_(hidden[row_order // top_k])
+    _, ends, _, table = layout_tables(every, rank, local, [0], size, knobs.copy_block)
+    x = _buffer(capacity, hidden)
+    win_x.barrier()  # every rank's rows are in its window
+    _transfer(table, x, [win_x.send(p) for p in range(world)], False, knobs)
+    ids, ones, plan = _identity_plan(ends, capacity, x.dtype)
+    out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
+    y, up, down = out[0], out[4], out[5]
+    if megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+        down = None  # the fused backward (weights_grad=False) reads no down rows
+    win_y = window(group, send_rows, size, y.dtype, hidden.device)
+    # no barrier before the pushes: each peer read its ``back`` before the barrier above
+    _transfer(table, y, [win_y.back(p) for p in range(world)], True, knobs)
+    del y
+    win_y.barrier()  # every rank's rows are back
+    back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
+    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels)
+    return back, row_order, slot_row, offsets, every, saved
+
+
+def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved, w_up, w_down, b_up, b_down,
+             spec: str, group, knobs, param_grads: bool):
+    """(d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down) of forward + the combine; the Saved's buffers
+    are dropped from it once read."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_tokens, top_k = topk_weights.shape
+    x, fused_kernels = saved.x, saved.fused_kernels
+    dtype, size = x.dtype, x.shape[1]
+    d_rows, d_weights = combine_rows_backward(grad_out, saved.y_rows, topk_weights, row_order, slot_row, offsets,
+                                              fused_kernels)
+    saved.y_rows = None
+    win_x = window(group, saved.send_rows, size, dtype, x.device)
+    win_x.send(rank)[:d_rows.shape[0]].copy_(d_rows)
+    del d_rows
+    d_recv = _buffer(x.shape[0], x)
+    win_x.barrier()
+    _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
+    down = saved.down if saved.down is not None else d_recv.new_empty(0, size)
+    up = saved.up
+    saved.x = saved.up = saved.down = None
+    d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
+        d_recv, x, saved.ids, saved.ones, w_up, w_down, b_up, b_down, [], *saved.plan, up, down, spec, False,
+        param_grads)
+    del d_recv, x, up, down
+    win_dx = window(group, saved.send_rows, size, d_x.dtype, d_x.device)
+    _transfer(saved.table, d_x, [win_dx.back(p) for p in range(world)], True, knobs)
+    del d_x
+    win_dx.barrier()
+    # read before any later barrier: no peer writes this window's ``back`` until then
+    d_hidden = gather_sum(win_dx.back(rank)[:num_tokens * top_k], slot_row, offsets, num_tokens, top_k, dtype,
+                          fused_kernels)
+    if not param_grads:
+        d_w_up = d_w_down = d_b_up = d_b_down = None
+    return (d_hidden, d_weights, d_w_up, d_w_down, d_b_up if b_up is not None else None,
+            d_b_down if b_down is not None else None)
+
+
+def combine(back, topk_weights, slot_row, offsets, out_dtype, rows_dtype, fused_kernels: bool):
+    """(out, y_rows): the combine of the rows sent back, as ep_layer's other paths have it."""
+    y_rows = back.to(rows_dtype)
+    return combine_rows(y_rows, topk_weights, slot_row, offsets, out_dtype, fused_kernels), y_rows
