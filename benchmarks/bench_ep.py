@@ -47,6 +47,8 @@ it. Providers, on the same module and inputs:
   hf_inductor_graphs, hf_uniep_graphs  the same two compiles with mode="reduce-overhead" (inductor's CUDA graphs
              around what they cannot capture: uniep.ep_layer, HF's all-to-alls and host reads)
   hf_uniep_overlap_graphs  hf_uniep_overlap with mode="reduce-overhead"
+  hf_uniep_device_plan, hf_layer_uniep_device_plan  hf_uniep and hf_layer_uniep with options={"ep_device_plan":
+             True}: uniep.ep_layer keeps its routing plan on the device (no host synchronization in the layer)
   hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a one-layer
              model of the same kind, whole (the decoder layer with its attention at the shape's real head counts, the
              final norm, a 128-word head) on [1, T, H] input embeddings, as HF loads it under EP: the attention, norms
@@ -99,7 +101,7 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "overlap_sm_comm_only", "overlap_kernel_comm_only",
              "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs",
              "hf_uniep_overlap_graphs", "hf_layer_eager", "hf_layer_inductor", "hf_layer_uniep",
-             "hf_layer_inductor_graphs", "hf_layer_uniep_graphs")
+             "hf_layer_inductor_graphs", "hf_layer_uniep_graphs", "hf_uniep_device_plan", "hf_layer_uniep_device_plan")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -503,7 +505,8 @@ def _worker(rank, world, port, args, out_path):
                 if batched:
                     backend = {"eager": None, "inductor": "inductor"}.get(
                         provider[len(family) + 1:].removesuffix("_graphs"), "uniep")
-                    options = {"overlap_ep": True} if "_uniep_overlap" in provider else None
+                    options = {"overlap_ep": True} if "_uniep_overlap" in provider else \
+                        {"ep_device_plan": True} if provider.endswith("_device_plan") else None
                     mode = "reduce-overhead" if provider.endswith("_graphs") else None
                     if options and mode:  # torch.compile takes one of them: the mode's settings go in uniep's options
                         options["inductor"], mode = dict(torch._inductor.list_mode_options(mode)), None

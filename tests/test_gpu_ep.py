@@ -206,14 +206,15 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
     torch.cuda.CUDAGraph.capture_begin = lambda self, *a, **k: (captures.append(1), capture_begin(self, *a, **k))[1]
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for name in ("eager", "uniep", "uniep_again", "uniep_graphs"):
+            for name in ("eager", "uniep", "uniep_again", "uniep_graphs", "uniep_device_plan"):
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=(
                     DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="all_to_all")))
                 torch._dynamo.reset()
                 counters.clear()
                 # uniep_graphs: mode="reduce-overhead", inductor's CUDA graphs around the EP layers; three steps
                 run = model if name == "eager" else torch.compile(
-                    model, backend="uniep", mode="reduce-overhead" if name == "uniep_graphs" else None)
+                    model, backend="uniep", mode="reduce-overhead" if name == "uniep_graphs" else None,
+                    options={"ep_device_plan": True} if name == "uniep_device_plan" else None)
                 captures.clear()
                 try:
                     for _ in range(3 if name == "uniep_graphs" else 1):
@@ -241,7 +242,8 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
 def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
     """HF transformers' own EP (AllToAllEP, >= 5.23) over NCCL, compiled with backend="uniep" (inductor
     behind it): each layer one uniep.ep_layer; in fp32, loss and gradients within 1e-4 / 1e-3 of HF's eager EP
-    path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal. Under mode="reduce-overhead"
+    path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal; the same with ep_device_plan
+    (the layer's plan on the device). Under mode="reduce-overhead"
     (three steps) CUDA graphs are captured around the EP layers, and loss and gradients are the compile's without
     them, bit for bit."""
     import tempfile
@@ -280,6 +282,14 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
             assert graphs["captures"] > 0 and graphs["counters"].get("ep_layer", 0) >= 1, (graphs["captures"],
                                                                                          graphs["counters"])
             assert first["captures"] == 0, first["captures"]
+            # ep_device_plan: the layer's plan on the device (no host synchronization), eager's loss and gradients
+            planned = r[(dtype, "uniep_device_plan")]
+            assert planned["counters"].get("ep_layer", 0) >= 1, planned["counters"]
+            torch.testing.assert_close(planned["loss"], eager["loss"], atol=1e-4 if fp32 else 2e-2,
+                                       rtol=1e-4 if fp32 else 2e-2)
+            for name, want in eager["grads"].items():
+                rel = float((planned["grads"][name] - want).norm() / want.norm().clamp_min(1e-12))
+                assert rel < (1e-3 if fp32 else 0.25), f"rank {rank} {dtype}, device plan: {name} error {rel:.3g}"
             torch.testing.assert_close(graphs["loss"], first["loss"], atol=0, rtol=0)
             for name, want in first["grads"].items():
                 assert torch.equal(graphs["grads"][name], want), f"rank {rank} {dtype}: {name} under CUDA graphs"
@@ -323,3 +333,63 @@ def test_compiled_plain_ep_model_exchange_on_gpus(world, tmp_path):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
     check_model(run_workers(_model_worker, world, ("cuda", "plain"), tmp_path, timeout=600))
+
+
+def _device_plan_worker(rank, world, port, case, out_dir):
+    from uniep_dynamo.ep import local_rank
+
+    with local_rank(rank, world, port) as device:
+        import uniep_dynamo  # noqa: F401
+        from test_ep_single_rank import host_syncs
+        from uniep_dynamo.ep import device_plan, plan
+        from uniep_dynamo.kernels.config import use_config
+
+        tokens, experts, top_k, routing = case
+        hidden, ids, weights, w_up, w_down, grad = [t.cuda() for t in _inputs(tokens, experts, top_k, routing)]
+        per_rank, e_local = tokens // world, experts // world
+        mine, local = slice(rank * per_rank, (rank + 1) * per_rank), slice(rank * e_local, (rank + 1) * e_local)
+        spec = _spec()
+        host_tables = []
+        count_table = plan.count_table
+        plan.count_table = lambda *a, **k: (host_tables.append(1), count_table(*a, **k))[1]
+
+        def layer(x, i, w, a, b):
+            return torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, dist.group.WORLD.group_name, world,
+                                            False, "", True)[0]
+        with use_config(_config(tokens, experts, top_k)):
+            runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine], layer)]
+            torch.cuda.synchronize(device)
+            with host_syncs() as forward_syncs:  # the kernels are compiled and the windows made by now
+                leaves = [t.clone().requires_grad_() for t in (hidden[mine], weights[mine], w_up[local],
+                                                               w_down[local])]
+                out = layer(leaves[0], ids[mine], *leaves[1:])
+            with host_syncs() as backward_syncs:
+                out.backward(grad[mine])
+            runs.append([out.detach()] + [t.grad for t in leaves])
+            single = _run(hidden, ids, weights, w_up, w_down, grad,
+                          lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
+        torch.save({"runs": [[t.cpu() for t in r] for r in runs], "host_tables": len(host_tables),
+                    "syncs": (forward_syncs, backward_syncs), "host_group": device_plan._HOST_GROUPS != {},
+                    "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
+                               single[3][local].cpu(), single[4][local].cpu()]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [(1024, 16, 8, "random"), (512, 8, 2, "rank0_only")],
+                         ids=["qwen_like", "lower_half_of_experts_only"])
+def test_ep_layer_device_plan_on_gpus(case, world, tmp_path):
+    """uniep.ep_layer with device_plan=True (the compile's ep_device_plan) over NCCL and symmetric memory: no host
+    synchronization in its forward or its backward (torch's sync debug mode, after a first call), the counts never
+    on the host, and output and every gradient the single-GPU op's bits, twice."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
+    from test_ep import run_workers
+    names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
+    for rank, result in enumerate(run_workers(_device_plan_worker, world, (case,), tmp_path)):
+        assert result["host_tables"] == 0 and result["host_group"], result["host_tables"]
+        assert result["syncs"] == ([], []), result["syncs"]
+        for i, run in enumerate(result["runs"]):
+            for name, a, s in zip(names, run, result["single"]):
+                assert torch.equal(a, s), f"rank {rank}, run {i}: {name} differs from the single-GPU op " \
+                                          f"(max diff {(a.float() - s.float()).abs().max():.3g})"

@@ -191,12 +191,23 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     num_tokens, top_k = topk_weights.shape
     x, fused_kernels = saved.x, saved.fused_kernels
     dtype, size = x.dtype, x.shape[1]
-    d_rows, d_weights = combine_rows_backward(grad_out, saved.y_rows, topk_weights, row_order, slot_row, offsets,
-                                              fused_kernels)
-    saved.y_rows = None
     win_x = window(group, saved.send_rows, size, dtype, x.device)
-    win_x.send(rank)[:d_rows.shape[0]].copy_(d_rows)
-    del d_rows
+    send = win_x.send(rank)[:num_tokens * top_k]
+    y_rows, saved.y_rows = saved.y_rows, None
+    if fused_kernels and y_rows.dtype == dtype and grad_out.dtype in (torch.float32, dtype):
+        # combine_rows_backward's kernels, the gradient rows gathered straight into the window: the same bits
+        from ..kernels.triton_routing import gather_rows, routing_weight_grad
+
+        grad_out = grad_out.contiguous()
+        d_weights = routing_weight_grad(grad_out, y_rows.contiguous(), slot_row, offsets, num_tokens, top_k,
+                                        topk_weights.dtype)
+        gather_rows(grad_out, row_order, top_k, topk_weights.reshape(-1).contiguous(), out=send, dtype=dtype)
+    else:
+        d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, offsets,
+                                                  fused_kernels)
+        send.copy_(d_rows)
+        del d_rows
+    del y_rows
     d_recv = _buffer(x.shape[0], x)
     win_x.barrier()
     _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)

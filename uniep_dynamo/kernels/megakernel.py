@@ -662,7 +662,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     if layer.num_slots:
         act = torch.empty(layer.num_slots, layer.inter, dtype=w_down.dtype, device=device)
         gather = cfg.fuse_gather or quack_gathers_rows(layer, cfg.up, hidden, layer.up_eff, b_up)
-        x = hidden if gather else gather_rows(hidden, row_order, layer.top_k)
+        x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, offsets=offsets)
         up = rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
                        two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
@@ -723,7 +723,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     gather = cfg.fuse_gather
     scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() else None
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
-    dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch)
+    dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch,
+                                               offsets=offsets)
     del grad_out  # read for the last time (dy is the same tensor where the GEMMs gather it themselves)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise pass turns it
@@ -740,7 +741,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     del act, dy
     if param_grads:
         x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0], d_b_up)
-        x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch)
+        x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch, offsets=offsets)
         if not x_gather:
             row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
         d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=x_gather, q=d_up, q_gather=False, q_scale=False,

@@ -279,9 +279,12 @@ GATHER_BLOCK_R, GATHER_BLOCK_C = 16, 256
 
 @triton.jit
 def _gather_rows(src_ptr, src_stride, row_order_ptr, weights_ptr, out_ptr, out_stride, num_rows, num_cols, top_k,
-                 SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                 routed_ptr, SCALE: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if BOUNDED:  # rows past the routed ones (read from the device) are left as they are
+        num_rows = tl.minimum(num_rows, tl.load(routed_ptr))
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
     slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
@@ -293,12 +296,15 @@ def _gather_rows(src_ptr, src_stride, row_order_ptr, weights_ptr, out_ptr, out_s
              mask=mask)
 
 
-def gather_rows(src, row_order, top_k: int, weights=None, out=None, dtype=None) -> torch.Tensor:
+def gather_rows(src, row_order, top_k: int, weights=None, out=None, dtype=None, offsets=None) -> torch.Tensor:
     """out[r] = src[row_order[r] // top_k] (times weights[row_order[r]] in fp32, rounded to src's dtype):
     the token rows in expert-sorted order, for GEMMs that read them as plain strided operands. With
     the routing weights this is bit for bit what the fused gather computes in a GEMM prologue
     (A_SCALE / Q_SCALE). ``out``: a contiguous [rows, cols] buffer of src's dtype to write into. ``dtype``: round to
-    that dtype instead (for fp32 ``src``, the bits of the gather followed by ``.to(dtype)``, without the fp32 rows)."""
+    that dtype instead (for fp32 ``src``, the bits of the gather followed by ``.to(dtype)``, without the fp32 rows).
+    ``offsets``: the plan's expert offsets (device): only the routed rows (before the last offset) are gathered,
+    for GEMMs that read no other row; the rest of ``out`` is left as it was (an EP layer's receive buffer is sized
+    for the most rows it could receive, and holds far fewer)."""
     num_rows, num_cols = row_order.numel(), src.shape[1]
     dtype = dtype or src.dtype
     if out is None or out.dtype != dtype or tuple(out.shape) != (num_rows, num_cols) or not out.is_contiguous():
@@ -308,7 +314,8 @@ def gather_rows(src, row_order, top_k: int, weights=None, out=None, dtype=None) 
     if src.stride(1) != 1:
         src = src.contiguous()
     grid = (_cdiv(num_rows, GATHER_BLOCK_R), _cdiv(num_cols, GATHER_BLOCK_C))
+    bounded = offsets is not None and offsets.numel() > 0
     launch(_gather_rows, grid, src, src.stride(0), row_order, weights if weights is not None else src, out,
-           out.stride(0), num_rows, num_cols, top_k, SCALE=weights is not None, BLOCK_R=GATHER_BLOCK_R,
-           BLOCK_C=GATHER_BLOCK_C)
+           out.stride(0), num_rows, num_cols, top_k, offsets[-1:] if bounded else row_order, SCALE=weights is not None,
+           BOUNDED=bounded, BLOCK_R=GATHER_BLOCK_R, BLOCK_C=GATHER_BLOCK_C)
     return out
