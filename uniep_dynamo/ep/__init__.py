@@ -16,6 +16,8 @@ One module per concept; the imports go down this list, never up:
     overlap        ep_experts_overlapped: the overlapped layer as an autograd op
     exchange       the compiled exchange (all-to-all, local experts, all-to-all back) on the same pipeline
     custom_ops     torch.ops.uniep.ep_dispatch / ep_combine / ep_exchange, what the compile rewrites lower to
+    device_plan    the EP layer with its routing plan on the device (no host synchronization): the windows and the
+                   transfer kernel over device-made tables, buffers sized for the most rows a rank can receive
     layer          torch.ops.uniep.ep_layer: the whole layer (plan, exchange, combine) as one op, what HF's AllToAllEP
                    becomes under the compile (uniep_dynamo/hf_ep.py)
 
