@@ -589,15 +589,15 @@ def _device_plan_worker(rank, world, port, kernels, shards, routing, out_dir):
 
     with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
         import uniep_dynamo  # noqa: F401
-        from uniep_dynamo.ep import device_plan, plan
+        from uniep_dynamo.ep import device_plan, layer
 
         if kernels == "triton":
             from uniep_dynamo.kernels import triton_routing
 
             triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
         calls = {"host": 0, "device": 0}
-        count_table, forward = plan.count_table, device_plan.forward
-        plan.count_table = lambda *a, **k: (calls.__setitem__("host", calls["host"] + 1), count_table(*a, **k))[1]
+        count_table, forward = layer.count_table, device_plan.forward
+        layer.count_table = lambda *a, **k: (calls.__setitem__("host", calls["host"] + 1), count_table(*a, **k))[1]
         device_plan.forward = lambda *a, **k: (calls.__setitem__("device", calls["device"] + 1), forward(*a, **k))[1]
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
         if routing == "rank0_only":  # rank 1's experts get no row: it receives nothing, and sends its rows away
@@ -618,10 +618,11 @@ def _device_plan_worker(rank, world, port, kernels, shards, routing, out_dir):
     ("triton", (12, 12), "spread"),  # the MegaKernel's kernels in the interpreter, as on a GPU
     ("reference", (5, 19), "spread"),  # ranks of different token counts: the windows take the most rows of any
     ("reference", (12, 12), "rank0_only"),  # a rank that receives no row
+    ("reference", (0, 24), "spread"),  # a rank with no token (an empty batch) beside one with all of them
 ])
 def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, routing, tmp_path, monkeypatch):
     """uniep.ep_layer with device_plan=True (the compile's ep_device_plan: no host synchronization) at EP=2: the
-    counts never reach the host (plan.count_table is not called), the transfer kernel pulls and pushes the rows
+    counts never reach the host (ep_layer's count_table is not called), the transfer kernel pulls and pushes the rows
     through the symmetric-memory windows (a shared file on CPU) by tables made on the device, and output and every
     gradient are uniep.moe_experts' over the global batch in one process, bit for bit."""
     from test_ep import single_process, use_kernels

@@ -414,3 +414,49 @@ def test_ep_layer_refuses_an_expert_id_out_of_range_before_any_transfer(tmp_path
         with pytest.raises(ValueError, match=rf"an expert id lies outside \[0, {w_up.shape[0]}\) on rank\(s\) \[0\]"):
             layer(hidden, bad, weights, w_up, w_down)
         assert layer(hidden, ids, weights, w_up, w_down).shape == hidden.shape
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch, caplog):
+    """device_plan=True at world size 1 (gloo, the transfer kernel in Triton's interpreter): the single-GPU op's bits
+    in two process groups one after the other (the second reuses the first's name), without the host count table; an
+    id out of range stops the call with the layer's message. Where the path cannot run (no interpreter on CPU
+    tensors) the layer says why once and takes the synchronized path, with the same bits."""
+    import logging
+
+    from test_ep import use_kernels
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the transfer kernel on CPU tensors runs only in Triton's interpreter (conftest sets it)")
+    use_kernels(monkeypatch, "reference")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.ep import layer
+
+    tables = []  # the synchronized path's host count tables
+    monkeypatch.setattr(layer, "count_table", lambda *a, _run=layer.count_table, **k:
+                        (tables.append(1), _run(*a, **k))[1])
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    hidden, ids, weights, w_up, w_down, _, spec = case
+    want, _ = run_layer(single_op_fn(spec), case)
+
+    def planned(group):
+        return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
+                                                              False, "", True)[0]
+    for attempt in range(2):
+        (tmp_path / str(attempt)).mkdir()
+        with one_rank_group(torch.device("cpu"), tmp_path / str(attempt)) as group:
+            got, _ = run_layer(planned(group), case)
+            assert_bitwise(got, want, f"ep_layer(device_plan=True), group {attempt}")
+            if attempt == 0:
+                bad = ids.clone()
+                bad[3, 1] = w_up.shape[0]
+                with pytest.raises(RuntimeError, match=rf"an expert id lies outside \[0, {w_up.shape[0]}\)"):
+                    planned(group)(hidden, bad, weights, w_up, w_down)
+    assert not tables
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at the call: the transfer kernel cannot run on CPU tensors
+    (tmp_path / "2").mkdir()
+    with caplog.at_level(logging.WARNING, logger="uniep"), \
+            one_rank_group(torch.device("cpu"), tmp_path / "2") as group:
+        got, _ = run_layer(planned(group), case)
+    assert_bitwise(got, want, "ep_layer(device_plan=True) on its synchronized fallback")
+    assert tables and "the transfer kernel runs on CUDA or in Triton's interpreter only" in caplog.text, caplog.text

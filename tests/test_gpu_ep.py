@@ -341,7 +341,7 @@ def _device_plan_worker(rank, world, port, case, out_dir):
     with local_rank(rank, world, port) as device:
         import uniep_dynamo  # noqa: F401
         from test_ep_single_rank import host_syncs
-        from uniep_dynamo.ep import device_plan, plan
+        from uniep_dynamo.ep import device_plan, layer
         from uniep_dynamo.kernels.config import use_config
 
         tokens, experts, top_k, routing = case
@@ -350,26 +350,27 @@ def _device_plan_worker(rank, world, port, case, out_dir):
         mine, local = slice(rank * per_rank, (rank + 1) * per_rank), slice(rank * e_local, (rank + 1) * e_local)
         spec = _spec()
         host_tables = []
-        count_table = plan.count_table
-        plan.count_table = lambda *a, **k: (host_tables.append(1), count_table(*a, **k))[1]
+        count_table = layer.count_table
+        layer.count_table = lambda *a, **k: (host_tables.append(1), count_table(*a, **k))[1]
 
-        def layer(x, i, w, a, b):
+        def planned(x, i, w, a, b):
             return torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, dist.group.WORLD.group_name, world,
                                             False, "", True)[0]
         with use_config(_config(tokens, experts, top_k)):
-            runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine], layer)]
+            runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine], planned)]
             torch.cuda.synchronize(device)
             with host_syncs() as forward_syncs:  # the kernels are compiled and the windows made by now
                 leaves = [t.clone().requires_grad_() for t in (hidden[mine], weights[mine], w_up[local],
                                                                w_down[local])]
-                out = layer(leaves[0], ids[mine], *leaves[1:])
+                out = planned(leaves[0], ids[mine], *leaves[1:])
             with host_syncs() as backward_syncs:
                 out.backward(grad[mine])
             runs.append([out.detach()] + [t.grad for t in leaves])
             single = _run(hidden, ids, weights, w_up, w_down, grad,
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
+        gloo_twin = any(entry[1] is not None for entry in device_plan._HOST_GROUPS.values())
         torch.save({"runs": [[t.cpu() for t in r] for r in runs], "host_tables": len(host_tables),
-                    "syncs": (forward_syncs, backward_syncs), "host_group": device_plan._HOST_GROUPS != {},
+                    "syncs": (forward_syncs, backward_syncs), "host_group": gloo_twin,
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
                                single[3][local].cpu(), single[4][local].cpu()]},
                    os.path.join(out_dir, f"rank{rank}.pt"))

@@ -167,7 +167,7 @@ def main():
     for attr in ("take_count_table", "_table_from_counts", "_split_host", "_check_exchange", "_all_to_all",
                  "_sequential_experts", "_exchange_unsupported", "_saved_sequential", "_local_ids"):
         _wrap(exchange, attr)
-    for attr in ("routing_plan", "stash_count_table", "_all_gather_flat", "all_to_all"):
+    for attr in ("routing_plan", "stash_count_table", "all_gather_flat", "all_to_all"):
         _wrap(plan, attr)
     _wrap(megakernel, "use_megakernel")
     _wrap(triton_routing, "gather_rows")

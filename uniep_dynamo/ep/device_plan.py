@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.triton_transfer import MAX_PEERS
-from .plan import _all_gather_flat, routing_plan
+from .plan import all_gather_flat, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 from .transfer import sm_count, window
 
-_HOST_GROUPS: dict = {}  # process group name -> a group over the same ranks that takes CPU tensors, or None
+# process group name -> (that group, a group over the same ranks that takes CPU tensors, or None); the group is
+# compared too: a name comes back with the next process group once one is destroyed
+_HOST_GROUPS: dict = {}
 
 
 def _cpu_capable(group) -> bool:
@@ -55,14 +57,16 @@ def host_group(group):
     else a gloo group made once), or None. Making a group is a collective over every rank of the default group:
     it is made only where ``group`` holds all of them (every rank is then in this call)."""
     name = group.group_name
-    if name not in _HOST_GROUPS:
+    entry = _HOST_GROUPS.get(name)
+    if entry is None or entry[0] is not group:
         if _cpu_capable(group):
-            _HOST_GROUPS[name] = group
+            host = group
         elif group.size() == dist.get_world_size():
-            _HOST_GROUPS[name] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+            host = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
         else:
-            _HOST_GROUPS[name] = None
-    return _HOST_GROUPS[name]
+            host = None
+        entry = _HOST_GROUPS[name] = (group, host)
+    return entry[1]
 
 
 def unsupported_reason(hidden, group) -> str | None:
@@ -88,7 +92,7 @@ def device_count_table(offsets: torch.Tensor, num_tokens: int, group) -> torch.T
         torch.sub(offsets[1:], offsets[:-1], out=mine[1:experts])
     mine[experts:].fill_(num_tokens)
     every = offsets.new_empty(dist.get_world_size(group) * (experts + 1))  # flat: gloo takes no [W, n] output
-    _all_gather_flat(every, mine, group)
+    all_gather_flat(every, mine, group)
     return every.view(-1, experts + 1)
 
 
@@ -96,7 +100,7 @@ def _host_tokens(num_tokens: int, group) -> list:
     """Every rank's token count on the host, all-gathered over the host group (no GPU involved)."""
     hosts = host_group(group)
     out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
-    _all_gather_flat(out, torch.tensor([num_tokens], dtype=torch.int64), hosts)
+    all_gather_flat(out, torch.tensor([num_tokens], dtype=torch.int64), hosts)
     return out.tolist()
 
 

@@ -101,7 +101,8 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
                                         knobs, fused_kernels)
         from ..kernels import megakernel
-        megakernel.warn_once("ep_layer", why, "uniep: the EP layer's plan goes to the host (device_plan is off): %s")
+        megakernel.warn_once("ep_layer", why,
+                             "uniep: ep_device_plan cannot run here; the EP layer reads its plan on the host: %s")
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     counts, slots, every = count_table(offsets, topk_ids.numel(), group)  # the layer's one host synchronization
     # an id outside [0, E) sorts past every expert's rows: that rank's counts then sum to fewer than its slots

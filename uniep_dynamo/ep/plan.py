@@ -64,7 +64,7 @@ def plan_and_gather(topk_ids: torch.Tensor, num_experts: int, world: int, group,
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     flat = torch.diff(offsets, prepend=offsets.new_zeros(1))
     table = flat.new_empty(world * num_experts)
-    _all_gather_flat(table, flat, group)
+    all_gather_flat(table, flat, group)
     table = table.view(world, num_experts)
     e_local = num_experts // world
     rank = dist.get_rank(group)
@@ -88,7 +88,7 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, out_splits, in_splits, group)
         work.wait()
 
 
-def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group) -> None:
+def all_gather_flat(out: torch.Tensor, t: torch.Tensor, group) -> None:
     """dist.all_gather_into_tensor(out, t, group=group) (a flat output of world * n elements on gloo and NCCL alike),
     called on the process group itself, as all_to_all is."""
     from torch._C._distributed_c10d import AllgatherOptions
@@ -160,7 +160,7 @@ def count_table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
     mine[experts:].fill_(num_tokens)
     world = dist.get_world_size(group)
     every = offsets.new_empty(world * (experts + 1))  # flat: gloo takes no [W, n] output
-    _all_gather_flat(every, mine, group)
+    all_gather_flat(every, mine, group)
     every = every.view(world, experts + 1)
     host, copied = host_copy(every)
     if beside is not None:
