@@ -75,7 +75,11 @@ def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
         # "uniep": aot_eager, whose AOT graphs recording() notes per compiled graph; "uniep_again": the same
         # AOTAutograd with eager kernels, through a counting inner backend that counts the uniep ops that RUN;
         # "uniep_inductor": the default inner backend
-        for name in ("eager", "uniep", "uniep_again", "other_backend") + (("uniep_inductor",) if inductor else ()):
+        # another backend beside uniep is checked at 2 ranks (it is a matter of the process, not of the EP size);
+        # the layer with its plan on the device (ep_device_plan) beside the first family's run at 2 ranks
+        names = ("eager", "uniep", "uniep_again") + (("other_backend",) if world == 2 else ()) + \
+            (("uniep_inductor",) if inductor else ()) + (("uniep_device_plan",) if world == 2 and not inductor else ())
+        for name in names:
             model = load()
             torch._dynamo.reset()
             counters.clear()
@@ -89,8 +93,9 @@ def _hf_worker(rank, world, port, model_dir, inductor, out_dir):
                 run = model
             elif name == "other_backend":
                 run = torch.compile(model, backend=other)
-            elif name == "uniep":
-                run = torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})
+            elif name in ("uniep", "uniep_device_plan"):
+                run = torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager", **(
+                    {"ep_device_plan": True} if name == "uniep_device_plan" else {})})
             elif name == "uniep_inductor":
                 run = torch.compile(model, backend="uniep")
             else:
@@ -161,10 +166,18 @@ def test_hf_ep_layer_is_one_op(family, world, experts, inductor, tmp_path):
             assert torch.equal(fused["grads"][name], r["uniep_again"]["grads"][name]), name
         assert torch.equal(fused["loss"], r["uniep_again"]["loss"])
         # another backend in the same process, after uniep was installed: HF's code, no uniep op, eager's numbers
-        other = r["other_backend"]
-        assert not any("uniep" in op for op in other["other_ops"]), other["other_ops"]
-        assert not other["counters"], other["counters"]
-        torch.testing.assert_close(other["loss"], eager["loss"], atol=1e-6, rtol=1e-6)
+        if "other_backend" in r:
+            other = r["other_backend"]
+            assert not any("uniep" in op for op in other["other_ops"]), other["other_ops"]
+            assert not other["counters"], other["counters"]
+            torch.testing.assert_close(other["loss"], eager["loss"], atol=1e-6, rtol=1e-6)
+        # ep_device_plan: the same op in both graphs, its plan on the device, the same bits as the synchronized path
+        if "uniep_device_plan" in r:
+            planned = r["uniep_device_plan"]
+            assert planned["aot"] == fused["aot"], (planned["aot"], fused["aot"])
+            assert torch.equal(planned["loss"], fused["loss"])
+            for name, want in fused["grads"].items():
+                assert torch.equal(planned["grads"][name], want), name
         if inductor:  # the op under inductor: in its AOT graphs, both directions, eager's numbers
             ind = r["uniep_inductor"]
             assert ind["counters"].get("ep_layer", 0) >= 1, ind["counters"]

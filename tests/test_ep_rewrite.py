@@ -165,7 +165,7 @@ def hf_ep_layer_ops() -> tuple:
     return ("ep_layer", "moe_router")
 
 
-def _hf_worker(rank, world, port, model_dir, capture_scalars, substitute, out_dir):
+def _hf_worker(rank, world, port, model_dir, capture_scalars, out_dir):
     _init(rank, world, port)
     import logging
 
@@ -174,11 +174,10 @@ def _hf_worker(rank, world, port, model_dir, capture_scalars, substitute, out_di
     from uniep_dynamo import hf_ep
 
     declines = []
-    if not substitute:  # hf_ep.py declines (an AllToAllEP it was not checked against): HF's code is traced
-        hf_ep.KNOWN_SOURCES = {}
-        handler = logging.Handler()
-        handler.emit = lambda record: declines.append(record.getMessage())
-        logging.getLogger("uniep").addHandler(handler)
+    hf_ep.KNOWN_SOURCES = {}  # hf_ep.py declines (an AllToAllEP it was not checked against): HF's code is traced
+    handler = logging.Handler()
+    handler.emit = lambda record: declines.append(record.getMessage())
+    logging.getLogger("uniep").addHandler(handler)
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -209,30 +208,26 @@ def _hf_worker(rank, world, port, model_dir, capture_scalars, substitute, out_di
 
 
 @pytest.mark.skipif(_hf_ep_available() is not None, reason=str(_hf_ep_available()))
-@pytest.mark.parametrize("capture_scalars,substitute", [
-    (False, False),  # hf_ep.py declines: HF's layer traced as written, its two graphs rewritten piece by piece
-    (True, False),  # the same, with the `.tolist()` kept in the dispatch graph (the token all-to-all joins it)
-    (False, True),  # the default: hf_ep.py takes the layer, one uniep.ep_layer (tests/test_ep_compile.py: the rest)
-], ids=["declined", "declined-capture_scalar_outputs", "ep_layer"])
-def test_hf_all_to_all_ep_model_rewritten(capture_scalars, substitute, tmp_path):
+@pytest.mark.parametrize("capture_scalars", [
+    False,  # hf_ep.py declines: HF's layer traced as written, its two graphs rewritten piece by piece
+    True,  # the same, with the `.tolist()` kept in the dispatch graph (the token all-to-all joins it)
+], ids=["declined", "declined-capture_scalar_outputs"])
+def test_hf_all_to_all_ep_model_rewritten(capture_scalars, tmp_path):
     """HF's own EP model, compiled with backend="uniep": where uniep_dynamo/hf_ep.py declines the layer, its
-    dispatch, experts and combine are rewritten piece by piece; where it takes it, the layer is one op."""
+    dispatch, experts and combine are rewritten piece by piece. Where it takes it (the default), the layer is one op:
+    tests/test_ep_compile.py."""
     with tempfile.TemporaryDirectory() as model_dir:
         _tiny_qwen3_moe(model_dir)
-        ranks = run_workers(_hf_worker, 2, (model_dir, capture_scalars, substitute), tmp_path, timeout=600)
+        ranks = run_workers(_hf_worker, 2, (model_dir, capture_scalars), tmp_path, timeout=600)
     for r in ranks:
         c = r["uniep"]["counters"]
         assert not any(c.get(k) for k in ("unfused", "router_unfused", "ep_unfused")), c
-        if substitute:
-            assert all(c.get(op, 0) >= 1 for op in hf_ep_layer_ops()), c
-            assert not any(c.get(op) for op in ("ep_dispatch", "ep_combine", "ep_exchange", "moe_experts")), c
-        else:
-            # the decline says why; every graph Dynamo compiled (the layers share them; the experts graph compiles
-            # again once its split sizes turn dynamic) had its router, dispatch, experts and combine rewritten
-            assert any("not a version uniep was checked against" in m for m in r["declines"]), r["declines"]
-            assert "ep_layer" not in c, c
-            assert all(c.get(op, 0) >= 1 for op in required_ops()), c
-            assert c["ep_combine"] == c["moe_experts"], c
+        # the decline says why; every graph Dynamo compiled (the layers share them; the experts graph compiles
+        # again once its split sizes turn dynamic) had its router, dispatch, experts and combine rewritten
+        assert any("not a version uniep was checked against" in m for m in r["declines"]), r["declines"]
+        assert "ep_layer" not in c, c
+        assert all(c.get(op, 0) >= 1 for op in required_ops()), c
+        assert c["ep_combine"] == c["moe_experts"], c
         torch.testing.assert_close(r["uniep"]["loss"], r["eager"]["loss"], atol=1e-5, rtol=1e-5)
         assert r["uniep"]["grads"].keys() == r["eager"]["grads"].keys()
         for name, want in r["eager"]["grads"].items():
