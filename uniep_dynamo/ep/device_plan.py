@@ -104,10 +104,12 @@ def _host_tokens(num_tokens: int, group) -> list:
     return out.tolist()
 
 
-def _buffer(rows: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """[rows, H] rows buffer; zeroed off CUDA (the reference path reads every row, dropped ones too)."""
-    make = torch.empty if like.is_cuda else torch.zeros
-    return make(rows, like.shape[1], dtype=dtype or like.dtype, device=like.device)
+def _buffer(rows: int, like: torch.Tensor, fused_kernels: bool) -> torch.Tensor:
+    """A [rows, H] receive buffer. The rows past the received ones are never written: the MegaKernel (CUDA) reads
+    none of them (its GEMMs and gathers stop at the expert ends on the device); elsewhere the buffer is zeroed
+    first, so that no path reads uninitialized memory."""
+    make = torch.empty if fused_kernels and like.is_cuda else torch.zeros
+    return make(rows, like.shape[1], dtype=like.dtype, device=like.device)
 
 
 @dataclasses.dataclass
@@ -169,7 +171,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     else:
         send.copy_(hidden[row_order // top_k])
     _, ends, _, table = layout_tables(every, rank, local, [0], size, knobs.copy_block)
-    x = _buffer(capacity, hidden)
+    x = _buffer(capacity, hidden, fused_kernels)
     win_x.barrier()  # every rank's rows are in its window
     _transfer(table, x, [win_x.send(p) for p in range(world)], False, knobs)
     ids, ones, plan = _identity_plan(ends, capacity, x.dtype)
@@ -212,7 +214,7 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
         send.copy_(d_rows)
         del d_rows
     del y_rows
-    d_recv = _buffer(x.shape[0], x)
+    d_recv = _buffer(x.shape[0], x, fused_kernels)
     win_x.barrier()
     _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
     down = saved.down if saved.down is not None else d_recv.new_empty(0, size)
