@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.triton_transfer import MAX_PEERS
-from .plan import all_gather_flat, routing_plan
+from .plan import all_gather_flat, device_count_table, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 from .transfer import sm_count, window
 
@@ -81,19 +81,6 @@ def unsupported_reason(hidden, group) -> str | None:
         return ("the EP group has no CPU backend and is smaller than the default group (a gloo twin of it would be "
                 "a collective over ranks outside the layer)")
     return None
-
-
-def device_count_table(offsets: torch.Tensor, num_tokens: int, group) -> torch.Tensor:
-    """Every rank's per-expert counts and token count, [W, E + 1] on the device: one all-gather, no host copy."""
-    experts = offsets.numel()
-    mine = offsets.new_empty(experts + 1)
-    if experts:
-        mine[:1].copy_(offsets[:1])
-        torch.sub(offsets[1:], offsets[:-1], out=mine[1:experts])
-    mine[experts:].fill_(num_tokens)
-    every = offsets.new_empty(dist.get_world_size(group) * (experts + 1))  # flat: gloo takes no [W, n] output
-    all_gather_flat(every, mine, group)
-    return every.view(-1, experts + 1)
 
 
 def _host_tokens(num_tokens: int, group) -> list:

@@ -147,21 +147,25 @@ def fused(t: torch.Tensor) -> bool:
     return t.is_cuda and megakernel.kernels_mode() != "reference" and megakernel.triton_available()
 
 
-def count_table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
-    """All ranks' per-expert counts and token counts, on the host: one all-gather and one copy to the host, the
-    layer's one synchronization. beside() (work of the current stream) is issued after that copy and before the
-    host waits for it: the GPU runs it while the host lays out the step. No other host copy or synchronization:
-    a host tensor copied to the device would wait for the stream's earlier work first."""
+def device_count_table(offsets: torch.Tensor, num_tokens: int, group) -> torch.Tensor:
+    """Every rank's per-expert counts and then its ``num_tokens``, [W, E + 1] on the device: one all-gather."""
     experts = offsets.numel()
     mine = offsets.new_empty(experts + 1)
     if experts:
         mine[:1].copy_(offsets[:1])
         torch.sub(offsets[1:], offsets[:-1], out=mine[1:experts])
     mine[experts:].fill_(num_tokens)
-    world = dist.get_world_size(group)
-    every = offsets.new_empty(world * (experts + 1))  # flat: gloo takes no [W, n] output
+    every = offsets.new_empty(dist.get_world_size(group) * (experts + 1))  # flat: gloo takes no [W, n] output
     all_gather_flat(every, mine, group)
-    every = every.view(world, experts + 1)
+    return every.view(-1, experts + 1)
+
+
+def count_table(offsets: torch.Tensor, num_tokens: int, group, beside=None):
+    """All ranks' per-expert counts and token counts, on the host: one all-gather (device_count_table) and one copy
+    to the host, the layer's one synchronization. beside() (work of the current stream) is issued after that copy and
+    before the host waits for it: the GPU runs it while the host lays out the step. No other host copy or
+    synchronization: a host tensor copied to the device would wait for the stream's earlier work first."""
+    every = device_count_table(offsets, num_tokens, group)
     host, copied = host_copy(every)
     if beside is not None:
         beside()
