@@ -420,7 +420,7 @@ def test_ep_layer_refuses_an_expert_id_out_of_range_before_any_transfer(tmp_path
 def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch, caplog):
     """device_plan=True at world size 1 (gloo, the transfer kernel in Triton's interpreter): the single-GPU op's bits
     in two process groups one after the other (the second reuses the first's name), without the host count table; an
-    id out of range stops the call with the layer's message. Where the path cannot run (no interpreter on CPU
+    id out of range stops the call with the layer's message; frozen experts get the same other gradients. Where the path cannot run (no interpreter on CPU
     tensors) the layer says why once and takes the synchronized path, with the same bits."""
     import logging
 
@@ -452,6 +452,10 @@ def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch,
                 bad[3, 1] = w_up.shape[0]
                 with pytest.raises(RuntimeError, match=rf"an expert id lies outside \[0, {w_up.shape[0]}\)"):
                     planned(group)(hidden, bad, weights, w_up, w_down)
+                # frozen experts: the same input and routing-weight gradients, none for the weights
+                leaves = [t.clone().requires_grad_() for t in (hidden, weights)]
+                planned(group)(leaves[0], ids, leaves[1], w_up, w_down).backward(case[5])
+                assert torch.equal(leaves[0].grad, got[1]) and torch.equal(leaves[1].grad, got[2])
     assert not tables
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at the call: the transfer kernel cannot run on CPU tensors
     (tmp_path / "2").mkdir()
