@@ -458,6 +458,9 @@ def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch,
                 assert torch.equal(leaves[0].grad, got[1]) and torch.equal(leaves[1].grad, got[2])
     assert not tables
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at the call: the transfer kernel cannot run on CPU tensors
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setattr(megakernel, "_LOGGED", set())  # said once a process: this test reads it whatever ran before
     (tmp_path / "2").mkdir()
     with caplog.at_level(logging.WARNING, logger="uniep"), \
             one_rank_group(torch.device("cpu"), tmp_path / "2") as group:
