@@ -101,7 +101,8 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "overlap_sm_comm_only", "overlap_kernel_comm_only",
              "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs",
              "hf_uniep_overlap_graphs", "hf_layer_eager", "hf_layer_inductor", "hf_layer_uniep",
-             "hf_layer_inductor_graphs", "hf_layer_uniep_graphs", "hf_uniep_device_plan", "hf_layer_uniep_device_plan")
+             "hf_layer_inductor_graphs", "hf_layer_uniep_graphs", "hf_uniep_device_plan",
+             "hf_layer_uniep_device_plan")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},

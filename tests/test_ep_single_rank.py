@@ -420,8 +420,9 @@ def test_ep_layer_refuses_an_expert_id_out_of_range_before_any_transfer(tmp_path
 def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch, caplog):
     """device_plan=True at world size 1 (gloo, the transfer kernel in Triton's interpreter): the single-GPU op's bits
     in two process groups one after the other (the second reuses the first's name), without the host count table; an
-    id out of range stops the call with the layer's message; frozen experts get the same other gradients. Where the path cannot run (no interpreter on CPU
-    tensors) the layer says why once and takes the synchronized path, with the same bits."""
+    id out of range stops the call with the layer's message; frozen experts get the same other gradients. Where the
+    path cannot run (no interpreter on CPU tensors) the layer says why once and takes the synchronized path, with the
+    same bits."""
     import logging
 
     from test_ep import use_kernels
