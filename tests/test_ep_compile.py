@@ -650,3 +650,45 @@ def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, 
     assert torch.equal(torch.cat([r["out"] for r in ranks]), ref_out), "output"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
         assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name
+
+
+def _subgroup_worker(rank, world, port, out_dir):
+    from test_ep import gloo_group, rank_leaves
+
+    with gloo_group(rank, world, port, UNIEP_KERNELS="reference"):
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.ep import device_plan
+
+        device_plan._cpu_capable = lambda group: False  # as a NCCL group: the host group is a gloo twin
+        groups = [dist.new_group([r]) for r in range(world)]  # an EP group of one rank each (every rank makes all)
+        mine = groups[rank]
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+        tokens = slice(rank * 12, (rank + 1) * 12)
+        leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, tokens, slice(None))
+        out = torch.ops.uniep.ep_layer(leaves[0], ids[tokens], leaves[1], *leaves[2:], spec.encode(), mine.group_name,
+                                       1, False, "", True)[0]
+        out.backward(torch.ones_like(out))
+        twin = device_plan._HOST_GROUPS[mine.group_name][1]
+        torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]],
+                    "twin": (twin is not mine, dist.get_process_group_ranks(twin))},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_ep_layer_device_plan_in_an_ep_group_smaller_than_the_world(tmp_path, monkeypatch):
+    """An EP group of one rank in a world of two, without a CPU backend of its own: each rank makes its gloo twin
+    alone (no collective over the other rank, which is in another EP group), and the layer runs with its plan on the
+    device, with the single-process op's bits over that rank's tokens."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "reference")
+    ranks = run_workers(_subgroup_worker, 2, (), tmp_path)
+    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+    for rank, r in enumerate(ranks):
+        assert r["twin"] == (True, [rank]), r["twin"]
+        tokens = slice(rank * 12, (rank + 1) * 12)
+        leaves = [t.clone().requires_grad_() for t in (hidden[tokens], weights[tokens], w_up, w_down)]
+        want = torch.ops.uniep.moe_experts(leaves[0], ids[tokens], *leaves[1:], b_up, b_down, [], spec.encode())[0]
+        want.backward(torch.ones_like(want))
+        assert torch.equal(r["out"], want.detach()), rank
+        for name, got, t in zip(("d_hidden", "d_weights", "d_w_up", "d_w_down"), r["grads"], leaves):
+            assert torch.equal(got, t.grad), (rank, name)

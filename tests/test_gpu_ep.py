@@ -368,7 +368,7 @@ def _device_plan_worker(rank, world, port, case, out_dir):
             runs.append([out.detach()] + [t.grad for t in leaves])
             single = _run(hidden, ids, weights, w_up, w_down, grad,
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
-        gloo_twin = any(entry[1] is not None for entry in device_plan._HOST_GROUPS.values())
+        gloo_twin = any(entry[1] is not entry[0] for entry in device_plan._HOST_GROUPS.values())  # NCCL: a twin
         torch.save({"runs": [[t.cpu() for t in r] for r in runs], "host_tables": len(host_tables),
                     "syncs": (forward_syncs, backward_syncs), "host_group": gloo_twin,
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),

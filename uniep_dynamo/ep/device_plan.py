@@ -39,8 +39,8 @@ from .plan import all_gather_flat, device_count_table, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 from .transfer import sm_count, window
 
-# process group name -> (that group, a group over the same ranks that takes CPU tensors, or None); the group is
-# compared too: a name comes back with the next process group once one is destroyed
+# process group name -> (that group, a group over the same ranks that takes CPU tensors); the group is compared too: a
+# name comes back with the next process group once one is destroyed
 _HOST_GROUPS: dict = {}
 
 
@@ -53,18 +53,25 @@ def _cpu_capable(group) -> bool:
 
 
 def host_group(group):
-    """A process group over ``group``'s ranks that takes CPU tensors (the group itself where it has a CPU backend,
-    else a gloo group made once), or None. Making a group is a collective over every rank of the default group:
-    it is made only where ``group`` holds all of them (every rank is then in this call)."""
+    """A process group over ``group``'s ranks that takes CPU tensors: the group itself where it has a CPU backend,
+    else a gloo twin, made once, at the members' first call of the layer (in the same order on each). The twin of an
+    EP group smaller than the default group is made by its members alone (``use_local_synchronization``: a name
+    hashed from the ranks, the default group's count of groups unchanged); the twin of the whole world by every
+    rank."""
     name = group.group_name
     entry = _HOST_GROUPS.get(name)
     if entry is None or entry[0] is not group:
-        if _cpu_capable(group):
-            host = group
-        elif group.size() == dist.get_world_size():
-            host = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
-        else:
-            host = None
+        host = group if _cpu_capable(group) else None
+        if host is None:
+            ranks = dist.get_process_group_ranks(group)
+            for known, twin in _HOST_GROUPS.values():  # a twin over the same ranks, still alive
+                if twin is not known and twin in dist.distributed_c10d._world.pg_names and \
+                        sorted(dist.get_process_group_ranks(twin)) == sorted(ranks):
+                    host = twin
+                    break
+            if host is None:  # the whole world: every rank makes it (as ran on GPUs); else its members alone
+                host = dist.new_group(ranks=ranks, backend="gloo",
+                                      use_local_synchronization=len(ranks) < dist.get_world_size())
         entry = _HOST_GROUPS[name] = (group, host)
     return entry[1]
 
@@ -77,9 +84,6 @@ def unsupported_reason(hidden, group) -> str | None:
         return "the transfer kernel runs on CUDA or in Triton's interpreter only"
     if group.size() > MAX_PEERS:
         return f"{group.size()} ranks; the transfer kernel takes at most {MAX_PEERS}"
-    if host_group(group) is None:
-        return ("the EP group has no CPU backend and is smaller than the default group (a gloo twin of it would be "
-                "a collective over ranks outside the layer)")
     return None
 
 
