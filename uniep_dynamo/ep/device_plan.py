@@ -34,7 +34,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..kernels.triton_transfer import MAX_PEERS
 from .plan import all_gather_flat, device_count_table, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 from .transfer import sm_count, window
@@ -78,10 +77,15 @@ def host_group(group):
 
 def unsupported_reason(hidden, group) -> str | None:
     """None where the device-plan path runs, else why ep_layer takes the synchronized one."""
+    from ..kernels import megakernel
     from ..kernels.config import interpreting
 
+    if not megakernel.triton_available():  # checked before the transfer kernel's module imports it
+        return "Triton is not installed (the transfer kernel is a Triton kernel)"
     if not (hidden.is_cuda or interpreting()):
         return "the transfer kernel runs on CUDA or in Triton's interpreter only"
+    from ..kernels.triton_transfer import MAX_PEERS
+
     if group.size() > MAX_PEERS:
         return f"{group.size()} ranks; the transfer kernel takes at most {MAX_PEERS}"
     return None
