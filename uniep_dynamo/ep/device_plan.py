@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .plan import all_gather_flat, device_count_table, routing_plan
-from .sequential import combine_rows, combine_rows_backward, gather_sum
+from .sequential import combine_rows_backward, gather_sum
 from .transfer import sm_count, window
 
 # process group name -> (that group, a group over the same ranks that takes CPU tensors); the group is compared too: a
@@ -195,20 +195,12 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     win_x = window(group, saved.send_rows, size, dtype, x.device)
     send = win_x.send(rank)[:num_tokens * top_k]
     y_rows, saved.y_rows = saved.y_rows, None
-    if fused_kernels and y_rows.dtype == dtype and grad_out.dtype in (torch.float32, dtype):
-        # combine_rows_backward's kernels, the gradient rows gathered straight into the window: the same bits
-        from ..kernels.triton_routing import gather_rows, routing_weight_grad
-
-        grad_out = grad_out.contiguous()
-        d_weights = routing_weight_grad(grad_out, y_rows.contiguous(), slot_row, offsets, num_tokens, top_k,
-                                        topk_weights.dtype)
-        gather_rows(grad_out, row_order, top_k, topk_weights.reshape(-1).contiguous(), out=send, dtype=dtype)
-    else:
-        d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, offsets,
-                                                  fused_kernels)
+    # the gradient rows, gathered straight into the window where the fused gather can write them there
+    d_rows, d_weights = combine_rows_backward(grad_out, y_rows, topk_weights, row_order, slot_row, offsets,
+                                              fused_kernels, out=send if y_rows.dtype == dtype else None)
+    if d_rows.data_ptr() != send.data_ptr():
         send.copy_(d_rows)
-        del d_rows
-    del y_rows
+    del d_rows, y_rows
     d_recv = _buffer(x.shape[0], x, fused_kernels)
     win_x.barrier()
     _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
@@ -231,8 +223,3 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     return (d_hidden, d_weights, d_w_up, d_w_down, d_b_up if b_up is not None else None,
             d_b_down if b_down is not None else None)
 
-
-def combine(back, topk_weights, slot_row, offsets, out_dtype, rows_dtype, fused_kernels: bool):
-    """(out, y_rows): the combine of the rows sent back, as ep_layer's other paths have it."""
-    y_rows = back.to(rows_dtype)
-    return combine_rows(y_rows, topk_weights, slot_row, offsets, out_dtype, fused_kernels), y_rows

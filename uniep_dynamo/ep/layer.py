@@ -137,8 +137,8 @@ def _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_d
     back, row_order, slot_row, offsets, every, saved = device_plan_path.forward(
         hidden, topk_ids, w_up, w_down, b_up, b_down, spec, group, knobs_from_json(knobs) or OverlapConfig(),
         fused_kernels)
-    out, saved.y_rows = device_plan_path.combine(back, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights),
-                                                 s.out_dtype, fused_kernels)
+    saved.y_rows = back.to(s.out_dtype)
+    out = combine_rows(saved.y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights), fused_kernels)
     recv = every[:, rank * local:(rank + 1) * local].contiguous()
     # placeholders of the host outputs' shapes: nothing of this call is on the host; the table object finds Saved
     table = torch.zeros(world, 3 * world + 2 + local, dtype=torch.int64)
@@ -176,9 +176,10 @@ def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offset
     are taken from _SAVED, and each is freed after its last read: the rows sent back after the combine's backward,
     the received rows and their up projection after the experts' backward (exchange_backward). ``param_grads=False``
     (frozen experts): the exchange runs no weight-gradient GEMM, and empty tensors stand in for those gradients."""
-    held = _take(table, decode_spec(spec).reuse_saved)  # [y_rows, x, up, fused_kernels], or device_plan.Saved
+    reuse_saved = decode_spec(spec).reuse_saved
+    held = _take(table, reuse_saved)  # [y_rows, x, up, fused_kernels], or device_plan.Saved
     if isinstance(held, device_plan_path.Saved):
-        if not decode_spec(spec).reuse_saved:  # a second backward reads them again
+        if not reuse_saved:  # a second backward reads them again
             held = dataclasses.replace(held)
         *grads, d_b_up, d_b_down = device_plan_path.backward(
             grad_out, topk_weights, row_order, slot_row, expert_offsets, held, w_up, w_down, b_up, b_down, spec,

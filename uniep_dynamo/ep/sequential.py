@@ -63,9 +63,11 @@ def combine_rows(rows, weights, slot_row, expert_offsets, out_dtype, fused_kerne
     return reference.combine_slots(rows, slot_row, routed, weights, num_tokens, top_k, out_dtype)
 
 
-def combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_offsets, fused_kernels: bool):
+def combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_offsets, fused_kernels: bool,
+                          out=None):
     """(d_rows, d_weights) of combine_rows: d_w from <grad_out, row> and d_rows = w * grad_out rows, as the
-    single-rank op has them."""
+    single-rank op has them. ``out``: a contiguous [S, H] buffer of the rows' dtype the fused gather writes d_rows
+    into where it can (an EP window's ``send``); d_rows is then ``out``."""
     num_tokens, top_k = weights.shape
     if fused_kernels:
         from ..kernels.triton_routing import gather_rows, routing_weight_grad
@@ -74,7 +76,7 @@ def combine_rows_backward(grad_out, rows, weights, row_order, slot_row, expert_o
                                         weights.dtype)
         # rounded to the rows' dtype in the gather where that gives the bits of the gather and a cast after it: a
         # gradient in fp32 (a combine in fp32 weights' promotion) needs no [S, H] rows in fp32
-        d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(),
+        d_rows = gather_rows(grad_out, row_order, top_k, weights.reshape(-1).contiguous(), out=out,
                              dtype=rows.dtype if grad_out.dtype in (torch.float32, rows.dtype) else None)
     else:
         routed = reference.routed_rows_mask(expert_offsets, slot_row.numel())

@@ -686,8 +686,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     two weight-gradient GEMMs and the hidden rows' gather they read are not run, and the four expert-parameter
     gradients come back None (the other gradients are computed as with them, to the bit). With ``input_rows`` (a
     [rows, H] buffer of w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes
-    back None, and ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from slot_row (its
-    inverse) and freed once the gathers are done. ``grad_out`` may be a one-element list holding the caller's only
+    back None, and ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from
+    slot_row (its inverse) and freed once the gathers are done. ``grad_out`` may be a one-element list holding the caller's only
     reference (the EP exchange's received gradient rows, [rows, H]): it is emptied, and the rows are freed once
     gathered, before the GEMMs' buffers.
 
