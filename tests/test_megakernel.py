@@ -391,6 +391,101 @@ def test_frozen_experts_skip_their_weight_gradients(reuse_saved, mode, monkeypat
         assert len(calls) == 2
 
 
+def _late(args):
+    """The interpreter's heuristic config for ``args`` with late_routing_weight on, and the one without."""
+    hidden, ids, _, w_up, w_down = args[:5]
+    width = w_down.shape[1] if args[7].down_layout == "io" else w_down.shape[2]
+    base = kconfig.heuristic_config(ids.numel(), w_up.shape[0], hidden.shape[1], width, interpret=True)
+    return dataclasses.replace(base, late_routing_weight=True), base
+
+
+@pytest.mark.parametrize("case, dtype", [
+    ((37, 40, 24, 4, 2, SILU_GLU, "oi", False), torch.float32),   # no tile multiple
+    ((23, 32, 16, 8, 8, SILU_GLU, "io", False), torch.float16),   # K == E, [E, in, out] weights, fp16
+    ((19, 32, 16, 6, 3, GELU_TANH_GLU, "io", False), torch.float32),
+    ((21, 32, 24, 4, 2, RELU2, "oi", False), torch.float32),      # no gate
+    ((5, 32, 16, 48, 8, SILU_GLU, "oi", False), torch.float32),   # most experts idle
+], ids=["silu", "fp16_k_eq_e", "gelu_tanh", "relu2", "idle_experts"])
+def test_late_routing_weight_matches_reference(case, dtype, monkeypatch):
+    """The late_routing_weight numerics knob: the routing weights applied after the activation-gradient GEMM, their
+    gradient from <dY W_down^T, act>; within tolerance of the reference (the same math, rounded elsewhere), its
+    own pass run and the <dY, down> reduction not."""
+    from uniep_dynamo.kernels import megakernel, triton_routing
+
+    args = make(*case, dtype=dtype)
+    late, base = _late(args)
+    calls = []
+    for mod, name in ((megakernel, "act_backward_late_weight"), (triton_routing, "routing_weight_grad")):
+        inner = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=inner, **k: calls.append(_n) or _f(*a, **k))
+    with kconfig.use_config(late):
+        fused = run(args, "triton", monkeypatch)
+    assert calls == ["act_backward_late_weight"]
+    assert_close(fused, run(args, "reference", monkeypatch), dtype)
+    with kconfig.use_config(base):
+        assert not torch.equal(run(args, "triton", monkeypatch)[2], fused[2])  # a numerics knob: other bits
+
+
+@pytest.mark.parametrize("change", [dict(fuse_gather=True), dict(num_programs=3), dict(reuse_saved=True)],
+                         ids=["fused_gather", "persistent", "in_place"])
+def test_late_routing_weight_keeps_its_bits_across_schedules(change, monkeypatch):
+    """Under late_routing_weight the scheduling knobs (the output-gradient rows gathered in the GEMMs or copied, a
+    persistent grid) and the in-place backward give the same bits; dropped slots get a zero weight gradient."""
+    args = list(make(29, 32, 16, 6, 2, SILU_INTERLEAVED, "oi", False))
+    args[1] = args[1].clone()
+    args[1][0, 1], args[1][7, 0] = 6, -1
+    spec = dataclasses.replace(ExpertsSpec("oi", "oi", SILU_INTERLEAVED, torch.float32, "drop"),
+                               reuse_saved=change.get("reuse_saved", False))
+    late, _ = _late(args)
+    with kconfig.use_config(late):
+        want = run(args, "triton", monkeypatch, spec=dataclasses.replace(spec, reuse_saved=False))
+    other = dataclasses.replace(late, fuse_gather=change.get("fuse_gather", False))
+    if "num_programs" in change:
+        other = other.replace_gemms(num_programs=change["num_programs"])
+    with kconfig.use_config(other):
+        got = run(args, "triton", monkeypatch, spec=spec)
+    for x, y in zip(got, want):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert want[2][0, 1] == 0 and want[2][7, 0] == 0
+    assert_close(want, run(args, "reference", monkeypatch, spec=spec), torch.float32)
+
+
+@pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
+def test_late_routing_weight_gives_the_same_bits_for_unit_weights(reuse_saved, monkeypatch):
+    """Routing weights that are ones and need no gradient (what the EP layers hand the experts op: the received rows
+    arrive weighted) get the same bits with late_routing_weight on and off, so the EP layers equal the single-GPU op
+    with the knob off whichever way their own experts op runs. Frozen experts too."""
+    hidden, ids, _, w_up, w_down, b_up, b_down, spec = make(13, 32, 16, 4, 1, SILU_GLU, "oi", False)
+    spec = dataclasses.replace(spec, reuse_saved=reuse_saved)
+    late, base = _late((hidden, ids, None, w_up, w_down, None, None, spec))
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    results = []
+    for cfg in (late, base):
+        for trainable in (True, False):
+            leaves = [t.detach().clone().requires_grad_() for t in (hidden, w_up, w_down)]
+            leaves[1].requires_grad_(trainable)
+            leaves[2].requires_grad_(trainable)
+            with kconfig.use_config(cfg):
+                out = torch.ops.uniep.moe_experts(leaves[0], ids, torch.ones(13, 1), leaves[1], leaves[2], None,
+                                                  None, [], spec.encode())[0]
+                out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+            results.append([out] + [t.grad for t in leaves])
+    for x, y in zip(results[0] + results[1], results[2] + results[3]):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_late_routing_weight_config_entries():
+    """A numerics knob: in the numerics key; a tuning-cache entry written before it existed takes the heuristics'
+    value (the tuner keeps their numerics), one that names it keeps its own."""
+    base = kconfig.heuristic_config(4096, 64, 256, 128)
+    late = dataclasses.replace(base, late_routing_weight=True)
+    assert "late_routing_weight" in kconfig.NUMERICS_KNOBS and late.numerics_key() != base.numerics_key()
+    entry = kconfig.config_to_dict(base)
+    old = {k: v for k, v in entry.items() if k != "late_routing_weight"}
+    assert kconfig.config_from_dict(old, late) == late and kconfig.config_from_dict(old) == base
+    assert kconfig.config_from_dict(entry, late) == base
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 def test_every_top_k_from_1_to_8(top_k, monkeypatch):
     """K = 1..8 over 8 experts (K = 8: every token visits every expert), T = 13 (no tile multiple)."""

@@ -52,7 +52,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-NUMERICS_KNOBS = ("block_k", "per_expert_mm")
+NUMERICS_KNOBS = ("block_k", "per_expert_mm", "late_routing_weight")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
                     "warp_specialize", "grouped_mm", "quack")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
@@ -131,6 +131,15 @@ class MegaKernelConfig:
     # The same for the weight-gradient GEMMs: whole chunks of an expert's rows by tensor descriptors,
     # the last partial chunk by masked loads. Measured slower on an H200 (BENCHMARKS.md): off.
     tma_weight_grad: bool = False
+    # A numerics knob (see the module docstring): where the routing weight meets the output gradient in the
+    # backward. False: the activation-gradient GEMM reads the weighted rows w * dY (rounded), and the weight's
+    # gradient is <dY, down> over the hidden size. True: that GEMM reads dY unweighted (gathered inside the GEMM where
+    # QuACK or fuse_gather can, with no weighted copy), the activation backward scales its output by w, takes the
+    # weight's gradient as <dY W_down^T, act> over the intermediate size, and leaves w * act for the down weight's
+    # gradient, dY_e^T (w * act)_e: two passes over [rows, H] (the weighted gather and the <dY, down> reduction)
+    # fewer. Where the routing weights are ones (the EP layer's received rows) both give the same bits. Not with a
+    # down bias (its gradient sums the weighted rows): False's path runs.
+    late_routing_weight: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
         """The same config with ``changes`` (GemmConfig fields) applied to every GEMM."""
@@ -138,7 +147,8 @@ class MegaKernelConfig:
 
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
-        return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS)
+        return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS) + \
+            (self.late_routing_weight,)
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments; the configs are frozen
@@ -230,7 +240,7 @@ def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, int
     from .. import tuning_cache
 
     key = tuning_cache.shape_key(dtype, num_rows, num_experts, hidden, inter)
-    tuned = cached_config(tuning_cache.gpu_name(device), key)
+    tuned = cached_config(tuning_cache.gpu_name(device), key, heuristic)
     if tuned is None:
         return heuristic
     if tuned.numerics_key() != heuristic.numerics_key():
@@ -250,8 +260,9 @@ def config_to_dict(cfg: MegaKernelConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def config_from_dict(data: dict) -> MegaKernelConfig:
-    """config_to_dict's inverse (entries written before the tma knobs existed read them as off; entries that
+def config_from_dict(data: dict, heuristic: MegaKernelConfig | None = None) -> MegaKernelConfig:
+    """config_to_dict's inverse (entries written before the tma knobs existed read them as off, and before
+    late_routing_weight existed as ``heuristic``'s value, since the tuner keeps the heuristics' numerics; entries that
     still name the removed act_grad_in_epilogue knob are read where it was off, as the tuner always left it)."""
     if data.get("act_grad_in_epilogue", False):
         raise ValueError("act_grad_in_epilogue=True: a numerics knob this uniep no longer has")
@@ -261,10 +272,12 @@ def config_from_dict(data: dict) -> MegaKernelConfig:
     layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up")}
     for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
         layer[knob] = bool(data.get(knob, False))
+    layer["late_routing_weight"] = bool(data.get("late_routing_weight",
+                                                 heuristic.late_routing_weight if heuristic is not None else False))
     return MegaKernelConfig(**gemms, **layer)
 
 
-def cached_config(gpu_name: str, key: str) -> MegaKernelConfig | None:
+def cached_config(gpu_name: str, key: str, heuristic: MegaKernelConfig | None = None) -> MegaKernelConfig | None:
     """The tuned MegaKernelConfig of the tuning cache's entry ``key`` for this GPU, or None (none, UNIEP_TUNE=0,
     or an entry that does not parse, with a warning)."""
     from .. import tuning_cache
@@ -273,7 +286,7 @@ def cached_config(gpu_name: str, key: str) -> MegaKernelConfig | None:
     if entry is None:
         return None
     try:
-        return config_from_dict(entry["config"])
+        return config_from_dict(entry["config"], heuristic)
     except (KeyError, TypeError, ValueError) as exc:
         tuning_cache.log.warning("uniep: ignoring the tuning cache entry %s (%s)", key, exc)
         return None

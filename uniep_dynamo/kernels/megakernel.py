@@ -515,6 +515,22 @@ def act_backward(layer: Layer, *, d_act, up, d_up, act=None, **halves):
     _act_pass(layer, kernel, (d_act, up, d_up, act if act is not None else d_act), **halves)
 
 
+def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weights, d_weights, offsets, two_halves,
+                             col_mult, up_shift):
+    """config.late_routing_weight's activation backward: d_up from the routing weights and the activation-gradient
+    GEMM's output over the unweighted output-gradient rows (``d_raw``, which then holds w * act(h)), and into
+    ``d_weights`` ([T*K] flat, or None) the routing weights' gradient (triton_gemm._act_backward_late_weight)."""
+    from .triton_gemm import _act_backward_late_weight as kernel
+
+    block_r, block_c = (16, 32) if layer.interpret else (16, 256)
+    grid = (_cdiv(max(layer.num_slots, 1), block_r),)
+    launch(kernel, grid, d_raw, d_raw.stride(0), up, up.stride(0), d_up, d_up.stride(0), row_order, weights,
+           d_weights if d_weights is not None else weights, offsets, layer.num_experts, layer.num_slots, layer.inter,
+           up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
+           act_limit=layer.act_params[1], act_up_add=layer.act_params[2], D_W=d_weights is not None,
+           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+
 def _quack_wgrad_operands(layer: Layer, cfg, p, q, p_gather: bool, m_dim: int):
     """(A^T [M, rows] m-major, B [rows, N], whether the gradient is written through its transpose) to run this
     weight gradient by QuACK (``cfg.quack``), gathering P's rows by token where ``p_gather``; None where it cannot.
@@ -711,9 +727,14 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     if row_order is None:
         row_order = inverse_permutation(slot_row)
     weights = topk_weights.reshape(-1).contiguous()
-    d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
-                                    topk_weights.dtype) if weights_grad else \
-        torch.zeros(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
+    # config.late_routing_weight (a numerics knob): the activation-gradient GEMM reads the output-gradient rows
+    # unweighted, and the activation backward applies the weights and takes their gradient (no read of ``down``)
+    late = cfg.late_routing_weight and b_down is None
+    if late or not weights_grad:
+        d_weights = None
+    else:
+        d_weights = routing_weight_grad(grad_out, down, slot_row, offsets, layer.num_tokens, layer.top_k,
+                                        topk_weights.dtype)
     d_b_up = torch.empty(b_up.shape, dtype=b_up.dtype, device=device) if b_up is not None and param_grads else None
     d_b_down = torch.empty(b_down.shape, dtype=b_down.dtype, device=device) if b_down is not None and param_grads \
         else None
@@ -723,21 +744,44 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     gather = cfg.fuse_gather
     scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() else None
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
-    dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch,
-                                               offsets=offsets)
-    del grad_out  # read for the last time (dy is the same tensor where the GEMMs gather it themselves)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
-    # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise pass turns it
-    # into d_up and act in place.
-    act = rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                    b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
-                    w=weights, offsets=offsets)
-    act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
     d_w_down = d_w_up = None
-    if param_grads:
-        d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather, q_scale=gather,
-                               row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape,
-                               m_dim=down_dims[0], n_dim=down_dims[1], bias_grad=d_b_down)
+    if late:
+        b_act = layer.down_eff.transpose(1, 2)
+        dy_gather = gather or quack_gathers_rows(layer, cfg.grad_act, grad_out, b_act)
+        dy = grad_out if dy_gather else gather_rows(grad_out, row_order, layer.top_k, out=scratch, offsets=offsets)
+        act = rows_gemm(layer, cfg.grad_act, a=dy, gather=dy_gather, row_order=row_order, b=b_act, n=layer.inter,
+                        k=layer.hidden_size, epilogue=STORE, offsets=offsets)
+        if weights_grad:
+            d_weights = torch.empty(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
+        act_backward_late_weight(layer, d_raw=act, up=up, d_up=d_up, row_order=row_order, weights=weights,
+                                 d_weights=d_weights, offsets=offsets, **halves)
+        if param_grads:
+            # dW_down[e] = dY_e^T (w * act)_e: the output-gradient rows are P here, gathered by token where the
+            # GEMM can (else copied, where the activation-gradient GEMM gathered them itself)
+            if dy_gather and not (gather or quack_gathers_weight_rows(layer, cfg.wgrad_down, grad_out, act,
+                                                                      down_dims[1])):
+                dy, dy_gather = gather_rows(grad_out, row_order, layer.top_k, out=scratch, offsets=offsets), False
+            d_w_down = weight_grad(layer, cfg.wgrad_down, p=dy, p_gather=dy_gather, q=act, q_gather=False,
+                                   q_scale=False, row_order=row_order, w=None, offsets=offsets, grad=w_down.shape,
+                                   m_dim=down_dims[1], n_dim=down_dims[0])
+        del grad_out
+    else:
+        dy = grad_out if gather else gather_rows(grad_out, row_order, layer.top_k, weights, out=scratch,
+                                                 offsets=offsets)
+        del grad_out  # read for the last time (dy is the same tensor where the GEMMs gather it themselves)
+        # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise pass turns it
+        # into d_up and act in place.
+        act = rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+                        b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
+                        w=weights, offsets=offsets)
+        act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
+        if param_grads:
+            d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather,
+                                   q_scale=gather, row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape,
+                                   m_dim=down_dims[0], n_dim=down_dims[1], bias_grad=d_b_down)
+    if d_weights is None:
+        d_weights = torch.zeros(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
     del act, dy
     if param_grads:
         x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0], d_b_up)
