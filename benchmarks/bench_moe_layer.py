@@ -16,6 +16,8 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
                            quack-kernels), for the knob's A/B in one run
   uniep_quack_entry_point  the same compiled module with UNIEP_QUACK_DIRECT=0 (QuACK's GEMMs launched through its
                            public entry point instead of uniep's direct launch of the same kernels)
+  uniep_late_off           the same compiled module with UNIEP_LATE_ROUTING_WEIGHT=0 (the routing weights applied before
+                           the activation-gradient GEMM: the numerics knob late_routing_weight off), for its A/B
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
@@ -189,6 +191,7 @@ def providers(experts, sonicmoe_autotune=True):
 
     out["uniep_noquack"] = with_env("UNIEP_QUACK", "0")
     out["uniep_quack_entry_point"] = with_env("UNIEP_QUACK_DIRECT", "0")
+    out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0")
     out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)

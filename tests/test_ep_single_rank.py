@@ -166,7 +166,8 @@ def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, reuse_saved, tmp_p
     spec = case[-1]
     phases = record_phases(monkeypatch)
     with one_rank_group(device, tmp_path) as group, \
-            use_config(heuristic_config(tokens * top_k, experts, hidden, inter, interpret=False)):
+            use_config(dataclasses.replace(heuristic_config(tokens * top_k, experts, hidden, inter, interpret=False),
+                                           late_routing_weight=False)):
         layer = ep_layer_fn(spec, group, overlap)
         run_layer(layer, case)  # warm-up
         want, _ = run_layer(single_op_fn(spec), case)

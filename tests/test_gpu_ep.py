@@ -1,6 +1,7 @@
 """Multi-GPU: the sequential EP experts layer (uniep_dynamo/ep.py) over NCCL and the overlapped one
 (uniep_dynamo/ep/) over symmetric memory, bitwise equal to the single-GPU op for one tile
 configuration, run to run, and for every chunk count with overlap on or off."""
+import dataclasses
 import os
 
 import pytest
@@ -35,7 +36,10 @@ def _spec():
 
 def _config(tokens, experts, top_k, per_expert_mm=False):
     from uniep_dynamo.kernels.config import heuristic_config
-    cfg = heuristic_config(tokens * top_k, experts, H, I, interpret=False)
+    # the EP layers' experts ops get the received rows already weighted, so they equal the single-GPU op with the
+    # routing weights applied before its activation-gradient GEMM (config.late_routing_weight off)
+    cfg = dataclasses.replace(heuristic_config(tokens * top_k, experts, H, I, interpret=False),
+                              late_routing_weight=False)
     return cfg.replace_gemms(per_expert_mm=True) if per_expert_mm else cfg
 
 

@@ -119,7 +119,9 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
             assert torch.equal(a, b), f"{knob}={value} changed tensor {i}"
 
 
-QUACK_SWEEP = {"heuristic": kconfig.QUACK_CONFIGS,  # each GEMM its own; the up projection's two gather
+QUACK_SWEEP = {"heuristic": {**kconfig.QUACK_CONFIGS, **kconfig.QUACK_LATE_CONFIGS},  # each GEMM its own; under
+               # late_routing_weight (the GPU heuristics') four gather, the up projection's two otherwise
+               "knob_off": kconfig.QUACK_CONFIGS,  # late_routing_weight off, the configs it then runs
                "default": "128x192/pingpong/2x1",  # QuACK's default config, gathering
                "cluster_n2": "192x128/pingpong/1x2"}  # cannot gather: the gathered GEMMs read materialized rows
 
@@ -140,6 +142,9 @@ def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
         args = args[:7] + (dataclasses.replace(args[7], reuse_saved=True),)
     base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False,
                                                                                                  quack="")
+    assert base.late_routing_weight
+    if sweep == "knob_off":
+        base = dataclasses.replace(base, late_routing_weight=False)
     with kconfig.use_config(base):
         expected = fwd_bwd(args)
     configs = QUACK_SWEEP[sweep]

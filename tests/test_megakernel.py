@@ -450,40 +450,49 @@ def test_late_routing_weight_keeps_its_bits_across_schedules(change, monkeypatch
     assert_close(want, run(args, "reference", monkeypatch, spec=spec), torch.float32)
 
 
-@pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
-def test_late_routing_weight_gives_the_same_bits_for_unit_weights(reuse_saved, monkeypatch):
-    """Routing weights that are ones and need no gradient (what the EP layers hand the experts op: the received rows
-    arrive weighted) get the same bits with late_routing_weight on and off, so the EP layers equal the single-GPU op
-    with the knob off whichever way their own experts op runs. Frozen experts too."""
-    hidden, ids, _, w_up, w_down, b_up, b_down, spec = make(13, 32, 16, 4, 1, SILU_GLU, "oi", False)
-    spec = dataclasses.replace(spec, reuse_saved=reuse_saved)
+def test_late_routing_weight_leaves_weights_without_grad_alone(monkeypatch):
+    """Routing weights that need no gradient (what the EP layers hand the experts op: ones, the received rows arriving
+    weighted) take the knob-off path: the EP layers keep the single-GPU op's bits with the knob off. Frozen experts
+    too."""
+    from uniep_dynamo.kernels import megakernel
+
+    hidden, ids, weights, w_up, w_down, _, _, spec = make(13, 32, 16, 4, 2, SILU_GLU, "oi", False)
     late, base = _late((hidden, ids, None, w_up, w_down, None, None, spec))
+    calls = []
+    monkeypatch.setattr(megakernel, "act_backward_late_weight", lambda *a, **k: calls.append(1))
     monkeypatch.setenv("UNIEP_KERNELS", "triton")
     results = []
     for cfg in (late, base):
-        for trainable in (True, False):
-            leaves = [t.detach().clone().requires_grad_() for t in (hidden, w_up, w_down)]
-            leaves[1].requires_grad_(trainable)
-            leaves[2].requires_grad_(trainable)
-            with kconfig.use_config(cfg):
-                out = torch.ops.uniep.moe_experts(leaves[0], ids, torch.ones(13, 1), leaves[1], leaves[2], None,
-                                                  None, [], spec.encode())[0]
-                out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
-            results.append([out] + [t.grad for t in leaves])
-    for x, y in zip(results[0] + results[1], results[2] + results[3]):
-        assert (x is None and y is None) or torch.equal(x, y)
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, w_up, w_down)]
+        with kconfig.use_config(cfg):
+            out = torch.ops.uniep.moe_experts(leaves[0], ids, weights, leaves[1], leaves[2], None, None, [],
+                                              spec.encode())[0]
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+        results.append([out] + [t.grad for t in leaves])
+    assert not calls
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
 
 
-def test_late_routing_weight_config_entries():
+def test_late_routing_weight_config_entries(monkeypatch):
     """A numerics knob: in the numerics key; a tuning-cache entry written before it existed takes the heuristics'
-    value (the tuner keeps their numerics), one that names it keeps its own."""
-    base = kconfig.heuristic_config(4096, 64, 256, 128)
-    late = dataclasses.replace(base, late_routing_weight=True)
+    value (the tuner keeps their numerics), one that names it keeps its own. UNIEP_LATE_ROUTING_WEIGHT sets it over
+    the heuristics (on for GPU shapes, where QuACK then gathers in two more GEMMs, and back off)."""
+    late = kconfig.heuristic_config(4096, 64, 256, 128)
+    base = dataclasses.replace(late, late_routing_weight=False)
     assert "late_routing_weight" in kconfig.NUMERICS_KNOBS and late.numerics_key() != base.numerics_key()
     entry = kconfig.config_to_dict(base)
     old = {k: v for k, v in entry.items() if k != "late_routing_weight"}
     assert kconfig.config_from_dict(old, late) == late and kconfig.config_from_dict(old) == base
     assert kconfig.config_from_dict(entry, late) == base
+    gpu = kconfig.heuristic_config(65536, 128, 2048, 768)
+    assert gpu.late_routing_weight and gpu.grad_act.quack == kconfig.QUACK_LATE_CONFIGS["grad_act"]
+    monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "0")
+    off = kconfig.current_config(65536, 128, 2048, 768, False)
+    assert not off.late_routing_weight and off.grad_act.quack == kconfig.QUACK_CONFIGS["grad_act"]
+    assert off.wgrad_down.quack == kconfig.QUACK_CONFIGS["wgrad_down"] and off.up == gpu.up
+    monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "1")
+    assert kconfig.current_config(4096, 64, 256, 128, True).late_routing_weight
 
 
 @pytest.mark.parametrize("top_k", range(1, 9))
@@ -614,7 +623,7 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
         with pytest.raises(ValueError, match="quack config"):
             kconfig.GemmConfig(quack=bad).validate()
     qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == kconfig.QUACK_CONFIGS
+    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == {**kconfig.QUACK_CONFIGS, **kconfig.QUACK_LATE_CONFIGS}
     assert qwen.numerics_key() == qwen.replace_gemms(quack="").numerics_key()
     assert "quack" in kconfig.SCHEDULING_KNOBS
     for rows, experts, hidden, inter in ((16384, 8, 4096, 14336), (4096, 8, 4096, 14336), (64, 128, 2048, 768),

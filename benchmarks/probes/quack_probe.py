@@ -9,6 +9,8 @@ For each shape, the six GEMMs of one MoE experts layer over uniep's routing plan
     grad_input  dH @ W_up[e]^T               Triton (torch._grouped_mm gives the same bits)
     wgrad_down  act_e^T @ dY_rows_e          torch._grouped_mm, K = the expert's rows
     wgrad_up    X[tok]_e^T @ dH_e            a row gather, then torch._grouped_mm
+    grad_act_gather, wgrad_down_gather       grad_act and wgrad_down as late_routing_weight runs them: the output
+                                             gradient's rows gathered by token (--gemms names them)
 
 each by torch._grouped_mm and by QuACK (``varlen_m`` / ``varlen_k``; the gathers inside the GEMM through its
 ``A_idx``), QuACK autotuned over its Hopper configs (compiled in parallel worker processes) or at its default config.
@@ -54,6 +56,8 @@ def gemms(x, tok, cu, w_up, w_down):
     dys = torch.randn(R, x.shape[1], device="cuda", dtype=x.dtype, generator=g)
     dh = torch.randn(R, w_up.shape[1], device="cuda", dtype=x.dtype, generator=g)
     up_b, down_b = w_up.transpose(1, 2), w_down.transpose(1, 2)  # [E, H, 2I], [E, I, H]: K x N per expert
+    d_out = torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g)  # the layer's output gradient, [T, H]
+    d_outs = d_out.index_select(0, tok)
     mm = torch._grouped_mm
     return {
         "up": (lambda: mm(xs, up_b, offs=offs), lambda: x.index_select(0, tok),
@@ -64,6 +68,14 @@ def gemms(x, tok, cu, w_up, w_down):
         "wgrad_down": (lambda: mm(act.t(), dys, offs=offs), None, dict(A=act.t(), B=dys, cu_seqlens_k=cu), None),
         "wgrad_up": (lambda: mm(xs.t(), dh, offs=offs), lambda: x.index_select(0, tok),
                      dict(A=x.t(), B=dh, cu_seqlens_k=cu, A_idx=tok), dict(A=xs.t(), B=dh, cu_seqlens_k=cu)),
+        # under late_routing_weight: the unweighted output-gradient rows gathered by token in the activation-gradient
+        # GEMM and in the down weight's gradient (as [E, H, I] = dY_e^T (w * act)_e)
+        "grad_act_gather": (lambda: mm(d_outs, w_down, offs=offs), lambda: d_out.index_select(0, tok),
+                            dict(A=d_out, B=w_down, cu_seqlens_m=cu, A_idx=tok),
+                            dict(A=d_outs, B=w_down, cu_seqlens_m=cu)),
+        "wgrad_down_gather": (lambda: mm(d_outs.t(), act, offs=offs), lambda: d_out.index_select(0, tok),
+                              dict(A=d_out.t(), B=act, cu_seqlens_k=cu, A_idx=tok),
+                              dict(A=d_outs.t(), B=act, cu_seqlens_k=cu)),
     }
 
 

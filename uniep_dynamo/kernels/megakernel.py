@@ -728,8 +728,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         row_order = inverse_permutation(slot_row)
     weights = topk_weights.reshape(-1).contiguous()
     # config.late_routing_weight (a numerics knob): the activation-gradient GEMM reads the output-gradient rows
-    # unweighted, and the activation backward applies the weights and takes their gradient (no read of ``down``)
-    late = cfg.late_routing_weight and b_down is None
+    # unweighted, and the activation backward applies the weights and takes their gradient (no read of ``down``).
+    # Not for weights that need no gradient (the EP layers' received rows, whose weights are ones): the knob would
+    # save no pass there, and the weighted copy it skips is a copy of the rows as they are.
+    late = cfg.late_routing_weight and b_down is None and weights_grad
     if late or not weights_grad:
         d_weights = None
     else:
