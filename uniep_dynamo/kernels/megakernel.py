@@ -519,16 +519,23 @@ def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weight
                              col_mult, up_shift):
     """config.late_routing_weight's activation backward: d_up from the routing weights and the activation-gradient
     GEMM's output over the unweighted output-gradient rows (``d_raw``, which then holds w * act(h)), and into
-    ``d_weights`` ([T*K] flat, or None) the routing weights' gradient (triton_gemm._act_backward_late_weight)."""
+    ``d_weights`` ([T, K], or None) the routing weights' gradient (triton_gemm._act_backward_late_weight, then
+    _sum_weight_grad_parts over its column tiles' parts)."""
     from .triton_gemm import _act_backward_late_weight as kernel
+    from .triton_gemm import _sum_weight_grad_parts
 
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
-    grid = (_cdiv(max(layer.num_slots, 1), block_r),)
+    rows = layer.num_slots
+    grid = (_cdiv(max(rows, 1), block_r), _cdiv(layer.inter, block_c))
+    parts = torch.empty(grid[1], rows, dtype=torch.float32, device=d_raw.device) if d_weights is not None else None
     launch(kernel, grid, d_raw, d_raw.stride(0), up, up.stride(0), d_up, d_up.stride(0), row_order, weights,
-           d_weights if d_weights is not None else weights, offsets, layer.num_experts, layer.num_slots, layer.inter,
-           up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
-           act_limit=layer.act_params[1], act_up_add=layer.act_params[2], D_W=d_weights is not None,
-           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+           parts if parts is not None else weights, offsets, layer.num_experts, rows, layer.inter, up_shift,
+           COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
+           act_limit=layer.act_params[1], act_up_add=layer.act_params[2], D_W=parts is not None, BLOCK_R=block_r,
+           BLOCK_C=block_c, num_warps=4)
+    if parts is not None and rows:
+        launch(_sum_weight_grad_parts, (_cdiv(rows, 1024),), parts, row_order, d_weights, rows, grid[1],
+               BLOCK_R=1024, num_warps=4)
 
 
 def _quack_wgrad_operands(layer: Layer, cfg, p, q, p_gather: bool, m_dim: int):

@@ -26,9 +26,9 @@ Two kernels serve the six GEMMs of an MoE layer's forward and backward.
 ``_act_backward`` -- the element-wise activation backward over the routed rows (the default path,
     after a STORE GEMM of the activation gradient): d_h from the rounded d_act and h; act(h) in place or into a buffer of its own.
 ``_act_backward_late_weight`` -- the same under config.late_routing_weight, where the activation-gradient GEMM read
-    the unweighted output-gradient rows: a program walks whole rows, takes d_act = w * (the GEMM's rounded output),
-    rounded, for the activation backward, sums the routing weight's gradient <GEMM output, act> over the row in
-    column order, and stores w * act (rounded) for the down weight's gradient.
+    the unweighted output-gradient rows: d_act = w * (the GEMM's rounded output), rounded, for the activation
+    backward, w * act (rounded) stored for the down weight's gradient, and each tile's part of the routing weight's
+    gradient <GEMM output, act>, which ``_sum_weight_grad_parts`` adds up in column order (no atomics).
 
 Numerics: fp32 accumulation in tensor-core MMAs; the reduction dimension is walked in BLOCK_K chunks
 in order, with no split across programs and no atomics. Element-wise epilogue math in fp32.
@@ -388,41 +388,51 @@ def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, ac
 
 @triton.jit
 def _act_backward_late_weight(d_raw_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, row_order_ptr, w_ptr,
-                              d_w_ptr, offsets_ptr, num_experts, num_rows, N, UP_SHIFT, COL_MULT: tl.constexpr,
+                              part_ptr, offsets_ptr, num_experts, num_rows, N, UP_SHIFT, COL_MULT: tl.constexpr,
                               TWO_HALVES: tl.constexpr, ACT: tl.constexpr, act_alpha, act_limit, act_up_add,
                               D_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Activation backward with the routing weight applied after the activation-gradient GEMM: reads that GEMM's
-    rounded output g (the unweighted output gradient times W_down^T) and h; writes d_h (both halves) from
-    d_act = w * g rounded to the storage dtype, w * act(h) (act rounded as the forward stored it, the product rounded)
-    over g in place, and with D_W the routing weight's gradient <g, act> of each row (fp32, in column order) at its
-    slot (zero for rows past the routed ones). Each element of g and h is read before it is written."""
+    """Activation backward with the routing weight applied after the activation-gradient GEMM, element-wise over
+    [BLOCK_R, BLOCK_C] tiles: reads that GEMM's rounded output g (the unweighted output gradient times W_down^T) and h;
+    writes d_h (both halves) from d_act = w * g rounded to the storage dtype, and w * act(h) (act rounded as the
+    forward stored it, the product rounded) over g in place. With D_W each tile's part of the routing weight's gradient
+    <g, act> (an fp32 sum over its columns; zero for rows past the routed ones) goes to part[column tile, row], which
+    _sum_weight_grad_parts adds in column order. Each element of g and h is read before it is written."""
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_rows = rows < num_rows
     routed = rows < routed_rows
+    mask = routed[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    slots = tl.load(row_order_ptr + rows, mask=in_rows, other=0)
+    slots = tl.load(row_order_ptr + rows, mask=routed, other=0)
     w = tl.load(w_ptr + slots, mask=routed, other=0.0).to(tl.float32)[:, None]
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     dtype = d_raw_ptr.dtype.element_ty
-    for start in range(0, N, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        mask = routed[:, None] & (cols < N)[None, :]
-        g_out = tl.load(d_raw_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
-        act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add).to(dtype).to(tl.float32)
-        if D_W:
-            acc += tl.sum(g_out * act, axis=1)
-        d_act = (g_out * w).to(dtype).to(tl.float32)
-        d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
-        gate_cols = cols * COL_MULT
-        tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
-        if TWO_HALVES:
-            tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :],
-                     d_up.to(d_h_ptr.dtype.element_ty), mask=mask)
-        tl.store(d_raw_ptr + rows64 * stride_dm + cols[None, :], (act * w).to(dtype), mask=mask)
+    g_out = tl.load(d_raw_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
+    act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add).to(dtype).to(tl.float32)
     if D_W:
-        tl.store(d_w_ptr + slots, acc.to(d_w_ptr.dtype.element_ty), mask=in_rows)
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * num_rows + rows, tl.sum(g_out * act, axis=1),
+                 mask=in_rows)
+    d_act = (g_out * w).to(dtype).to(tl.float32)
+    d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
+    gate_cols = cols * COL_MULT
+    tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
+    if TWO_HALVES:
+        tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(d_h_ptr.dtype.element_ty),
+                 mask=mask)
+    tl.store(d_raw_ptr + rows64 * stride_dm + cols[None, :], (act * w).to(dtype), mask=mask)
+
+
+@triton.jit
+def _sum_weight_grad_parts(part_ptr, row_order_ptr, d_w_ptr, num_rows, num_parts, BLOCK_R: tl.constexpr):
+    """d_w[slot of row r] = the sum of part[0..num_parts-1, r] in that order (fp32): every slot written once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = rows < num_rows
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for p in range(0, num_parts):
+        acc += tl.load(part_ptr + p * num_rows + rows, mask=in_rows, other=0.0)
+    slots = tl.load(row_order_ptr + rows, mask=in_rows, other=0)
+    tl.store(d_w_ptr + slots, acc.to(d_w_ptr.dtype.element_ty), mask=in_rows)
 
 
 @triton.jit
