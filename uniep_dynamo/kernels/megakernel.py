@@ -515,6 +515,11 @@ def act_backward(layer: Layer, *, d_act, up, d_up, act=None, **halves):
     _act_pass(layer, kernel, (d_act, up, d_up, act if act is not None else d_act), **halves)
 
 
+# (rows, columns, warps) of act_backward_late_weight's tiles on a GPU. The column tile sets how the routing-weight
+# gradient's sum over a row is split, so it is fixed, not a tuner knob (benchmarks/probes/act_pass_probe.py).
+LATE_ACT_TILE = (16, 256, 4)
+
+
 def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weights, d_weights, offsets, two_halves,
                              col_mult, up_shift):
     """config.late_routing_weight's activation backward: d_up from the routing weights and the activation-gradient
@@ -524,7 +529,7 @@ def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weight
     from .triton_gemm import _act_backward_late_weight as kernel
     from .triton_gemm import _sum_weight_grad_parts
 
-    block_r, block_c = (16, 32) if layer.interpret else (16, 256)
+    block_r, block_c, warps = (16, 32, 4) if layer.interpret else LATE_ACT_TILE
     rows = layer.num_slots
     grid = (_cdiv(max(rows, 1), block_r), _cdiv(layer.inter, block_c))
     parts = torch.empty(grid[1], rows, dtype=torch.float32, device=d_raw.device) if d_weights is not None else None
@@ -532,7 +537,7 @@ def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weight
            parts if parts is not None else weights, offsets, layer.num_experts, rows, layer.inter, up_shift,
            COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
            act_limit=layer.act_params[1], act_up_add=layer.act_params[2], D_W=parts is not None, BLOCK_R=block_r,
-           BLOCK_C=block_c, num_warps=4)
+           BLOCK_C=block_c, num_warps=warps)
     if parts is not None and rows:
         launch(_sum_weight_grad_parts, (_cdiv(rows, 1024),), parts, row_order, d_weights, rows, grid[1],
                BLOCK_R=1024, num_warps=4)
