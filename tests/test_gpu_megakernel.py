@@ -119,9 +119,8 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
             assert torch.equal(a, b), f"{knob}={value} changed tensor {i}"
 
 
-QUACK_SWEEP = {"heuristic": {**kconfig.QUACK_CONFIGS, **kconfig.QUACK_LATE_CONFIGS},  # each GEMM its own; under
-               # late_routing_weight (the GPU heuristics') four gather, the up projection's two otherwise
-               "knob_off": kconfig.QUACK_CONFIGS,  # late_routing_weight off, the configs it then runs
+QUACK_SWEEP = {"heuristic": kconfig.QUACK_CONFIGS,  # each GEMM its own; the up projection's two gather
+               "knob_off": kconfig.QUACK_CONFIGS,  # the same with late_routing_weight off (the heuristics' is on)
                "default": "128x192/pingpong/2x1",  # QuACK's default config, gathering
                "cluster_n2": "192x128/pingpong/1x2"}  # cannot gather: the gathered GEMMs read materialized rows
 

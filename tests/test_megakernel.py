@@ -477,7 +477,7 @@ def test_late_routing_weight_leaves_weights_without_grad_alone(monkeypatch):
 def test_late_routing_weight_config_entries(monkeypatch):
     """A numerics knob: in the numerics key; a tuning-cache entry written before it existed takes the heuristics'
     value (the tuner keeps their numerics), one that names it keeps its own. UNIEP_LATE_ROUTING_WEIGHT sets it over
-    the heuristics (on for GPU shapes, where QuACK then gathers in two more GEMMs, and back off)."""
+    the heuristics (on for GPU shapes) both ways."""
     late = kconfig.heuristic_config(4096, 64, 256, 128)
     base = dataclasses.replace(late, late_routing_weight=False)
     assert "late_routing_weight" in kconfig.NUMERICS_KNOBS and late.numerics_key() != base.numerics_key()
@@ -486,11 +486,9 @@ def test_late_routing_weight_config_entries(monkeypatch):
     assert kconfig.config_from_dict(old, late) == late and kconfig.config_from_dict(old) == base
     assert kconfig.config_from_dict(entry, late) == base
     gpu = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert gpu.late_routing_weight and gpu.grad_act.quack == kconfig.QUACK_LATE_CONFIGS["grad_act"]
+    assert gpu.late_routing_weight
     monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "0")
-    off = kconfig.current_config(65536, 128, 2048, 768, False)
-    assert not off.late_routing_weight and off.grad_act.quack == kconfig.QUACK_CONFIGS["grad_act"]
-    assert off.wgrad_down.quack == kconfig.QUACK_CONFIGS["wgrad_down"] and off.up == gpu.up
+    assert kconfig.current_config(65536, 128, 2048, 768, False) == dataclasses.replace(gpu, late_routing_weight=False)
     monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "1")
     assert kconfig.current_config(4096, 64, 256, 128, True).late_routing_weight
 
@@ -623,7 +621,7 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
         with pytest.raises(ValueError, match="quack config"):
             kconfig.GemmConfig(quack=bad).validate()
     qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == {**kconfig.QUACK_CONFIGS, **kconfig.QUACK_LATE_CONFIGS}
+    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == kconfig.QUACK_CONFIGS
     assert qwen.numerics_key() == qwen.replace_gemms(quack="").numerics_key()
     assert "quack" in kconfig.SCHEDULING_KNOBS
     for rows, experts, hidden, inter in ((16384, 8, 4096, 14336), (4096, 8, 4096, 14336), (64, 128, 2048, 768),

@@ -202,12 +202,12 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # Qwen3-30B-A3B 4.58 -> 4.17-4.20 ms back to back at T = 8192, 16.08-16.17 -> 14.77-14.90 at T = 32768. Not where
     # the experts are few and large: Mixtral-8x7B's up projection by QuACK made its layer 26.57-27.08 -> 27.30-27.82.
     # late_routing_weight (a numerics knob: the routing weights applied after the activation-gradient GEMM) on every
-    # GPU shape: two passes over [rows, H] fewer, and where QuACK runs, the output-gradient rows gathered inside the
-    # two GEMMs that read them (QUACK_LATE_CONFIGS: configs that can gather) instead of a weighted copy.
+    # GPU shape: one pass over [rows, H] fewer (the <dY, down> reduction), the weighted gather becomes a plain one, and
+    # the activation backward that takes the weights costs what it did without them. QuACK's GEMMs keep their
+    # configs and read the copied rows: gathered inside them (configs of one CTA along N) the activation-gradient GEMM
+    # and the down weight's gradient took 0.16 ms more than they saved (BENCHMARKS.md, 2026-11-27 eighth session).
     late = True
     quack = QUACK_CONFIGS if num_experts >= 64 and num_rows >= 512 * num_experts and not per_expert else {}
-    if quack and late:
-        quack = {**quack, **QUACK_LATE_CONFIGS}
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma, late_routing_weight=late)
@@ -216,9 +216,6 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
 QUACK_CONFIGS = {"up": "128x256/coop/2x1", "down": "128x208/pingpong/1x2", "grad_act": "192x128/pingpong/1x2",
                  "grad_input": "192x128/pingpong/1x2", "wgrad_up": "256x128/coop/2x1",
                  "wgrad_down": "192x128/pingpong/1x2"}
-# Under late_routing_weight the activation-gradient GEMM and the down weight's gradient gather the output-gradient
-# rows by token, which takes a config of one CTA along N (quack_gemm.gathers).
-QUACK_LATE_CONFIGS = {"grad_act": "128x256/coop/2x1", "wgrad_down": "256x128/coop/2x1"}
 
 
 _OVERRIDE: list[MegaKernelConfig] = []
@@ -248,14 +245,10 @@ def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, int
 
 def _late_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
     """``UNIEP_LATE_ROUTING_WEIGHT=0`` / ``=1`` sets the late_routing_weight numerics knob over the heuristics' and
-    the tuning cache's choice (the bits of the other numerics, e.g. to compare with a run that had them); with 0 the
-    two QuACK GEMMs that gather only under the knob take their configs from QUACK_CONFIGS."""
+    the tuning cache's choice (the bits of the other numerics, e.g. to compare with a run that had them)."""
     value = os.environ.get("UNIEP_LATE_ROUTING_WEIGHT", "")
     if value not in ("0", "1") or cfg.late_routing_weight == (value == "1"):
         return cfg
-    if value == "0":
-        cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), quack=QUACK_CONFIGS[g])
-                                          for g in QUACK_LATE_CONFIGS if getattr(cfg, g).quack})
     return dataclasses.replace(cfg, late_routing_weight=value == "1")
 
 
