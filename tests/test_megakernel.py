@@ -474,11 +474,60 @@ def test_late_routing_weight_leaves_weights_without_grad_alone(monkeypatch):
         assert torch.equal(x, y)
 
 
+def _saved_shapes(fn):
+    """The shapes of the tensors autograd saves while ``fn`` runs."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, shapes
+
+
+@pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
+def test_late_routing_weight_keeps_no_down_rows(reuse_saved, monkeypatch):
+    """Under late_routing_weight the fused backward reads no down rows, so autograd keeps none ([rows, H] less
+    between forward and backward: 268 MB a layer at Qwen3-30B-A3B's T = 8192); the gradients are those of a
+    backward that had them, bit for bit, and where the reference runs that backward instead (UNIEP_KERNELS switched
+    between the two), it computes them again."""
+    from uniep_dynamo.kernels import megakernel
+
+    T, H, I, E, K = 13, 32, 24, 4, 2
+    args = make(T, H, I, E, K, SILU_GLU, "oi", False)
+    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    late, _ = _late(args)
+    with kconfig.use_config(late):
+        got, shapes = _saved_shapes(lambda: run(args, "triton", monkeypatch, spec=spec))
+    assert (T * K, 2 * I) in shapes and (T * K, H) not in shapes, shapes
+    # the same backward handed the down rows (a direct call of the kernels' forward and backward)
+    hidden, ids, weights, w_up, w_down = args[:5]
+    with kconfig.use_config(late):
+        out, row_order, slot_row, offsets, up, down = megakernel.experts_forward(hidden, ids, weights, w_up, w_down,
+                                                                                 None, None, spec)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        want = megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order, slot_row,
+                                           offsets, up, down, spec)
+    assert torch.equal(got[0], out)
+    for name, x, y in zip(("d_hidden", "d_weights", "d_w_up", "d_w_down"), got[1:5], want[:4]):
+        assert torch.equal(x, y), name
+    # the forward by the kernels, the backward by the reference: down computed again from up
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
+    with kconfig.use_config(late):
+        out = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], None, None, [], spec.encode())[0]
+    monkeypatch.setenv("UNIEP_KERNELS", "reference")
+    out.backward(grad)
+    assert_close([out] + [t.grad for t in leaves], run(args, "reference", monkeypatch, spec=spec)[:5], torch.float32)
+
+
 def test_late_routing_weight_config_entries(monkeypatch):
     """A numerics knob: in the numerics key; a tuning-cache entry written before it existed takes the heuristics'
     value (the tuner keeps their numerics), one that names it keeps its own. UNIEP_LATE_ROUTING_WEIGHT sets it over
-    the heuristics (on for GPU shapes) both ways."""
-    late = kconfig.heuristic_config(4096, 64, 256, 128)
+    the heuristics both ways, and use_config over both."""
+    late = dataclasses.replace(kconfig.heuristic_config(4096, 64, 256, 128), late_routing_weight=True)
     base = dataclasses.replace(late, late_routing_weight=False)
     assert "late_routing_weight" in kconfig.NUMERICS_KNOBS and late.numerics_key() != base.numerics_key()
     entry = kconfig.config_to_dict(base)
@@ -486,11 +535,16 @@ def test_late_routing_weight_config_entries(monkeypatch):
     assert kconfig.config_from_dict(old, late) == late and kconfig.config_from_dict(old) == base
     assert kconfig.config_from_dict(entry, late) == base
     gpu = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert gpu.late_routing_weight
-    monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "0")
-    assert kconfig.current_config(65536, 128, 2048, 768, False) == dataclasses.replace(gpu, late_routing_weight=False)
-    monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "1")
-    assert kconfig.current_config(4096, 64, 256, 128, True).late_routing_weight
+    assert gpu.late_routing_weight == kconfig.late_routing_weight_on(False)  # the heuristics' choice, read shape-free
+    assert not kconfig.late_routing_weight_on(True)  # the interpreter's heuristics keep it off
+    for value in ("0", "1"):
+        monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", value)
+        assert kconfig.current_config(65536, 128, 2048, 768, False) == \
+            dataclasses.replace(gpu, late_routing_weight=value == "1")
+        assert kconfig.current_config(4096, 64, 256, 128, True).late_routing_weight == (value == "1")
+        assert kconfig.late_routing_weight_on(True) == (value == "1")
+    with kconfig.use_config(base):
+        assert not kconfig.late_routing_weight_on(True)
 
 
 @pytest.mark.parametrize("top_k", range(1, 9))

@@ -28,7 +28,8 @@ _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_u
 _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, "
                "Tensor w_down, Tensor? b_up, Tensor? b_down, Tensor[] post_operands, Tensor row_order, "
                "Tensor slot_row, Tensor expert_offsets, Tensor up, Tensor down, str spec, bool weights_grad=True, "
-               "bool param_grads=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
+               "bool param_grads=True, bool down_saved=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+               "Tensor[])")
 
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
@@ -80,17 +81,17 @@ def _moe_experts_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down
 
 def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                    row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, reuse_saved=False,
-                   input_rows=None, param_grads=True):
+                   input_rows=None, param_grads=True, down_saved=True):
     s = decode_spec(spec)
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
         *grads, d_operands = megakernel.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, row_order, slot_row,
             expert_offsets, up, down, s, reuse_saved=reuse_saved, weights_grad=weights_grad, input_rows=input_rows,
-            param_grads=param_grads)
+            param_grads=param_grads, down_saved=down_saved)
     else:
         *grads, d_operands = reference.experts_backward(
             grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-            row_order, slot_row, expert_offsets, up, down, s, input_rows=input_rows)
+            row_order, slot_row, expert_offsets, up, down, s, input_rows=input_rows, down_saved=down_saved)
         if not param_grads:  # (the reference computes them; the op's contract is the same on every path)
             grads[2:6] = [None] * 4
     # A schema cannot return None: absent bias gradients, and the expert parameters' gradients under
@@ -101,20 +102,22 @@ def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up,
 
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
 def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                         row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True):
+                         row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True,
+                         down_saved=True):
     """``weights_grad=False`` (the routing weights need no gradient, as the constant ones of an EP layer's
     received rows): the fused path skips that gradient and returns zeros in its place. ``param_grads=False`` (the
     expert weights and biases need none: frozen experts, as in LoRA fine-tuning): their two weight-gradient GEMMs
-    are not run, and empty tensors stand in their place; the other gradients keep their bits."""
+    are not run, and empty tensors stand in their place; the other gradients keep their bits. ``down_saved=False``:
+    the forward kept no ``down`` (an empty tensor stands in; megakernel.backward_reads_down)."""
     return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad,
-                          param_grads=param_grads)
+                          param_grads=param_grads, down_saved=down_saved)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                                row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True,
-                               param_grads=True):
+                               param_grads=True, down_saved=True):
     def like(t, needed=True):
         return t.new_empty(t.shape) if t is not None and needed else hidden.new_empty(0)
 
@@ -143,30 +146,46 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # ran, with PyTorch's "modified by an inplace operation", which names neither uniep nor the option); (3) the
 # combine takes this op's first output as an input, so no scheduler can run it before the rows it reads are
 # written.
+# Where the forward kept no ``down`` (down_saved=False) the op allocates the [rows, H] buffer it would have taken
+# from it, and returns it as its sixth output for the combine (else an empty tensor: an output may not alias the
+# ``down`` it was given).
 _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor row_order", "Tensor? row_order")
                        .replace("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
-                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
-assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _input_rows_buffer(hidden, topk_ids, w_up, w_down, spec, down_saved: bool, new_empty):
+    """The in-place backward's [rows, H] buffer where the forward kept no ``down``, else an empty tensor."""
+    if down_saved:
+        return hidden.new_empty(0)
+    hidden_size = w_down.shape[1] if decode_spec(spec).down_layout == "oi" else w_down.shape[2]
+    return new_empty((topk_ids.numel(), hidden_size), dtype=w_up.dtype, device=hidden.device)
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=(), schema=_BWD_INPLACE_SCHEMA)
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True):
+                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True,
+                          down_saved=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
+    rows = _input_rows_buffer(hidden, topk_ids, w_up, w_down, spec, down_saved, torch.empty)
     with megakernel.overwriting_saved_buffers(up, down, SECOND_BACKWARD_ERROR):  # (the reference's writes too)
-        return _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                              row_order, slot_row, expert_offsets, up, down, spec, weights_grad=weights_grad,
-                              reuse_saved=True, input_rows=down, param_grads=param_grads)[1:6]
+        grads = _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
+                               row_order, slot_row, expert_offsets, up, down if down_saved else rows, spec,
+                               weights_grad=weights_grad, reuse_saved=True, input_rows=down if down_saved else rows,
+                               param_grads=param_grads, down_saved=down_saved)[1:6]
+    return (*grads, rows)
 
 
 @moe_experts_backward_.register_fake
 def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                        post_operands, row_order, slot_row, expert_offsets, up, down, spec,
-                                       weights_grad=True, param_grads=True):
-    return _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
-                                      post_operands, row_order, slot_row, expert_offsets, up, down, spec,
-                                      param_grads=param_grads)[1:6]
+                                       weights_grad=True, param_grads=True, down_saved=True):
+    grads = _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
+                                       post_operands, row_order, slot_row, expert_offsets, up, down, spec,
+                                       param_grads=param_grads)[1:6]
+    return (*grads, _input_rows_buffer(hidden, topk_ids, w_up, w_down, spec, down_saved, hidden.new_empty))
 
 
 _BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor topk_ids, Tensor topk_weights, "
@@ -201,9 +220,15 @@ def _setup_context(ctx, inputs, output):
     if given_plan and given_plan[0] is not None:
         row_order, slot_row, expert_offsets = given_plan
     ctx.reuse_saved = decode_spec(spec).reuse_saved and not post_operands and down.dtype == w_up.dtype
+    # config.late_routing_weight's fused backward reads no `down`: not kept, [rows, H] less between the forward and
+    # the backward
+    ctx.down_saved = megakernel.backward_reads_down(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands,
+                                                    decode_spec(spec))
+    ctx.down_shape = (0, down.shape[1])
     # The in-place backward recomputes row_order from slot_row: one [rows] index less kept alive
     ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
-                          None if ctx.reuse_saved else row_order, slot_row, expert_offsets, up, down)
+                          None if ctx.reuse_saved else row_order, slot_row, expert_offsets, up,
+                          down if ctx.down_saved else None)
     ctx.spec = spec
     ctx.num_operands = len(post_operands)
     ctx.has_bias = (b_up is not None, b_down is not None)
@@ -215,16 +240,18 @@ def _backward(ctx, grad_out, *_unused_grads):
     grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
     weights_grad = ctx.needs_input_grad[2]  # False for weights that need none (the ones of an EP layer's rows)
     param_grads = any(ctx.needs_input_grad[3:7])  # False for frozen experts: their weight-gradient GEMMs are skipped
+    if not ctx.down_saved:  # an empty stand-in of w_up's dtype (the in-place op's check)
+        plan[-1] = head[3].new_empty(ctx.down_shape)
     if ctx.reuse_saved:
-        d_weights, d_w_up, d_w_down, d_b_up, d_b_down = torch.ops.uniep.moe_experts_backward_(
-            grad_out, *head, operands, *plan, ctx.spec, weights_grad, param_grads)
-        _, slot_row, expert_offsets, _, down = plan  # down now holds the input-gradient rows
-        d_hidden = torch.ops.uniep.moe_experts_backward_combine(down, d_weights, *head[:7], slot_row, expert_offsets,
-                                                                ctx.spec)
+        d_weights, d_w_up, d_w_down, d_b_up, d_b_down, rows = torch.ops.uniep.moe_experts_backward_(
+            grad_out, *head, operands, *plan, ctx.spec, weights_grad, param_grads, ctx.down_saved)
+        _, slot_row, expert_offsets, _, down = plan  # down (or rows, where none was kept) holds the input-gradient rows
+        d_hidden = torch.ops.uniep.moe_experts_backward_combine(down if ctx.down_saved else rows, d_weights,
+                                                                *head[:7], slot_row, expert_offsets, ctx.spec)
         d_operands = []
     else:
         d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, d_operands = torch.ops.uniep.moe_experts_backward(
-            grad_out, *head, operands, *plan, ctx.spec, weights_grad, param_grads)
+            grad_out, *head, operands, *plan, ctx.spec, weights_grad, param_grads, ctx.down_saved)
     if not param_grads:
         d_w_up = d_w_down = d_b_up = d_b_down = None
     return (d_hidden, None, d_weights if weights_grad else None, d_w_up, d_w_down, d_b_up if ctx.has_bias[0] else None,

@@ -136,9 +136,11 @@ class MegaKernelConfig:
     # gradient is <dY, down> over the hidden size. True: that GEMM reads dY unweighted (gathered inside the GEMM where
     # QuACK or fuse_gather can, with no weighted copy), the activation backward scales its output by w, takes the
     # weight's gradient as <dY W_down^T, act> over the intermediate size, and leaves w * act for the down weight's
-    # gradient, dY_e^T (w * act)_e: two passes over [rows, H] (the weighted gather and the <dY, down> reduction)
-    # fewer. Where the routing weights are ones (the EP layer's received rows) both give the same bits. Not with a
-    # down bias (its gradient sums the weighted rows): False's path runs.
+    # gradient, dY_e^T (w * act)_e: the <dY, down> reduction over [rows, H] is gone, the weighted gather is a plain
+    # one (inside the GEMMs where QuACK or fuse_gather gathers), and the backward reads no ``down``. Not for weights
+    # that need no gradient (the EP layers' received rows, which arrive weighted) and not with a down bias (its
+    # gradient sums the weighted rows): False's path runs there. Off in the heuristics (heuristic_config says why);
+    # UNIEP_LATE_ROUTING_WEIGHT=1 turns it on.
     late_routing_weight: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
@@ -201,12 +203,14 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # gathers it needs. The layer, forward + backward, on an H100 (two alternating rounds, BENCHMARKS.md):
     # Qwen3-30B-A3B 4.58 -> 4.17-4.20 ms back to back at T = 8192, 16.08-16.17 -> 14.77-14.90 at T = 32768. Not where
     # the experts are few and large: Mixtral-8x7B's up projection by QuACK made its layer 26.57-27.08 -> 27.30-27.82.
-    # late_routing_weight (a numerics knob: the routing weights applied after the activation-gradient GEMM) on every
-    # GPU shape: one pass over [rows, H] fewer (the <dY, down> reduction), the weighted gather becomes a plain one, and
-    # the activation backward that takes the weights costs what it did without them. QuACK's GEMMs keep their
-    # configs and read the copied rows: gathered inside them (configs of one CTA along N) the activation-gradient GEMM
-    # and the down weight's gradient took 0.16 ms more than they saved (BENCHMARKS.md, 2026-11-27 eighth session).
-    late = True
+    # late_routing_weight (a numerics knob: the routing weights applied after the activation-gradient GEMM) stays off:
+    # one pass over [rows, H] fewer (the <dY, down> reduction) and an activation backward that takes the weights at
+    # the knob-off pass's cost, but the layer, forward + backward, on an H200 (bf16, BENCHMARKS.md, 2026-11-27 eighth
+    # session) moved by -0.5% to +2.9% back to back on Qwen3-30B-A3B, OLMoE, Qwen3-30B-A3B at T = 32768 and
+    # DeepSeek-V3, and lost 0.3% / 1.3% on Mixtral-8x7B: within the runs' spread, not worth other bits than the EP
+    # layers' (whose experts ops get weighted rows). With QuACK gathering the output-gradient rows inside the two
+    # GEMMs that read them, those GEMMs took 0.16 ms more than the glue the knob saved.
+    late = False
     quack = QUACK_CONFIGS if num_experts >= 64 and num_rows >= 512 * num_experts and not per_expert else {}
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
@@ -241,6 +245,18 @@ def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, int
     if _OVERRIDE:
         return _OVERRIDE[-1]
     return _late_from_env(_current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device))
+
+
+def late_routing_weight_on(interpret: bool) -> bool:
+    """The late_routing_weight value the op runs with, read without the shapes (the autograd formula decides by it,
+    when the forward runs, whether the backward needs ``down``): use_config's, else UNIEP_LATE_ROUTING_WEIGHT's, else
+    the heuristics' (the same for every shape; a tuned config never changes a numerics knob)."""
+    if _OVERRIDE:
+        return _OVERRIDE[-1].late_routing_weight
+    value = os.environ.get("UNIEP_LATE_ROUTING_WEIGHT", "")
+    if value in ("0", "1"):
+        return value == "1"
+    return heuristic_config(65536, 128, 2048, 768, interpret).late_routing_weight
 
 
 def _late_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:

@@ -153,6 +153,15 @@ def use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, 
     return reason is None
 
 
+def backward_reads_down(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) -> bool:
+    """Whether the op's backward needs the forward's ``down`` ([rows, H]) kept: not where the fused kernels run it
+    under config.late_routing_weight without a down bias (experts_backward then reads none, and allocates the
+    [rows, H] scratch the in-place backward took from it)."""
+    return not (b_down is None and not post_operands and config_mod.late_routing_weight_on(
+        hidden.device.type != "cuda")
+        and unsupported_reason(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, spec) is None)
+
+
 ROUTER_MAX_EXPERTS = 1024
 
 
@@ -711,11 +720,13 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                      row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False,
-                     weights_grad: bool = True, input_rows=None, param_grads: bool = True):
+                     weights_grad: bool = True, input_rows=None, param_grads: bool = True, down_saved: bool = True):
     """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
     routing-weight gradient is not computed (zeros in its place); with ``param_grads=False`` (frozen experts) the
     two weight-gradient GEMMs and the hidden rows' gather they read are not run, and the four expert-parameter
-    gradients come back None (the other gradients are computed as with them, to the bit). With ``input_rows`` (a
+    gradients come back None (the other gradients are computed as with them, to the bit). ``down_saved=False``: the
+    forward kept no ``down`` (backward_reads_down), and ``down`` is a [rows, H] buffer of no meaning, or an empty
+    tensor: config.late_routing_weight's path runs, which reads none. With ``input_rows`` (a
     [rows, H] buffer of w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes
     back None, and ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from
     slot_row (its inverse) and freed once the gathers are done. ``grad_out`` may be a one-element list holding the caller's only
@@ -746,7 +757,9 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     # unweighted, and the activation backward applies the weights and takes their gradient (no read of ``down``).
     # Not for weights that need no gradient (the EP layers' received rows, whose weights are ones): the knob would
     # save no pass there, and the weighted copy it skips is a copy of the rows as they are.
-    late = cfg.late_routing_weight and b_down is None and weights_grad
+    if not down_saved and b_down is not None:
+        raise ValueError("uniep: the experts' backward needs the forward's down rows where there is a down bias")
+    late = (cfg.late_routing_weight or not down_saved) and b_down is None and weights_grad
     if late or not weights_grad:
         d_weights = None
     else:
@@ -759,7 +772,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     down_dims = (1, 2) if spec.down_layout == "io" else (2, 1)
     up_dims = (1, 2) if spec.up_layout == "io" else (2, 1)
     gather = cfg.fuse_gather
-    scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() else None
+    scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() and \
+        down.shape[0] == layer.num_slots else None
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
     halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
     d_w_down = d_w_up = None

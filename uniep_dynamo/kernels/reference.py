@@ -265,15 +265,21 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                     row_order, slot_row, expert_offsets, up, down, spec, input_rows=None):
+                     row_order, slot_row, expert_offsets, up, down, spec, input_rows=None, down_saved=True):
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down, [d_post_operands]);
     bias grads None if no bias. With ``input_rows`` (a [rows, H] buffer) the input-gradient rows are copied
     there and not combined (d_hidden None; combine_input_rows sums them). ``row_order`` None: computed from
-    slot_row."""
+    slot_row. ``down_saved=False`` (the forward kept no down for the fused backward, which then fell back here):
+    down is computed again from ``up`` (no down bias and no post program in that case)."""
     if row_order is None:
         row_order = inverse_permutation(slot_row)
     num_tokens, top_k = topk_ids.shape
     routed = routed_rows_mask(expert_offsets, row_order.numel())
+    if not down_saved:
+        if b_down is not None or spec.post is not None:
+            raise ValueError("uniep: the experts' backward needs the forward's down rows here")
+        act = gate_glue(spec.gate, up.device)[0](up, *post_operands)
+        down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
     d_operands = []
     if spec.post is None:
         d_weights, d_down = glue("slot_grads", down.device)(grad_out, down, slot_row, row_order, routed, topk_weights)
