@@ -101,6 +101,56 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
         assert torch.equal(x.grad, 2 * first)
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_late_routing_weight_compiled_keeps_no_down_rows(reuse, monkeypatch):
+    """Compiled with the late_routing_weight knob on (UNIEP_LATE_ROUTING_WEIGHT=1, the fused kernels in Triton's
+    interpreter), the backward graph receives no [rows, H] down rows from the forward; the in-place backward hands
+    the input-gradient rows it allocated to the combine; the gradients equal the out-of-place compile's, bit for
+    bit, and the hand-written module's within tolerance."""
+    pytest.importorskip("triton", reason="the fused kernels run in Triton's interpreter here")
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from test_patterns import I, HandWrittenExperts, routed
+    from uniep_dynamo.report import uniep_op_of
+
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", "1")
+    inputs, nodes = [], []
+
+    def fw(gm, _):
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, _):
+        inputs.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder")
+        nodes.extend(gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    module = HandWrittenExperts()
+    x, ids, w = routed()
+    options = {"inner_backend": aot_autograd(fw_compiler=fw, bw_compiler=bw), "reuse_saved_buffers": reuse}
+    torch.compile(module, backend="uniep", options=options)(x, ids, w).sum().backward()
+    rows = ids.numel()
+    # of the [rows, *] tensors only the up projection ([rows, 2I]; here 2I = H) comes from the forward
+    assert [s for s in inputs if len(s) == 2 and s[0] == rows] == [(rows, 2 * I)], inputs
+    if reuse:
+        (backward_node,) = [n for n in nodes if uniep_op_of(n) == "moe_experts_backward"]
+        (combine_node,) = [n for n in nodes if uniep_op_of(n) == "moe_experts_backward_combine"]
+        assert combine_node.args[0].target is operator.getitem and combine_node.args[0].args == (backward_node, 5)
+    grads = [t.grad.clone() for t in (x, w, module.gate_up_proj, module.down_proj)]
+    for t in (x, w, module.gate_up_proj, module.down_proj):
+        t.grad = None
+    torch._dynamo.reset()
+    other = {**options, "reuse_saved_buffers": not reuse}
+    torch.compile(module, backend="uniep", options=other)(x, ids, w).sum().backward()
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, (x, w, module.gate_up_proj, module.down_proj)))
+    for t in (x, w, module.gate_up_proj, module.down_proj):
+        t.grad = None
+    module(x, ids, w).sum().backward()
+    for a, b in zip(grads, (x, w, module.gate_up_proj, module.down_proj)):
+        assert torch.allclose(a, b.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_inductor_caches_key_on_uniep_sources(monkeypatch):
     """Inductor's FX-graph and AOTAutograd caches do not look at a custom op's fake implementation. The backend
     adds uniep's source hash to their keys (a no-op post-grad pass's uuid), so a graph compiled by another

@@ -120,7 +120,8 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
 
 
 QUACK_SWEEP = {"heuristic": kconfig.QUACK_CONFIGS,  # each GEMM its own; the up projection's two gather
-               "knob_off": kconfig.QUACK_CONFIGS,  # the same with late_routing_weight off (the heuristics' is on)
+               "late": kconfig.QUACK_CONFIGS,  # the same under late_routing_weight (the output-gradient rows unweighted)
+               "late_gathering": "128x192/pingpong/2x1",  # under it, every GEMM that reads token rows gathers them
                "default": "128x192/pingpong/2x1",  # QuACK's default config, gathering
                "cluster_n2": "192x128/pingpong/1x2"}  # cannot gather: the gathered GEMMs read materialized rows
 
@@ -141,9 +142,8 @@ def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
         args = args[:7] + (dataclasses.replace(args[7], reuse_saved=True),)
     base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False,
                                                                                                  quack="")
-    assert base.late_routing_weight
-    if sweep == "knob_off":
-        base = dataclasses.replace(base, late_routing_weight=False)
+    if sweep.startswith("late"):
+        base = dataclasses.replace(base, late_routing_weight=True)
     with kconfig.use_config(base):
         expected = fwd_bwd(args)
     configs = QUACK_SWEEP[sweep]
