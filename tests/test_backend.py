@@ -154,7 +154,8 @@ def test_late_routing_weight_compiled_keeps_no_down_rows(reuse, monkeypatch):
 def test_inductor_caches_key_on_uniep_sources(monkeypatch):
     """Inductor's FX-graph and AOTAutograd caches do not look at a custom op's fake implementation. The backend
     adds uniep's source hash to their keys (a no-op post-grad pass's uuid), so a graph compiled by another
-    uniep (its ops' output shapes may differ under the same schema) is compiled again, not served stale."""
+    uniep (its ops' output shapes may differ under the same schema) is compiled again, not served stale; and the
+    settings read while AOTAutograd traces (UNIEP_LATE_ROUTING_WEIGHT: whether the backward keeps the down rows)."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_inductor_cache
     from test_patterns import HandWrittenExperts, routed
@@ -166,11 +167,13 @@ def test_inductor_caches_key_on_uniep_sources(monkeypatch):
     module, args = HandWrittenExperts(), routed()
     with fresh_inductor_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
             torch._functorch.config.patch(enable_autograd_cache=True), torch.no_grad():
-        for salt, served in (("first", False), ("first", True), ("second", False)):
+        for salt, late, served in (("first", "0", False), ("first", "0", True), ("second", "0", False),
+                                   ("second", "1", False), ("second", "1", True)):
             monkeypatch.setattr(backend, "source_hash", lambda salt=salt: salt)
+            monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", late)
             torch._dynamo.reset()
             counters.clear()
             torch.compile(module, backend="uniep")(*args)
             assert counters["uniep"]["moe_experts"] == 1
             hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-            assert (hits > 0) == served, (salt, dict(counters["inductor"]), dict(counters["aot_autograd"]))
+            assert (hits > 0) == served, (salt, late, dict(counters["inductor"]), dict(counters["aot_autograd"]))

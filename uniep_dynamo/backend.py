@@ -233,12 +233,22 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+def trace_settings() -> tuple:
+    """What uniep reads while AOTAutograd traces, besides the graph, that shapes the compiled graphs: the kernels
+    mode, and the late_routing_weight knob (the experts op's autograd formula keeps the down rows for the backward
+    or not by it)."""
+    from .kernels import config, megakernel
+
+    return megakernel.kernels_mode(), config.late_routing_weight_on(False), config.late_routing_weight_on(True)
+
+
 @functools.lru_cache(maxsize=1)
 def _cache_salt():
-    """A post-grad pass that changes nothing and whose uuid is uniep's source hash. Inductor's FX-graph and
-    AOTAutograd caches key on custom passes' uuids, but not on a custom op's fake implementation: without it a
-    graph compiled against another uniep's fake shapes (an op's outputs changed, its schema not) would be
-    served from the cache and fail its size asserts."""
+    """A post-grad pass that changes nothing and whose uuid is uniep's source hash and its trace_settings. Inductor's
+    FX-graph and AOTAutograd caches key on custom passes' uuids, but not on a custom op's fake implementation or its
+    autograd formula: without it a graph compiled against another uniep's fake shapes (an op's outputs changed, its
+    schema not) would be served from the cache and fail its size asserts, and one traced under other settings would
+    keep their saved tensors."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class UniepSourceSalt(CustomGraphPass):
@@ -246,7 +256,7 @@ def _cache_salt():
             return None
 
         def uuid(self):
-            return ("uniep", source_hash())
+            return ("uniep", source_hash(), *trace_settings())
 
     return UniepSourceSalt()
 
