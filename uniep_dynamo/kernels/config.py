@@ -43,6 +43,10 @@ Numerics contract (what a tuner may change freely):
   with QuACK importable; the up projection's and its weight gradient's token-row gathers then happen in its loads
   (no permuted copy). A bias, a scaled gather (the weighted output-gradient rows), a GEMM that stores into EP peers
   and a CUDA graph being captured take the other knobs' path.
+- ``late_routing_weight`` (layer-wide) is a numerics knob: where the routing weight meets the output gradient in the
+  backward (after the activation-gradient GEMM, in fp32, instead of before it, rounded into the rows that GEMM reads),
+  and whether the routing weight's gradient is <dY W_down^T, act> over the intermediate size or <dY, down> over the
+  hidden size. Within each setting every scheduling knob keeps the bits.
 """
 from __future__ import annotations
 
@@ -139,8 +143,8 @@ class MegaKernelConfig:
     # gradient, dY_e^T (w * act)_e: the <dY, down> reduction over [rows, H] is gone, the weighted gather is a plain
     # one (inside the GEMMs where QuACK or fuse_gather gathers), and the backward reads no ``down``. Not for weights
     # that need no gradient (the EP layers' received rows, which arrive weighted) and not with a down bias (its
-    # gradient sums the weighted rows): False's path runs there. Off in the heuristics (heuristic_config says why);
-    # UNIEP_LATE_ROUTING_WEIGHT=1 turns it on.
+    # gradient sums the weighted rows): False's path runs there. On in the GPU heuristics (heuristic_config says
+    # why), off in the interpreter's; UNIEP_LATE_ROUTING_WEIGHT=0 / 1 sets it.
     late_routing_weight: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
@@ -203,14 +207,16 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # gathers it needs. The layer, forward + backward, on an H100 (two alternating rounds, BENCHMARKS.md):
     # Qwen3-30B-A3B 4.58 -> 4.17-4.20 ms back to back at T = 8192, 16.08-16.17 -> 14.77-14.90 at T = 32768. Not where
     # the experts are few and large: Mixtral-8x7B's up projection by QuACK made its layer 26.57-27.08 -> 27.30-27.82.
-    # late_routing_weight (a numerics knob: the routing weights applied after the activation-gradient GEMM) stays off:
-    # one pass over [rows, H] fewer (the <dY, down> reduction) and an activation backward that takes the weights at
-    # the knob-off pass's cost, but the layer, forward + backward, on an H200 (bf16, BENCHMARKS.md, 2026-11-27 eighth
-    # session) moved by -0.5% to +2.9% back to back on Qwen3-30B-A3B, OLMoE, Qwen3-30B-A3B at T = 32768 and
-    # DeepSeek-V3, and lost 0.3% / 1.3% on Mixtral-8x7B: within the runs' spread, not worth other bits than the EP
-    # layers' (whose experts ops get weighted rows). With QuACK gathering the output-gradient rows inside the two
-    # GEMMs that read them, those GEMMs took 0.16 ms more than the glue the knob saved.
-    late = False
+    # late_routing_weight (a numerics knob: the routing weights applied after the activation-gradient GEMM) on every
+    # GPU shape, for memory: the backward reads no down rows, so the op keeps none between forward and backward
+    # (on an H200, bf16, T = 8192: 448.5 -> 192.5 MB held by a Qwen3-30B-A3B layer, 512.5 -> 256.5 on OLMoE, where
+    # inductor's compile holds 801.6 and 897.6; saved_memory_probe.py). Its speed is the knob-off path's within the
+    # runs' spread: the layer, forward + backward, moved by -0.5% to +2.9% back to back on Qwen3-30B-A3B, OLMoE,
+    # Qwen3-30B-A3B at T = 32768 and DeepSeek-V3, -0.3% on Mixtral-8x7B (BENCHMARKS.md, 2026-11-27 eighth session).
+    # The EP layers' experts ops get rows already weighted and keep the knob-off numerics: they equal the single-GPU
+    # op with the knob off (UNIEP_LATE_ROUTING_WEIGHT=0). With QuACK gathering the output-gradient rows inside the
+    # two GEMMs that read them, those GEMMs took 0.16 ms more than the glue the knob saved: they read a copy.
+    late = True
     quack = QUACK_CONFIGS if num_experts >= 64 and num_rows >= 512 * num_experts and not per_expert else {}
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
