@@ -16,8 +16,9 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
                            quack-kernels), for the knob's A/B in one run
   uniep_quack_entry_point  the same compiled module with UNIEP_QUACK_DIRECT=0 (QuACK's GEMMs launched through its
                            public entry point instead of uniep's direct launch of the same kernels)
-  uniep_late_off           the same compiled module with UNIEP_LATE_ROUTING_WEIGHT=0 (the routing weights applied before
-                           the activation-gradient GEMM: the numerics knob late_routing_weight off), for its A/B
+  uniep_late_off           the module compiled apart under UNIEP_LATE_ROUTING_WEIGHT=0 (the routing weights applied
+                           before the activation-gradient GEMM, the down rows kept for the backward: the numerics
+                           knob late_routing_weight off), for its A/B
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
@@ -183,15 +184,19 @@ def providers(experts, sonicmoe_autotune=True):
     uniep_graphs = torch.compile(experts, backend="uniep", mode="reduce-overhead")
     out["uniep_graphs"] = lambda x, ids, w: uniep_graphs(x, ids, w)
 
-    def with_env(variable, value):  # the compiled module with a variable that step() sets around fwd and bwd
-        def run(x, ids, w):
-            return uniep(x, ids, w)
+    def with_env(variable, value, compiled=uniep):  # a compiled module with a variable that step() sets around fwd
+        def run(x, ids, w):                          # and bwd
+            return compiled(x, ids, w)
         run.env = (variable, value)
         return run
 
+    def experts_again(x, ids, w):  # a function of its own: Dynamo's cache entries belong to the code traced first
+        return experts(x, ids, w)
+
     out["uniep_noquack"] = with_env("UNIEP_QUACK", "0")
     out["uniep_quack_entry_point"] = with_env("UNIEP_QUACK_DIRECT", "0")
-    out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0")
+    # compiled apart: the knob is read while the graph is traced too (whether the backward keeps the down rows)
+    out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0", torch.compile(experts_again, backend="uniep"))
     out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)

@@ -267,7 +267,9 @@ def late_routing_weight_on(interpret: bool) -> bool:
 
 def _late_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
     """``UNIEP_LATE_ROUTING_WEIGHT=0`` / ``=1`` sets the late_routing_weight numerics knob over the heuristics' and
-    the tuning cache's choice (the bits of the other numerics, e.g. to compare with a run that had them)."""
+    the tuning cache's choice (the bits of the other numerics, e.g. to compare with a run that had them). It is read
+    when the op's forward runs, a compiled graph's when it is traced (whether the backward keeps the down rows): a
+    backward whose forward kept none runs the knob's path whatever the variable says then."""
     value = os.environ.get("UNIEP_LATE_ROUTING_WEIGHT", "")
     if value not in ("0", "1") or cfg.late_routing_weight == (value == "1"):
         return cfg
