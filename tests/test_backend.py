@@ -101,12 +101,11 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
         assert torch.equal(x.grad, 2 * first)
 
 
-@pytest.mark.parametrize("reuse", [True, False])
-def test_late_routing_weight_compiled_keeps_no_down_rows(reuse, monkeypatch):
+def test_late_routing_weight_compiled_keeps_no_down_rows(monkeypatch):
     """Compiled with the late_routing_weight knob on (UNIEP_LATE_ROUTING_WEIGHT=1, the fused kernels in Triton's
-    interpreter), the backward graph receives no [rows, H] down rows from the forward; the in-place backward hands
-    the input-gradient rows it allocated to the combine; the gradients equal the out-of-place compile's, bit for
-    bit, and the hand-written module's within tolerance."""
+    interpreter), the backward graph receives no [rows, H] down rows from the forward, in place (the default) and not;
+    the in-place backward hands the input-gradient rows it allocated to the combine; the gradients of the two
+    compiles are equal bit for bit, and the hand-written module's within tolerance."""
     pytest.importorskip("triton", reason="the fused kernels run in Triton's interpreter here")
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -125,6 +124,7 @@ def test_late_routing_weight_compiled_keeps_no_down_rows(reuse, monkeypatch):
         nodes.extend(gm.graph.nodes)
         return make_boxed_func(gm.forward)
 
+    reuse = True  # the in-place backward (the default), then the out-of-place one for its bits
     torch.manual_seed(0)
     module = HandWrittenExperts()
     x, ids, w = routed()
@@ -133,16 +133,17 @@ def test_late_routing_weight_compiled_keeps_no_down_rows(reuse, monkeypatch):
     rows = ids.numel()
     # of the [rows, *] tensors only the up projection ([rows, 2I]; here 2I = H) comes from the forward
     assert [s for s in inputs if len(s) == 2 and s[0] == rows] == [(rows, 2 * I)], inputs
-    if reuse:
-        (backward_node,) = [n for n in nodes if uniep_op_of(n) == "moe_experts_backward"]
-        (combine_node,) = [n for n in nodes if uniep_op_of(n) == "moe_experts_backward_combine"]
-        assert combine_node.args[0].target is operator.getitem and combine_node.args[0].args == (backward_node, 5)
+    (backward_node,) = [n for n in nodes if uniep_op_of(n) == "moe_experts_backward"]
+    (combine_node,) = [n for n in nodes if uniep_op_of(n) == "moe_experts_backward_combine"]
+    assert combine_node.args[0].target is operator.getitem and combine_node.args[0].args == (backward_node, 5)
+    inputs.clear()
     grads = [t.grad.clone() for t in (x, w, module.gate_up_proj, module.down_proj)]
     for t in (x, w, module.gate_up_proj, module.down_proj):
         t.grad = None
     torch._dynamo.reset()
     other = {**options, "reuse_saved_buffers": not reuse}
     torch.compile(module, backend="uniep", options=other)(x, ids, w).sum().backward()
+    assert [s for s in inputs if len(s) == 2 and s[0] == rows] == [(rows, 2 * I)], inputs
     assert all(torch.equal(a, b.grad) for a, b in zip(grads, (x, w, module.gate_up_proj, module.down_proj)))
     for t in (x, w, module.gate_up_proj, module.down_proj):
         t.grad = None

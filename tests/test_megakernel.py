@@ -402,10 +402,9 @@ def _late(args):
 @pytest.mark.parametrize("case, dtype", [
     ((37, 40, 24, 4, 2, SILU_GLU, "oi", False), torch.float32),   # no tile multiple
     ((23, 32, 16, 8, 8, SILU_GLU, "io", False), torch.float16),   # K == E, [E, in, out] weights, fp16
-    ((19, 32, 16, 6, 3, GELU_TANH_GLU, "io", False), torch.float32),
     ((21, 32, 24, 4, 2, RELU2, "oi", False), torch.float32),      # no gate
-    ((5, 32, 16, 48, 8, SILU_GLU, "oi", False), torch.float32),   # most experts idle
-], ids=["silu", "fp16_k_eq_e", "gelu_tanh", "relu2", "idle_experts"])
+    ((3, 32, 16, 32, 8, SILU_GLU, "oi", False), torch.float32),   # idle experts
+], ids=["silu", "fp16_k_eq_e", "relu2", "idle_experts"])
 def test_late_routing_weight_matches_reference(case, dtype, monkeypatch):
     """The late_routing_weight numerics knob: the routing weights applied after the activation-gradient GEMM, their
     gradient from <dY W_down^T, act>; within tolerance of the reference (the same math, rounded elsewhere), its
@@ -426,8 +425,8 @@ def test_late_routing_weight_matches_reference(case, dtype, monkeypatch):
         assert not torch.equal(run(args, "triton", monkeypatch)[2], fused[2])  # a numerics knob: other bits
 
 
-@pytest.mark.parametrize("change", [dict(fuse_gather=True), dict(num_programs=3), dict(reuse_saved=True)],
-                         ids=["fused_gather", "persistent", "in_place"])
+@pytest.mark.parametrize("change", [dict(fuse_gather=True, num_programs=3), dict(reuse_saved=True)],
+                         ids=["fused_gather_persistent", "in_place"])
 def test_late_routing_weight_keeps_its_bits_across_schedules(change, monkeypatch):
     """Under late_routing_weight the scheduling knobs (the output-gradient rows gathered in the GEMMs or copied, a
     persistent grid) and the in-place backward give the same bits; dropped slots get a zero weight gradient."""
@@ -447,7 +446,6 @@ def test_late_routing_weight_keeps_its_bits_across_schedules(change, monkeypatch
     for x, y in zip(got, want):
         assert (x is None and y is None) or torch.equal(x, y)
     assert want[2][0, 1] == 0 and want[2][7, 0] == 0
-    assert_close(want, run(args, "reference", monkeypatch, spec=spec), torch.float32)
 
 
 def test_late_routing_weight_leaves_weights_without_grad_alone(monkeypatch):
@@ -487,17 +485,16 @@ def _saved_shapes(fn):
     return result, shapes
 
 
-@pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
-def test_late_routing_weight_keeps_no_down_rows(reuse_saved, monkeypatch):
+def test_late_routing_weight_keeps_no_down_rows(monkeypatch):
     """Under late_routing_weight the fused backward reads no down rows, so autograd keeps none ([rows, H] less
     between forward and backward: 268 MB a layer at Qwen3-30B-A3B's T = 8192); the gradients are those of a
     backward that had them, bit for bit, and where the reference runs that backward instead (UNIEP_KERNELS switched
-    between the two), it computes them again."""
+    between the two), it computes them again. In place (the backend's default; test_backend.py compiles both)."""
     from uniep_dynamo.kernels import megakernel
 
     T, H, I, E, K = 13, 32, 24, 4, 2
     args = make(T, H, I, E, K, SILU_GLU, "oi", False)
-    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    spec = dataclasses.replace(args[7], reuse_saved=True)
     late, _ = _late(args)
     with kconfig.use_config(late):
         got, shapes = _saved_shapes(lambda: run(args, "triton", monkeypatch, spec=spec))

@@ -211,7 +211,7 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # GPU shape, for memory: the backward reads no down rows, so the op keeps none between forward and backward
     # (on an H200, bf16, T = 8192: 448.5 -> 192.5 MB held by a Qwen3-30B-A3B layer, 512.5 -> 256.5 on OLMoE, where
     # inductor's compile holds 801.6 and 897.6; saved_memory_probe.py). Its speed is the knob-off path's within the
-    # runs' spread: the layer, forward + backward, moved by -0.5% to +2.9% back to back on Qwen3-30B-A3B, OLMoE,
+    # runs' spread: the layer, forward + backward, moved by +0.3% to +2.9% back to back on Qwen3-30B-A3B, OLMoE,
     # Qwen3-30B-A3B at T = 32768 and DeepSeek-V3, -0.3% on Mixtral-8x7B (BENCHMARKS.md, 2026-11-27 eighth session).
     # The EP layers' experts ops get rows already weighted and keep the knob-off numerics: they equal the single-GPU
     # op with the knob off (UNIEP_LATE_ROUTING_WEIGHT=0). With QuACK gathering the output-gradient rows inside the

@@ -536,7 +536,7 @@ def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weight
                              col_mult, up_shift):
     """config.late_routing_weight's activation backward: d_up from the routing weights and the activation-gradient
     GEMM's output over the unweighted output-gradient rows (``d_raw``, which then holds w * act(h)), and into
-    ``d_weights`` ([T, K], or None) the routing weights' gradient (triton_gemm._act_backward_late_weight, then
+    ``d_weights`` ([T, K]) the routing weights' gradient (triton_gemm._act_backward_late_weight, then
     _sum_weight_grad_parts over its column tiles' parts)."""
     from .triton_gemm import _act_backward_late_weight as kernel
     from .triton_gemm import _sum_weight_grad_parts
@@ -544,13 +544,12 @@ def act_backward_late_weight(layer: Layer, *, d_raw, up, d_up, row_order, weight
     block_r, block_c, warps = (16, 32, 4) if layer.interpret else LATE_ACT_TILE
     rows = layer.num_slots
     grid = (_cdiv(max(rows, 1), block_r), _cdiv(layer.inter, block_c))
-    parts = torch.empty(grid[1], rows, dtype=torch.float32, device=d_raw.device) if d_weights is not None else None
-    launch(kernel, grid, d_raw, d_raw.stride(0), up, up.stride(0), d_up, d_up.stride(0), row_order, weights,
-           parts if parts is not None else weights, offsets, layer.num_experts, rows, layer.inter, up_shift,
-           COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
-           act_limit=layer.act_params[1], act_up_add=layer.act_params[2], D_W=parts is not None, BLOCK_R=block_r,
-           BLOCK_C=block_c, num_warps=warps)
-    if parts is not None and rows:
+    parts = torch.empty(grid[1], rows, dtype=torch.float32, device=d_raw.device)
+    launch(kernel, grid, d_raw, d_raw.stride(0), up, up.stride(0), d_up, d_up.stride(0), row_order, weights, parts,
+           offsets, layer.num_experts, rows, layer.inter, up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves,
+           ACT=layer.act, act_alpha=layer.act_params[0], act_limit=layer.act_params[1],
+           act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    if rows:
         launch(_sum_weight_grad_parts, (_cdiv(rows, 1024),), parts, row_order, d_weights, rows, grid[1],
                BLOCK_R=1024, num_warps=4)
 
@@ -783,8 +782,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         dy = grad_out if dy_gather else gather_rows(grad_out, row_order, layer.top_k, out=scratch, offsets=offsets)
         act = rows_gemm(layer, cfg.grad_act, a=dy, gather=dy_gather, row_order=row_order, b=b_act, n=layer.inter,
                         k=layer.hidden_size, epilogue=STORE, offsets=offsets)
-        if weights_grad:
-            d_weights = torch.empty(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
+        d_weights = torch.empty(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
         act_backward_late_weight(layer, d_raw=act, up=up, d_up=d_up, row_order=row_order, weights=weights,
                                  d_weights=d_weights, offsets=offsets, **halves)
         if param_grads:

@@ -390,11 +390,11 @@ def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, ac
 def _act_backward_late_weight(d_raw_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, row_order_ptr, w_ptr,
                               part_ptr, offsets_ptr, num_experts, num_rows, N, UP_SHIFT, COL_MULT: tl.constexpr,
                               TWO_HALVES: tl.constexpr, ACT: tl.constexpr, act_alpha, act_limit, act_up_add,
-                              D_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Activation backward with the routing weight applied after the activation-gradient GEMM, element-wise over
     [BLOCK_R, BLOCK_C] tiles: reads that GEMM's rounded output g (the unweighted output gradient times W_down^T) and h;
     writes d_h (both halves) from d_act = w * g rounded to the storage dtype, and w * act(h) (act rounded as the
-    forward stored it, the product rounded) over g in place. With D_W each tile's part of the routing weight's gradient
+    forward stored it, the product rounded) over g in place. Each tile's part of the routing weight's gradient
     <g, act> (an fp32 sum over its columns; zero for rows past the routed ones) goes to part[column tile, row], which
     _sum_weight_grad_parts adds in column order. Each element of g and h is read before it is written."""
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
@@ -410,9 +410,7 @@ def _act_backward_late_weight(d_raw_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, s
     g_out = tl.load(d_raw_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
     act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add).to(dtype).to(tl.float32)
-    if D_W:
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * num_rows + rows, tl.sum(g_out * act, axis=1),
-                 mask=in_rows)
+    tl.store(part_ptr + tl.program_id(1).to(tl.int64) * num_rows + rows, tl.sum(g_out * act, axis=1), mask=in_rows)
     d_act = (g_out * w).to(dtype).to(tl.float32)
     d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
     gate_cols = cols * COL_MULT
