@@ -532,7 +532,9 @@ def test_late_routing_weight_config_entries(monkeypatch):
     assert kconfig.config_from_dict(old, late) == late and kconfig.config_from_dict(old) == base
     assert kconfig.config_from_dict(entry, late) == base
     gpu = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert gpu.late_routing_weight == kconfig.late_routing_weight_on(False)  # the heuristics' choice, read shape-free
+    # the heuristics' choice, read shape-free: the same for every shape (Mixtral-8x7B, DeepSeek-V3, decoding-sized)
+    for shape in ((65536, 128, 2048, 768), (16384, 8, 4096, 14336), (65536, 256, 7168, 2048), (64, 64, 2048, 1024)):
+        assert kconfig.heuristic_config(*shape).late_routing_weight == kconfig.late_routing_weight_on(False), shape
     assert not kconfig.late_routing_weight_on(True)  # the interpreter's heuristics keep it off
     for value in ("0", "1"):
         monkeypatch.setenv("UNIEP_LATE_ROUTING_WEIGHT", value)

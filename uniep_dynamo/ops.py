@@ -5,7 +5,8 @@ formula calls ``uniep::moe_experts_backward``, so AOTAutograd's backward graph h
 as well. Besides the output the forward returns the routing plan (row_order, slot_row,
 expert_offsets) and the two projections, which setup_context saves: backward reuses the forward's
 token order instead of recomputing it. The down projection is not saved where the fused backward reads none
-(config.late_routing_weight; megakernel.backward_reads_down), and the backward ops then get ``down_saved=False``. ``uniep::moe_experts_backward_`` is the same backward allowed
+(config.late_routing_weight; megakernel.backward_reads_down), and the backward ops then get
+``down_saved=False``. ``uniep::moe_experts_backward_`` is the same backward allowed
 to consume those saved buffers as scratch (spec.reuse_saved, the backend's default), less the input
 gradient's combine, which ``uniep::moe_experts_backward_combine`` runs after it. When the router
 op has built the plan already (``plan_row_order=``, ``plan_slot_row=``, ``plan_offsets=``), the

@@ -259,21 +259,24 @@ def late_routing_weight_on(interpret: bool) -> bool:
     the heuristics' (the same for every shape; a tuned config never changes a numerics knob)."""
     if _OVERRIDE:
         return _OVERRIDE[-1].late_routing_weight
+    value = _late_env()
+    return value if value is not None else heuristic_config(65536, 128, 2048, 768, interpret).late_routing_weight
+
+
+def _late_env() -> bool | None:
+    """``UNIEP_LATE_ROUTING_WEIGHT=0`` / ``=1`` sets the late_routing_weight numerics knob over the heuristics' and
+    the tuning cache's choice (the bits of the other numerics, e.g. to compare with a run that had them); None where
+    it is not set. It is read when the op's forward runs, a compiled graph's when it is traced (whether the backward
+    keeps the down rows): a backward whose forward kept none runs the knob's path whatever the variable says then."""
     value = os.environ.get("UNIEP_LATE_ROUTING_WEIGHT", "")
-    if value in ("0", "1"):
-        return value == "1"
-    return heuristic_config(65536, 128, 2048, 768, interpret).late_routing_weight
+    return value == "1" if value in ("0", "1") else None
 
 
 def _late_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
-    """``UNIEP_LATE_ROUTING_WEIGHT=0`` / ``=1`` sets the late_routing_weight numerics knob over the heuristics' and
-    the tuning cache's choice (the bits of the other numerics, e.g. to compare with a run that had them). It is read
-    when the op's forward runs, a compiled graph's when it is traced (whether the backward keeps the down rows): a
-    backward whose forward kept none runs the knob's path whatever the variable says then."""
-    value = os.environ.get("UNIEP_LATE_ROUTING_WEIGHT", "")
-    if value not in ("0", "1") or cfg.late_routing_weight == (value == "1"):
+    value = _late_env()
+    if value is None or cfg.late_routing_weight == value:
         return cfg
-    return dataclasses.replace(cfg, late_routing_weight=value == "1")
+    return dataclasses.replace(cfg, late_routing_weight=value)
 
 
 def _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device) -> MegaKernelConfig:
