@@ -450,8 +450,8 @@ def test_late_routing_weight_keeps_its_bits_across_schedules(change, monkeypatch
 
 def test_late_routing_weight_leaves_weights_without_grad_alone(monkeypatch):
     """Routing weights that need no gradient (what the EP layers hand the experts op: ones, the received rows arriving
-    weighted) take the knob-off path: the EP layers keep the single-GPU op's bits with the knob off. Frozen experts
-    too."""
+    weighted) take the knob-off path, also where the forward kept no down rows (the knob decides that, not whether
+    the weights need a gradient): the EP layers keep the single-GPU op's bits with the knob off."""
     from uniep_dynamo.kernels import megakernel
 
     hidden, ids, weights, w_up, w_down, _, _, spec = make(13, 32, 16, 4, 2, SILU_GLU, "oi", False)
