@@ -157,12 +157,12 @@ _BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor row_order", "Tensor? row_orde
 assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _input_rows_buffer(hidden, topk_ids, w_up, w_down, spec, down_saved: bool, new_empty):
-    """The in-place backward's [rows, H] buffer where the forward kept no ``down``, else an empty tensor."""
+def _input_rows_buffer(hidden, topk_ids, w_up, down, down_saved: bool, new_empty):
+    """The in-place backward's [rows, H] buffer where the forward kept no ``down`` (then an empty [0, H] stand-in),
+    else an empty tensor."""
     if down_saved:
         return hidden.new_empty(0)
-    hidden_size = w_down.shape[1] if decode_spec(spec).down_layout == "oi" else w_down.shape[2]
-    return new_empty((topk_ids.numel(), hidden_size), dtype=w_up.dtype, device=hidden.device)
+    return new_empty((topk_ids.numel(), down.shape[1]), dtype=w_up.dtype, device=hidden.device)
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=(), schema=_BWD_INPLACE_SCHEMA)
@@ -171,12 +171,13 @@ def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down
                           down_saved=True):
     if post_operands or down.dtype != w_up.dtype:
         raise ValueError("uniep: moe_experts_backward_ takes no post operands, and a saved `down` of w_up's dtype")
-    rows = _input_rows_buffer(hidden, topk_ids, w_up, w_down, spec, down_saved, torch.empty)
+    rows = _input_rows_buffer(hidden, topk_ids, w_up, down, down_saved, torch.empty)
+    scratch = down if down_saved else rows
     with megakernel.overwriting_saved_buffers(up, down, SECOND_BACKWARD_ERROR):  # (the reference's writes too)
         grads = _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
-                               row_order, slot_row, expert_offsets, up, down if down_saved else rows, spec,
-                               weights_grad=weights_grad, reuse_saved=True, input_rows=down if down_saved else rows,
-                               param_grads=param_grads, down_saved=down_saved)[1:6]
+                               row_order, slot_row, expert_offsets, up, scratch, spec, weights_grad=weights_grad,
+                               reuse_saved=True, input_rows=scratch, param_grads=param_grads,
+                               down_saved=down_saved)[1:6]
     return (*grads, rows)
 
 
@@ -187,7 +188,7 @@ def _moe_experts_backward_inplace_fake(grad_out, hidden, topk_ids, topk_weights,
     grads = _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                        post_operands, row_order, slot_row, expert_offsets, up, down, spec,
                                        param_grads=param_grads)[1:6]
-    return (*grads, _input_rows_buffer(hidden, topk_ids, w_up, w_down, spec, down_saved, hidden.new_empty))
+    return (*grads, _input_rows_buffer(hidden, topk_ids, w_up, down, down_saved, hidden.new_empty))
 
 
 _BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor topk_ids, Tensor topk_weights, "

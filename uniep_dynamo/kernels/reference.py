@@ -229,6 +229,12 @@ def post_glue(program: str, device: torch.device):
     return _program_glue(program, device, _post_functions)
 
 
+def _down_projection(up, w_down, post_operands, spec, expert_offsets):
+    """act(up) @ W_down[e] per expert (no bias): the forward's down rows, and the backward's where none were kept."""
+    act = gate_glue(spec.gate, up.device)[0](up, *post_operands)
+    return grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
+
+
 def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec, plan=None):
     """Returns (out, row_order, slot_row, expert_offsets, up_out, down_out); the last five are saved for
     backward. `plan`: the routing plan of topk_ids, when the router op computed it already."""
@@ -250,8 +256,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     if post_operands:
         # Operand gradients sum over rows: rows past the last expert must hold zeros, not stale memory.
         up = up.masked_fill(~routed, 0)
-    act = gate_glue(spec.gate, up.device)[0](up, *post_operands)
-    down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
+    down = _down_projection(up, w_down, post_operands, spec, expert_offsets)
     if b_down is not None:
         down = down + b_down[row_expert]
     rows = down
@@ -278,8 +283,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     if not down_saved:
         if b_down is not None or spec.post is not None:
             raise ValueError("uniep: the experts' backward needs the forward's down rows here")
-        act = gate_glue(spec.gate, up.device)[0](up, *post_operands)
-        down = grouped_mm(act.to(w_down.dtype), effective_weight(w_down, spec.down_layout), expert_offsets)
+        down = _down_projection(up, w_down, post_operands, spec, expert_offsets)
     d_operands = []
     if spec.post is None:
         d_weights, d_down = glue("slot_grads", down.device)(grad_out, down, slot_row, row_order, routed, topk_weights)
