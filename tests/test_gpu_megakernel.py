@@ -248,6 +248,55 @@ def test_forward_and_backward_capture_in_a_cuda_graph():
     assert not torch.equal(captured[0], eager[0])
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["launched_before", "not_launched_before"])
+def test_quack_gemms_record_into_a_cuda_graph(warm, monkeypatch):
+    """QuACK's GEMMs launched before a capture record into a CUDA graph (all six, gathers included) and replay the
+    Triton GEMMs' bits; one never launched before takes the other GEMMs for that call (no compile inside the capture),
+    with the same bits, and the knob stays on."""
+    from uniep_dynamo.kernels import quack_gemm
+
+    reason = quack_gemm.unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"QuACK does not run here: {reason}")
+    if quack_gemm._direct_parts() is None:
+        pytest.skip("this QuACK release is not the one the direct launch was written against")
+    case = CASES[1]
+    hidden, ids, weights, w_up, w_down, _, _, spec = cuda_args(*case)
+    grad = torch.randn(hidden.shape, device="cuda", dtype=torch.bfloat16)
+    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False,
+                                                                                                 quack="")
+    cfg = dataclasses.replace(base, **{g: dataclasses.replace(getattr(base, g), quack=kconfig.QUACK_CONFIGS[g])
+                                       for g in kconfig.GEMMS})
+
+    def step():
+        out, *plan = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], spec.encode())
+        grads = torch.ops.uniep.moe_experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, [],
+                                                     *plan, spec.encode())
+        return (out,) + tuple(g for g in grads if isinstance(g, torch.Tensor) and g.numel())
+
+    with kconfig.use_config(base):
+        expected = [t.clone() for t in step()]  # the Triton GEMMs (compiled here, outside the capture)
+    with kconfig.use_config(cfg):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # QuACK's kernels launched once outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        if not warm:
+            monkeypatch.setattr(quack_gemm, "_LAUNCHERS", {})
+        counters.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        assert counters["uniep_kernels"]["quack_gemms"] == (6 if warm else 0)
+        assert quack_gemm.failure() is None
+    for t in captured:
+        t.zero_()
+    graph.replay()
+    for i, (a, b) in enumerate(zip(captured, expected)):
+        assert torch.equal(a, b), f"tensor {i}"
+
+
 @pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
 def test_per_expert_mm_matches_the_grouped_gemms_bits(reuse_saved, monkeypatch):
     """per_expert_mm (one cuBLAS matmul per expert) on every GEMM of a Mixtral-like layer with an idle expert: close

@@ -701,6 +701,8 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
     monkeypatch.setattr(quack_gemm, "_device_ok", lambda device: True)
     monkeypatch.setattr(quack_gemm, "_module", lambda: ((None, None), None))
     assert quack_gemm.unavailable_reason(torch.device("cuda")) is None
+    quack_gemm.failed(quack_gemm.NotCompiledBeforeCapture("not launched before"))  # that call only: the knob stays on
+    assert quack_gemm.unavailable_reason(torch.device("cuda")) is None
     quack_gemm.failed(RuntimeError("no kernel image"))  # a QuACK call raised: off for the process, with the error
     assert quack_gemm.unavailable_reason(torch.device("cuda")) == \
         "a QuACK GEMM failed earlier (RuntimeError: no kernel image)"

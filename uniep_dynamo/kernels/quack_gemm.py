@@ -80,7 +80,10 @@ _FAILED: list = []  # the first error a QuACK GEMM raised in this process: the k
 
 def failed(exc: Exception) -> None:
     """A QuACK call raised: turn the knob off for this process, with a warning naming the error (the caller then runs
-    the same GEMM by its other path, which gives the same bits)."""
+    the same GEMM by its other path, which gives the same bits). A kernel not launched before a capture
+    (NotCompiledBeforeCapture) leaves the knob on: only that call takes the other path."""
+    if isinstance(exc, NotCompiledBeforeCapture):
+        return
     if not _FAILED:
         _FAILED.append(f"a QuACK GEMM failed earlier ({type(exc).__name__}: {str(exc)[:200]})")
         log.warning("uniep: the quack GEMM knob is off for this process: %s", _FAILED[0])
@@ -107,10 +110,20 @@ def unavailable_reason(device) -> str | None:
 _WARNED: set = set()
 
 
+class NotCompiledBeforeCapture(RuntimeError):
+    """A CUDA graph is being captured and this QuACK kernel was not launched before it: compiling and loading a kernel
+    is no work to record, so this one call takes the other GEMMs (the same bits); the knob stays on."""
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def usable(device, config: str) -> bool:
-    """A config is set and QuACK runs here; the first refusal of each kind is logged. Not while a CUDA graph is being
-    captured (its launch path was not measured under capture; the other GEMMs give the same bits)."""
-    if not config or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    """A config is set and QuACK runs here; the first refusal of each kind is logged. While a CUDA graph is being
+    captured, only by the direct launch (rows / wgrad raise NotCompiledBeforeCapture for a kernel it has not
+    launched before; a warm-up step before the capture launches them all, as inductor's CUDA graphs run one)."""
+    if not config or (_capturing(device) and not _direct_serves(device)):
         return False
     reason = unavailable_reason(device)
     if reason is not None and reason not in _WARNED:
@@ -181,17 +194,24 @@ def _major(t, first: str, second: str) -> str:
     return second if t.stride(1) == 1 else first
 
 
+def _direct_serves(device) -> bool:
+    """The direct launch runs here: a CUDA device, QuACK's tested release, UNIEP_QUACK_DIRECT not 0, not one of QuACK's
+    compile workers (which set COMPILE_ONLY: nothing to launch)."""
+    if os.environ.get("UNIEP_QUACK_DIRECT", "1") == "0" or device.type != "cuda":
+        return False
+    parts = _direct_parts()
+    return parts is not None and not parts[8].COMPILE_ONLY
+
+
 def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=None) -> bool:
     """QuACK's GEMM launched as its ``gemm`` launches it (gemm_tuned -> gemm -> the compiled kernel, same arguments),
     without the Python it repeats on every call (on an H100's host, quack_launch_probe.py: 16-27 µs a launch against
     34-51 through the entry point; a synchronized step waits for the host wherever the GPU's queue runs dry). False
     where the direct launch does not serve (another QuACK release, UNIEP_QUACK_DIRECT=0): the caller takes the public
     entry point."""
-    if os.environ.get("UNIEP_QUACK_DIRECT", "1") == "0" or a.device.type != "cuda":
+    if not _direct_serves(a.device):
         return False
     parts = _direct_parts()
-    if parts is None or parts[8].COMPILE_ONLY:  # (QuACK's compile workers set it: nothing to launch)
-        return False
     varlen_m = cu_seqlens_m is not None
     b_t = b.mT  # QuACK's gemm_tuned takes B as [K, N] (or [E, K, N]) and hands its transpose on
     if varlen_m:  # A [rows, K], B [E, N, K] as [N, K, E], D [rows, N]
@@ -200,8 +220,10 @@ def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=
         b_p, d_p = b_t, out.permute(1, 2, 0)
     majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
     capacity = parts[7](a.device)
-    kernel, epi, sched = _launcher(config, varlen_m, a_idx is not None, *majors, (a.dtype, b.dtype, out.dtype),
-                                   capacity)
+    key = (config, varlen_m, a_idx is not None, *majors, (a.dtype, b.dtype, out.dtype), capacity)
+    if key not in _LAUNCHERS and _capturing(a.device):
+        raise NotCompiledBeforeCapture(f"QuACK GEMM {config} was not launched before this CUDA graph capture")
+    kernel, epi, sched = _launcher(*key)
     kernel(a, b_p, d_p, None, epi, sched, parts[6](mCuSeqlensM=cu_seqlens_m, mCuSeqlensK=cu_seqlens_k, mAIdx=a_idx),
            None)
     return True
