@@ -123,6 +123,19 @@ def test_nan_in_hidden_stays_in_its_token(monkeypatch):
     assert torch.isnan(fused[0][2]).all() and torch.isfinite(fused[0][[0, 1, 3, 4, 5, 6, 7]]).all()
 
 
+def test_int32_index_kernel():
+    """QuACK's group bounds ([0, each expert's end row]) and gather index (each row's token) from one launch each:
+    what torch's cat / div / casts gave, across program boundaries, and with no rows."""
+    from uniep_dynamo.kernels.triton_routing import INDEX_BLOCK, int32_index
+
+    offsets = torch.tensor([0, 5, 5, 2049, 3000])
+    assert torch.equal(int32_index(offsets, lead_zero=True), torch.tensor([0, 0, 5, 5, 2049, 3000], dtype=torch.int32))
+    row_order = torch.randperm(2 * INDEX_BLOCK + 37, generator=torch.Generator().manual_seed(0))
+    got = int32_index(row_order, 8)
+    assert got.dtype == torch.int32 and torch.equal(got, torch.div(row_order, 8, rounding_mode="floor").int())
+    assert torch.equal(int32_index(torch.empty(0, dtype=torch.int64), lead_zero=True), torch.zeros(1, dtype=torch.int32))
+
+
 def test_routing_plan_kernel_equals_reference():
     from uniep_dynamo.kernels import triton_routing
 

@@ -134,8 +134,8 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # ``up`` (read for the last time by the first) before d_hidden is allocated: the peak is then that of
 # autograd's op-by-op backward (the saved tensors and the two weight gradients). This variant serves layers
 # without post operands (the only ones the fused path runs) whose ``down`` has w_up's dtype (it holds the
-# input-gradient rows), and returns the five other gradients. Its row_order is None when the forward did not
-# save it: it is slot_row's inverse, which the backward computes and frees before its largest buffer.
+# input-gradient rows), and returns the five other gradients. Its row_order may be None (a caller that did not keep
+# it): it is slot_row's inverse, which the backward then computes and frees before its largest buffer.
 #
 # The schema does not declare the writes to up and down. Declared, they make a compiled backward copy both
 # buffers first: inductor re-inplaces a mutation of a graph input only where the graph copies the result
@@ -228,9 +228,10 @@ def _setup_context(ctx, inputs, output):
     ctx.down_saved = megakernel.backward_reads_down(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands,
                                                     decode_spec(spec))
     ctx.down_shape = (0, down.shape[1])
-    # The in-place backward recomputes row_order from slot_row: one [rows] index less kept alive
+    # row_order is kept (8 bytes a row): computing it again as slot_row's inverse took two kernels and about 0.1 ms of
+    # host time a backward (benchmarks/probes/queued_step_probe.py's host trace)
     ctx.save_for_backward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, *post_operands,
-                          None if ctx.reuse_saved else row_order, slot_row, expert_offsets, up,
+                          row_order, slot_row, expert_offsets, up,
                           down if ctx.down_saved else None)
     ctx.spec = spec
     ctx.num_operands = len(post_operands)

@@ -6,6 +6,7 @@ step, or launches leave gaps) or the kernels run slower under sustained load. He
 kernel while the host issues ``--steps`` steps; the steps then run from a full queue, so no kernel waits for the
 host. Per provider, ms a step:
 
+- ``synchronized``: bench_moe_layer.py's median of 20 synchronized steps;
 - ``back_to_back``: bench_moe_layer.py's loop (one untimed step, then ``--steps`` steps with no synchronization);
 - ``queued``: the same steps issued during the sleep (``host_done_first`` says whether the host finished issuing
   before the sleep ended; if not, the queue filled or the host was slow and the number is not a queued one);
@@ -213,6 +214,7 @@ def main():
                 first_results = (pname, results)
             else:  # the bits against the first provider's
                 row["bitwise_vs_" + first_results[0]] = all(bitwise_equal(p, q) for p, q in zip(results, first_results[1]))
+            row["synchronized"] = round(time_cuda(run, 20, 3), 3)  # bench_moe_layer.py's median of synchronized steps
             row["back_to_back"] = round(time_cuda_back_to_back(run, args.steps * 2), 3)
             ms, first, _, _, host = queued(run, args.steps, cpm, 5.0)
             row.update(queued=round(ms, 3), host_done_first=first, host_issue_ms=round(host, 3))

@@ -248,13 +248,17 @@ class Layer:
     def cu_seqlens(self, offsets):
         """[0, each expert's end row] as int32: the group bounds QuACK's variable-length GEMMs take; once a call."""
         if self._cu_seqlens is None or self._cu_seqlens[0] is not offsets:
-            self._cu_seqlens = (offsets, torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32))
+            from .triton_routing import int32_index
+
+            self._cu_seqlens = (offsets, int32_index(offsets, lead_zero=True))
         return self._cu_seqlens[1]
 
     def token_rows(self, row_order):
         """The token of each expert-sorted row (row_order // top_k) as int32: QuACK's gather index; once a call."""
         if self._token_rows is None or self._token_rows[0] is not row_order:
-            self._token_rows = (row_order, torch.div(row_order, self.top_k, rounding_mode="floor").to(torch.int32))
+            from .triton_routing import int32_index
+
+            self._token_rows = (row_order, int32_index(row_order, self.top_k))
         return self._token_rows[1]
 
     def offsets_i32(self, offsets):
