@@ -41,8 +41,9 @@ Numerics contract (what a tuner may change freely):
   rounding; tests/test_gpu_megakernel.py::test_quack_gemms_are_bitwise_neutral holds it (2 of its 18 cases run on an
   H100 so far: the Qwen3-like layer, saved and in-place backward, the heuristic configs). It runs bf16 on a Hopper GPU
   with QuACK importable; the up projection's and its weight gradient's token-row gathers then happen in its loads
-  (no permuted copy). A bias, a scaled gather (the weighted output-gradient rows), a GEMM that stores into EP peers
-  and a CUDA graph being captured take the other knobs' path.
+  (no permuted copy). A bias, a scaled gather (the weighted output-gradient rows) and a GEMM that stores into EP peers
+  take the other knobs' path; so does a GEMM in a CUDA graph being captured unless its QuACK kernel was launched
+  before the capture (quack_gemm.NotCompiledBeforeCapture).
 - ``late_routing_weight`` (layer-wide) is a numerics knob: where the routing weight meets the output gradient in the
   backward (after the activation-gradient GEMM, in fp32, instead of before it, rounded into the rows that GEMM reads),
   and whether the routing weight's gradient is <dY W_down^T, act> over the intermediate size or <dY, down> over the
