@@ -190,9 +190,8 @@ def test_frozen_experts_skip_two_gemms_and_keep_the_other_bits(in_place, quack):
         assert torch.equal(a, b), name
 
 
-def test_quack_direct_launch_matches_its_entry_point(monkeypatch):
-    """uniep's direct launch of QuACK's compiled GEMMs (kernels/quack_gemm.py) gives the bits of QuACK's public entry
-    point, in the forward and the backward, the gathered GEMMs included; a spy shows each path ran."""
+def _quack_direct_or_skip():
+    """kernels/quack_gemm.py, where QuACK runs here and its direct launch serves; else the test is skipped, saying why."""
     from uniep_dynamo.kernels import quack_gemm
 
     reason = quack_gemm.unavailable_reason(torch.device("cuda"))
@@ -200,6 +199,13 @@ def test_quack_direct_launch_matches_its_entry_point(monkeypatch):
         pytest.skip(f"QuACK does not run here: {reason}")
     if quack_gemm._direct_parts() is None:
         pytest.skip("this QuACK release is not the one the direct launch was written against")
+    return quack_gemm
+
+
+def test_quack_direct_launch_matches_its_entry_point(monkeypatch):
+    """uniep's direct launch of QuACK's compiled GEMMs (kernels/quack_gemm.py) gives the bits of QuACK's public entry
+    point, in the forward and the backward, the gathered GEMMs included; a spy shows each path ran."""
+    quack_gemm = _quack_direct_or_skip()
     case = CASES[1]
     args = cuda_args(*case)
     cfg = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2])
@@ -253,13 +259,7 @@ def test_quack_gemms_record_into_a_cuda_graph(warm, monkeypatch):
     """QuACK's GEMMs launched before a capture record into a CUDA graph (all six, gathers included) and replay the
     Triton GEMMs' bits; one never launched before takes the other GEMMs for that call (no compile inside the capture),
     with the same bits, and the knob stays on."""
-    from uniep_dynamo.kernels import quack_gemm
-
-    reason = quack_gemm.unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"QuACK does not run here: {reason}")
-    if quack_gemm._direct_parts() is None:
-        pytest.skip("this QuACK release is not the one the direct launch was written against")
+    quack_gemm = _quack_direct_or_skip()
     case = CASES[1]
     hidden, ids, weights, w_up, w_down, _, _, spec = cuda_args(*case)
     grad = torch.randn(hidden.shape, device="cuda", dtype=torch.bfloat16)

@@ -134,6 +134,7 @@ def test_int32_index_kernel():
     got = int32_index(row_order, 8)
     assert got.dtype == torch.int32 and torch.equal(got, torch.div(row_order, 8, rounding_mode="floor").int())
     assert torch.equal(int32_index(torch.empty(0, dtype=torch.int64), lead_zero=True), torch.zeros(1, dtype=torch.int32))
+    assert torch.equal(int32_index(row_order[::3], 8), torch.div(row_order[::3], 8, rounding_mode="floor").int())
 
 
 def test_routing_plan_kernel_equals_reference():

@@ -112,6 +112,7 @@ def int32_index(src: torch.Tensor, divisor: int = 1, lead_zero: bool = False) ->
     """``src // divisor`` as int32 (src a non-negative int64 index, 1-D), after a 0 where ``lead_zero``: QuACK's group
     bounds ([0, each expert's end row]) and its gather index (each expert-sorted row's token) in one launch each,
     where torch took three and two ops."""
+    src = src.reshape(-1).contiguous()  # (no copy for the plan's own tensors)
     n = src.numel()
     dst = torch.empty(n + int(lead_zero), dtype=torch.int32, device=src.device)
     launch(_int32_index, (max(1, _cdiv(n, INDEX_BLOCK)),), src, dst, n, divisor, SHIFT=int(lead_zero),
