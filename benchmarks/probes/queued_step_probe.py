@@ -175,7 +175,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--providers", default="uniep,sonicmoe,sort_grouped_mm_inductor")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--matmul", action="store_true", default=True)
+    parser.add_argument("--no-matmul", dest="matmul", action="store_false", help="leave out the 8192^3 matmul")
     parser.add_argument("--sonicmoe-default-configs", action="store_true")
     parser.add_argument("--host-trace", default="", help="providers whose back-to-back steps to trace, host and GPU")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "queued_step_probe.json"))
