@@ -134,8 +134,7 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # ``up`` (read for the last time by the first) before d_hidden is allocated: the peak is then that of
 # autograd's op-by-op backward (the saved tensors and the two weight gradients). This variant serves layers
 # without post operands (the only ones the fused path runs) whose ``down`` has w_up's dtype (it holds the
-# input-gradient rows), and returns the five other gradients. Its row_order may be None (a caller that did not keep
-# it): it is slot_row's inverse, which the backward then computes and frees before its largest buffer.
+# input-gradient rows), and returns the five other gradients.
 #
 # The schema does not declare the writes to up and down. Declared, they make a compiled backward copy both
 # buffers first: inductor re-inplaces a mutation of a graph input only where the graph copies the result
@@ -151,8 +150,7 @@ def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, w_up, w
 # Where the forward kept no ``down`` (down_saved=False) the op allocates the [rows, H] buffer it would have taken
 # from it, and returns it as its sixth output for the combine (else an empty tensor: an output may not alias the
 # ``down`` it was given).
-_BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("Tensor row_order", "Tensor? row_order")
-                       .replace("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
+_BWD_INPLACE_SCHEMA = (_BWD_SCHEMA.replace("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 assert _BWD_INPLACE_SCHEMA.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 

@@ -48,6 +48,20 @@ def _cycles_per_ms() -> float:
     return 20_000_000 / start.elapsed_time(end)
 
 
+def gpu_busy(events, leave_out=()) -> tuple:
+    """(µs covered by GPU work, µs from its first start to its last end) in a chrome trace's events: the union of
+    the kernels', copies' and memsets' intervals, those whose names hold a word of ``leave_out`` left out."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                   and not any(word in e.get("name", "") for word in leave_out))
+    covered, reach = 0.0, None
+    for a, b in spans:
+        if reach is None or a > reach:
+            covered, reach = covered + b - a, b
+        elif b > reach:
+            covered, reach = covered + b - reach, b
+    return covered, (reach - spans[0][0]) if spans else 0.0
+
+
 def queued(run, steps: int, cycles_per_ms: float, host_ms_guess: float, trace: str | None = None):
     """(ms a step, host finished issuing before the sleep ended, busy ms a step, idle ms a step) for ``steps`` calls
     of ``run`` issued while a sleep kernel holds the GPU; busy / idle only under ``trace`` (a chrome trace path)."""
@@ -78,18 +92,7 @@ def queued(run, steps: int, cycles_per_ms: float, host_ms_guess: float, trace: s
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                       if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                       and not any(word in e.get("name", "") for word in ("sleep", "spin")))
-        covered, reach, first = 0.0, None, spans[0][0] if spans else 0.0
-        for a, b in spans:
-            if reach is None or a > reach:
-                covered += b - a
-                reach = b
-            elif b > reach:
-                covered += b - reach
-                reach = b
-        span = (reach - first) if spans else 0.0
+        covered, span = gpu_busy(events, leave_out=("sleep", "spin"))  # (torch.cuda._sleep's kernel)
         busy, idle = covered / 1e3 / steps, (span - covered) / 1e3 / steps
     return ms, host_ms < slept_ms, busy, idle, host_ms / steps
 
@@ -134,13 +137,7 @@ def host_trace(run, steps: int, path: str) -> dict:
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e["name"]]
-    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    covered, reach = 0.0, None
-    for a, b in gpu:
-        if reach is None or a > reach:
-            covered, reach = covered + b - a, b
-        elif b > reach:
-            covered, reach = covered + b - reach, b
+    covered, span = gpu_busy(events)
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime",
                                                   "cuda_driver")]
     totals: dict = {}
@@ -154,7 +151,7 @@ def host_trace(run, steps: int, path: str) -> dict:
             "launch_calls": round(len(launches) / steps, 1),
             "launch_ms": round(sum(e["dur"] for e in launches) / 1e3 / steps, 3),
             "gpu_busy_ms": round(covered / 1e3 / steps, 3),
-            "gpu_span_ms": round(((reach - gpu[0][0]) if gpu else 0.0) / 1e3 / steps, 3),
+            "gpu_span_ms": round(span / 1e3 / steps, 3),
             "top_host_events_ms_per_step": [(name, round(t / 1e3 / steps, 3), round(n / steps, 1))
                                             for name, (t, n) in top]}
 

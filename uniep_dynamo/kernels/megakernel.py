@@ -731,8 +731,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     forward kept no ``down`` (backward_reads_down), and ``down`` is a [rows, H] buffer of no meaning, or an empty
     tensor: config.late_routing_weight's path runs, which reads none. With ``input_rows`` (a
     [rows, H] buffer of w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes
-    back None, and ``combine_input_rows`` sums them later. ``row_order`` may be None: it is then computed from
-    slot_row (its inverse) and freed once the gathers are done. ``grad_out`` may be a one-element list holding the caller's only
+    back None, and ``combine_input_rows`` sums them later. ``grad_out`` may be a one-element list holding the caller's only
     reference (the EP exchange's received gradient rows, [rows, H]): it is emptied, and the rows are freed once
     gathered, before the GEMMs' buffers.
 
@@ -746,15 +745,11 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     from .triton_gemm import STORE
     from .triton_routing import gather_rows, routing_weight_grad
 
-    from .reference import inverse_permutation
-
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = Layer(hidden, topk_ids, w_up, w_down, spec)
     cfg = layer.config
     device = hidden.device
     grad_out = (grad_out.pop() if isinstance(grad_out, list) else grad_out).contiguous()
-    if row_order is None:
-        row_order = inverse_permutation(slot_row)
     weights = topk_weights.reshape(-1).contiguous()
     # config.late_routing_weight (a numerics knob): the activation-gradient GEMM reads the output-gradient rows
     # unweighted, and the activation backward applies the weights and takes their gradient (no read of ``down``).
@@ -819,13 +814,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     if param_grads:
         x_gather = gather or quack_gathers_weight_rows(layer, cfg.wgrad_up, hidden, d_up, up_dims[0], d_b_up)
         x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch, offsets=offsets)
-        if not x_gather:
-            row_order = None  # gathered for the last time (one [rows] index less at the peak, when computed here)
         d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=x_gather, q=d_up, q_gather=False, q_scale=False,
                              row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
                              n_dim=up_dims[1], bias_grad=d_b_up)
         del x
-    del row_order
     # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
     # would need a [rows, H] buffer of its own).
     combine_here = input_rows is None

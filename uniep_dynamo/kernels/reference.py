@@ -273,11 +273,9 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                      row_order, slot_row, expert_offsets, up, down, spec, input_rows=None, down_saved=True):
     """Gradients (d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down, [d_post_operands]);
     bias grads None if no bias. With ``input_rows`` (a [rows, H] buffer) the input-gradient rows are copied
-    there and not combined (d_hidden None; combine_input_rows sums them). ``row_order`` None: computed from
-    slot_row. ``down_saved=False`` (the forward kept no down for the fused backward, which then fell back here):
-    down is computed again from ``up`` (no down bias and no post program in that case)."""
-    if row_order is None:
-        row_order = inverse_permutation(slot_row)
+    there and not combined (d_hidden None; combine_input_rows sums them). ``down_saved=False`` (the forward kept no
+    down for the fused backward, which then fell back here): down is computed again from ``up`` (no down bias and no
+    post program in that case)."""
     num_tokens, top_k = topk_ids.shape
     routed = routed_rows_mask(expert_offsets, row_order.numel())
     if not down_saved:
