@@ -92,18 +92,38 @@ def config_text(c):
             + (" swap_ab" if c.swap_ab else ""))
 
 
+_CONFIGS_OVERRIDE: dict = {}  # --configs
+
+
+def _uniep_config(name):
+    from uniep_dynamo.kernels import quack_gemm
+    from uniep_dynamo.kernels.config import QUACK_CONFIGS
+
+    text = _CONFIGS_OVERRIDE.get(name) or QUACK_CONFIGS[name.replace("_gather", "")]
+    if name.endswith("_gather") or name in ("up", "wgrad_up"):  # QuACK's gather takes one CTA along N
+        tile, kind, cluster = text.split("/")
+        text = f"{tile}/{kind}/{cluster if cluster.endswith('x1') else '1x1'}"
+    return quack_gemm._config(text)
+
+
 def run_quack(kw, E, mode, iters):
     """(ms at the chosen config, the chosen config's text, {config text: ms} of every config tried, output)."""
-    from quack.gemm_interface import default_config, gemm_tuned
+    from quack.gemm_interface import gemm_tuned
+    try:
+        from quack.gemm_interface import default_config
+    except ImportError:  # moved in later releases
+        from quack.gemm_config import default_config
 
     out = out_like(kw, E)
     tried = {}
-    rest = {k: v for k, v in kw.items() if k not in ("A", "B")}
+    rest = {k: v for k, v in kw.items() if k not in ("A", "B", "name")}
     if mode == "autotune":  # positional tensors: QuACK's parallel precompile reads their metadata from args
         gemm_tuned(kw["A"], kw["B"], out, **rest)
         config = gemm_tuned.best_config.kwargs["config"]
         for c, t in (getattr(gemm_tuned, "configs_timings", None) or {}).items():
             tried[config_text(c.kwargs["config"])] = round(float(t[0] if isinstance(t, (list, tuple)) else t), 4)
+    elif mode == "uniep":  # the config uniep's GPU heuristics give this GEMM (config.QUACK_CONFIGS)
+        config = _uniep_config(kw["name"])
     else:
         config = default_config(out.device)
 
@@ -120,19 +140,23 @@ def main():
     parser.add_argument("--shapes", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--mode", choices=("autotune", "default"), default="autotune")
+    parser.add_argument("--mode", choices=("autotune", "default", "uniep"), default="autotune",
+                        help="uniep: the configs uniep's GPU heuristics give each GEMM (config.QUACK_CONFIGS)")
+    parser.add_argument("--configs", default="", help="with --mode uniep: JSON {gemm: config text} instead of "
+                        "the heuristics' (quack_gemm.parse_config's form, e.g. '128x192/pingpong/1x2')")
     parser.add_argument("--gemms", default="up,down,grad_act,grad_input,wgrad_down,wgrad_up")
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting new shapes after this")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "quack_probe.json"))
     args = parser.parse_args()
     import quack
 
+    _CONFIGS_OVERRIDE.update(json.loads(args.configs) if args.configs else {})
     start = time.time()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     peak = 2 * 8192 ** 3 / time_cuda(lambda: a @ a, 20, 5) / 1e9
     del a
     data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "quack": quack.__version__,
-            "peak_tflops": round(peak, 1), "mode": args.mode, "rows": []}
+            "peak_tflops": round(peak, 1), "mode": args.mode, "configs": _CONFIGS_OVERRIDE, "rows": []}
     print(f"# {data['device']}, torch {torch.__version__}, quack {quack.__version__}, matmul peak {peak:.1f} TF/s")
     print(f"{'shape':<24} {'gemm':<11} {'glue':>7} {'grouped_mm':>10} {'quack':>8} {'q no-gather':>11} "
           f"{'today':>8} {'ratio':>6} bits  config")
@@ -155,6 +179,9 @@ def main():
             base_ms = time_cuda(base, args.iters, 5)
             glue_ms = time_cuda(glue, args.iters, 5) if glue else 0.0
             expected = base()
+            kw["name"] = gname
+            if kw_nogather is not None:
+                kw_nogather["name"] = gname
             try:
                 q_ms, config, tried, out = run_quack(kw, E, args.mode, args.iters)
                 row.update(quack_ms=round(q_ms, 4), config=config, tried=tried,
