@@ -49,11 +49,12 @@ it. Providers, on the same module and inputs:
   hf_uniep_overlap_graphs  hf_uniep_overlap with mode="reduce-overhead"
   hf_uniep_device_plan, hf_layer_uniep_device_plan  hf_uniep and hf_layer_uniep with options={"ep_device_plan":
              True}: uniep.ep_layer keeps its routing plan on the device (no host synchronization in the layer)
-  hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a one-layer
-             model of the same kind, whole (the decoder layer with its attention at the shape's real head counts, the
-             final norm, a 128-word head) on [1, T, H] input embeddings, as HF loads it under EP: the attention, norms
-             and head sharded by FSDP2 (gathered in the forward and backward, their gradients reduce-scattered);
-             eager and compiled; their rows compare with hf_layer_eager
+  hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a model
+             of the same kind with --layers decoder layers (one by default), whole (each decoder layer with its
+             attention at the shape's real head counts, the final norm, a 128-word head) on [1, T, H] input
+             embeddings, as HF loads it under EP: the attention, norms and head sharded by FSDP2 (gathered in the
+             forward and backward, their gradients reduce-scattered); eager and compiled; their rows compare with
+             hf_layer_eager
   liger_experts  torch.compile of the same layer with Liger-Kernel's Triton fused MoE as its experts (the same
              weights, transposed to Liger's layout), if liger_kernel is installed
 Each rank holds T tokens (bf16) and E / world experts. Two times per step, each of the slowest rank (CUDA events):
@@ -181,10 +182,10 @@ def _layer_class():
     return GroupedGemmEPMoE, LigerExpertsEPMoE
 
 
-def _hf_model(shape, dims, rank, world):
-    """HF's Qwen3-MoE causal LM under transformers' own EP: one decoder layer of these MoE dimensions and its model's
-    attention heads (a 128-word vocabulary), saved by rank 0 and loaded by every rank with ``DistributedConfig``
-    (each rank keeps its experts; FSDP2 shards every other parameter, fsdp_size = ep_size)."""
+def _hf_model(shape, dims, rank, world, layers=1):
+    """HF's Qwen3-MoE causal LM under transformers' own EP: ``layers`` decoder layers of these MoE dimensions and its
+    model's attention heads (a 128-word vocabulary), saved by rank 0 and loaded by every rank with
+    ``DistributedConfig`` (each rank keeps its experts; FSDP2 shards every other parameter, fsdp_size = ep_size)."""
     import shutil
     import tempfile
 
@@ -195,10 +196,10 @@ def _hf_model(shape, dims, rank, world):
     heads, kv_heads, head_dim = ATTENTION[shape]
     # transformers places each rank's shard on GPU LOCAL_RANK (torchrun's variables; mp.spawn sets none)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    path = os.path.join(tempfile.gettempdir(), f"uniep-bench-ep-hf-{shape}-{os.getppid()}")
+    path = os.path.join(tempfile.gettempdir(), f"uniep-bench-ep-hf-{shape}-{layers}-{os.getppid()}")
     if rank == 0:
         cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
-                             num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                              head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
@@ -475,7 +476,7 @@ def _worker(rank, world, port, args, out_path):
                     if any(_family(p) == "hf" for p in providers):
                         hf = _hf_block(shape, SHAPES[shape], rank, world)
                     if any(_family(p) == "hf_layer" for p in providers):  # another model: FSDP2 wants its root
-                        hf_decoder = _hf_model(shape, SHAPES[shape], rank, world)  # run first, not the block
+                        hf_decoder = _hf_model(shape, SHAPES[shape], rank, world, args.layers)  # run first
                 else:
                     providers = [p for p in providers if not p.startswith("hf_")]
                     if rank == 0:
@@ -640,6 +641,7 @@ def main():
     parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers of the hf_layer_* providers' model")
     parser.add_argument("--no-gc", action="store_true",
                         help="Python's garbage collector off while timing (collected first): is it the hiccups?")
     parser.add_argument("--warmup", type=int, default=5)

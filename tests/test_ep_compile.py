@@ -652,6 +652,68 @@ def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, 
         assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name
 
 
+def _two_calls_worker(rank, world, port, routing, out_dir):
+    from test_ep import gloo_group, rank_leaves
+
+    with gloo_group(rank, world, port, UNIEP_KERNELS="reference"):
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.ep import device_plan
+
+        compacted = []
+        compact = device_plan._compact
+
+        def recording(saved, received):
+            before = saved.x.shape[0]
+            compact(saved, received)
+            compacted.append((before, saved.x.shape[0], saved.up.shape[0], received))
+        device_plan._compact = recording
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+        if routing == "rank0_only":
+            ids = ids % 2
+        e_local = w_up.shape[0] // world
+        mine, experts = slice(rank * 12, (rank + 1) * 12), slice(rank * e_local, (rank + 1) * e_local)
+        leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+        grad = torch.randn(hidden.shape[0], w_down.shape[1], generator=torch.Generator().manual_seed(9))[mine]
+
+        def call():
+            return torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
+                                            dist.group.WORLD.group_name, world, False, "", True)[0]
+        # two calls before either backward (two MoE layers): the second call's forward shrinks the first's buffers
+        first, second = call(), call()
+        held_after_second = list(compacted)
+        first.backward(grad)
+        second.backward(grad)
+        torch.save({"outs": [first.detach(), second.detach()], "grads": [t.grad for t in leaves[:4]],
+                    "compacted": held_after_second}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("routing", ["spread", "rank0_only"])
+def test_ep_layer_device_plan_keeps_only_the_received_rows_of_earlier_calls(routing, tmp_path, monkeypatch):
+    """With the plan on the device the forward sizes its buffers for the most rows a rank could receive; the next
+    call's forward keeps only the received rows of what the earlier call saved for its backward (at least one: a
+    rank that receives nothing keeps one dropped row). Two calls, then both backwards: each output is the
+    single-process op's, and the gradients are twice its gradients, bit for bit."""
+    from test_ep import single_process, use_kernels
+
+    use_kernels(monkeypatch, "reference")
+    ranks = run_workers(_two_calls_worker, 2, (routing,), tmp_path)
+    case = list(_op_case())
+    if routing == "rank0_only":
+        case[1] = case[1] % 2
+    ref_out, ref_grads = single_process(*case)
+    capacity = 24 * 3  # every rank's tokens times K
+    for rank, r in enumerate(ranks):
+        assert len(r["compacted"]) == 1, r["compacted"]
+        before, x_rows, up_rows, got = r["compacted"][0]
+        want = int((case[1] // 2 == rank).sum())  # the rows routed to this rank's two experts
+        assert (before, got, x_rows, up_rows) == (capacity, want, max(want, 1), max(want, 1)), r["compacted"]
+        for out in r["outs"]:
+            assert torch.equal(out, ref_out[rank * 12:(rank + 1) * 12]), rank
+    assert routing != "rank0_only" or ranks[1]["compacted"][0][3] == 0, "rank 1 should receive nothing"
+    for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
+        assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), 2 * ref_grads[j]), name
+
+
 def _subgroup_worker(rank, world, port, out_dir):
     from test_ep import gloo_group, rank_leaves
 

@@ -24,12 +24,17 @@ back, gather_sum. Each expert's GEMMs see the same rows in the same order as on 
 its source-major received rows by expert, stably), so the bits are the same for one tile configuration.
 
 The cost: the receive buffer and the experts' buffers are sized for the worst case (W * T * K rows at equal T), so
-memory grows with the EP size; the rows past the received ones cost no GEMM work. Where it cannot run
-(unsupported_reason) ep_layer takes the synchronized path.
+memory grows with the EP size; the rows past the received ones cost no GEMM work. What the backward reads is not left
+at that size for long: the received row count goes to the host with no wait (a copy into pinned memory, an event),
+and the next call's forward, by when the GPU has long passed that point, reads it and keeps only the received rows
+of the earlier call's buffers (``_compact_earlier``: one copy of them, the same bits). In a model of L MoE layers the
+buffers held for the backward are then L - 1 layers' received rows and one layer's worst case, not L worst cases.
+Where it cannot run (unsupported_reason) ep_layer takes the synchronized path.
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -122,6 +127,53 @@ class Saved:
     fused_kernels: bool
 
 
+# (weak reference to an earlier call's Saved, event after its received row count was copied, that count on the host):
+# the buffers _compact_earlier shrinks at the next forward
+_EARLIER: list = []
+
+
+def _received_rows_later(ends: torch.Tensor):
+    """(event or None, host tensor) that will hold the rows this rank receives (the last local expert's end), copied
+    with no wait: the copy into pinned memory is queued, and the event tells when it has landed."""
+    if not ends.is_cuda:
+        return None, ends[-1:].clone()
+    host = torch.empty(1, dtype=ends.dtype, pin_memory=True)
+    host.copy_(ends[-1:], non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event, host
+
+
+def _compact(saved: Saved, received: int) -> None:
+    """Keep only the first ``received`` rows (at least one) of the buffers a call saved for its backward: the rows
+    past them were never received, and the backward drops them (their expert id is past the local experts), so the
+    bits do not change."""
+    keep = max(received, 1)
+    if saved.x is None or keep >= saved.x.shape[0]:
+        return
+    rows = saved.x.shape[0]
+    if any(t is not None and t.shape[0] != rows for t in (saved.up, saved.down)):
+        return  # not row for row with the receive buffer: left as it is
+    saved.x, saved.up, saved.down, saved.ids, saved.ones = (
+        t[:keep].clone() if t is not None else None for t in (saved.x, saved.up, saved.down, saved.ids, saved.ones))
+    index = saved.plan[0][:keep].clone()
+    saved.plan = (index, index, saved.plan[2])
+
+
+def _compact_earlier() -> None:
+    """Shrink the saved buffers of the earlier calls to their received rows (_compact). Their row counts were copied
+    to the host when those calls ran, so the wait here is for a point the GPU has normally long passed (not for the
+    work queued since); a call whose backward already ran, or whose graph is gone, is skipped."""
+    while _EARLIER:
+        ref, event, host = _EARLIER.pop(0)
+        saved = ref()
+        if saved is None or saved.x is None:
+            continue
+        if event is not None:
+            event.synchronize()
+        _compact(saved, int(host[0]))
+
+
 def _transfer(table, local, peers, push: bool, knobs) -> None:
     from ..kernels.triton_transfer import copy_segments
 
@@ -145,6 +197,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     from ..kernels.triton_transfer import layout_tables
     from ..spec import decode_spec
 
+    _compact_earlier()
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     num_tokens, top_k = topk_ids.shape
@@ -166,6 +219,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     else:
         send.copy_(hidden[row_order // top_k])
     _, ends, _, table = layout_tables(every, rank, local, [0], size, knobs.copy_block)
+    received = _received_rows_later(ends)
     x = _buffer(capacity, hidden, fused_kernels)
     win_x.barrier()  # every rank's rows are in its window
     _transfer(table, x, [win_x.send(p) for p in range(world)], False, knobs)
@@ -181,6 +235,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
     saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels)
+    _EARLIER.append((weakref.ref(saved), *received))
     return back, row_order, slot_row, offsets, every, saved
 
 
