@@ -280,8 +280,10 @@ def profile(run, label, rows=25):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
-def time_provider(row, pname, run, iters, warmup, flops, peak_tflops):
-    """Time ``run`` (one fwd+bwd step) into ``row``: median ms, back-to-back ms, TFLOP/s, peak memory, bitwise."""
+def time_provider(row, pname, run, iters, warmup, flops, peak_tflops, peak_back_to_back=None):
+    """Time ``run`` (one fwd+bwd step) into ``row``: median ms, back-to-back ms, TFLOP/s, peak memory, bitwise; the
+    share of the matmul peak synchronized (``peak_tflops``: the matmul's synchronized median) and back to back
+    (``peak_back_to_back``: the matmul back to back, the same regime: the GPU runs slower under sustained load)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -296,10 +298,13 @@ def time_provider(row, pname, run, iters, warmup, flops, peak_tflops):
     row[f"{pname}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
     if peak_tflops:
         row[f"{pname}_pct_peak"] = round(100 * row[f"{pname}_tflops"] / peak_tflops, 1)
+    if peak_back_to_back:
+        row[f"{pname}_pct_peak_back_to_back"] = round(
+            100 * flops / (row[f"{pname}_back_to_back_ms"] * 1e-3) / 1e12 / peak_back_to_back, 1)
 
 
 def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None,
-                sonicmoe_autotune=True, frozen_experts=False):
+                sonicmoe_autotune=True, frozen_experts=False, peak_back_to_back=None):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no automatic-dynamic carry-over from the previous shape
@@ -340,7 +345,7 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
             verified = row.get(f"{pname}_verified", True)
             del first
             if verified:
-                time_provider(row, pname, run, iters, warmup, flops, peak_tflops)
+                time_provider(row, pname, run, iters, warmup, flops, peak_tflops, peak_back_to_back)
                 print(f"#   {row[f'{pname}_ms']} ms, bitwise {row[f'{pname}_bitwise']}", flush=True)
                 if pname == "uniep":
                     row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
@@ -391,7 +396,12 @@ def main():
     a = torch.randn(8192, 8192, device=device, dtype=dtype)
     peak_ms = time_cuda(lambda: a @ a, 50, 25)  # 25 warm-ups: the clocks rise from idle first
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "bf16_matmul_tflops": round(2 * 8192**3 / (peak_ms * 1e-3) / 1e12, 1)}
+            "bf16_matmul_tflops": round(2 * 8192**3 / (peak_ms * 1e-3) / 1e12, 1),
+            # the same matmul 100 times back to back: the yardstick of the back-to-back steps (under sustained load
+            # the GPU runs slower: 679-687 TF/s against 664-723 synchronized and 759-783 from a full queue on the
+            # H200s of 2026-11-27, queued_step_probe.py)
+            "bf16_matmul_tflops_back_to_back": round(
+                2 * 8192**3 / (time_cuda_back_to_back(lambda: a @ a, 100) * 1e-3) / 1e12, 1)}
     from importlib import metadata
 
     for package in ("transformers", "triton", "liger-kernel", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl"):
@@ -409,6 +419,7 @@ def main():
                           skip=tuple(filter(None, args.skip.split(","))),
                           profile_providers=tuple(filter(None, args.profile.split(","))),
                           peak_tflops=meta["bf16_matmul_tflops"],
+                          peak_back_to_back=meta["bf16_matmul_tflops_back_to_back"],
                           sonicmoe_autotune=not args.sonicmoe_default_configs, frozen_experts=args.frozen_experts)
         print(json.dumps(row), flush=True)
         rows.append(row)
