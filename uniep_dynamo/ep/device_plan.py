@@ -1,4 +1,5 @@
-"""The EP layer with its plan on the device: no host synchronization in the forward or the backward.
+"""The EP layer with its plan on the device: no host synchronization in the forward or the backward of a call (the
+next call's forward waits once for an event of this one, long passed: ``_compact_earlier``).
 
 ep_layer's other paths read every rank's per-expert counts on the host (plan.count_table: the layer's one
 synchronization). The host waits there for the GPU to finish all the work before it, so each MoE layer drains the
