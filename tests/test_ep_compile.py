@@ -7,6 +7,7 @@ import os
 import re
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -712,6 +713,42 @@ def test_ep_layer_device_plan_keeps_only_the_received_rows_of_earlier_calls(rout
     assert routing != "rank0_only" or ranks[1]["compacted"][0][3] == 0, "rank 1 should receive nothing"
     for j, name in enumerate(("d_hidden", "d_weights", "d_w_up", "d_w_down")):  # per token / per expert
         assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), 2 * ref_grads[j]), name
+
+
+def test_device_plan_waits_only_for_calls_more_than_two_behind(monkeypatch):
+    """_compact_earlier (no processes): an earlier call whose row count has reached the host is shrunk with no wait;
+    one whose count has not stays at the worst case while it is among the two newest such calls, and past them the
+    host waits for the oldest's event, then shrinks it; a call whose backward already ran is dropped untouched."""
+    from uniep_dynamo.ep import device_plan
+
+    class Event:
+        def __init__(self, reached):
+            self.reached, self.waited = reached, False
+
+        def query(self):
+            return self.reached
+
+        def synchronize(self):
+            self.waited = self.reached = True
+
+    def saved(rows=10):
+        x = torch.zeros(rows, 4)
+        index = torch.arange(rows)
+        return device_plan.Saved(None, x, torch.zeros(rows, 6), None, torch.zeros(rows, 1, dtype=torch.int64),
+                                 torch.ones(rows, 1), (index, index, torch.tensor([3])), torch.zeros(0), 8, False)
+    calls = [saved() for _ in range(5)]
+    calls[4].x = None  # its backward ran
+    events = [Event(reached) for reached in (False, True, False, False, False)]
+    monkeypatch.setattr(device_plan, "_EARLIER", [(weakref.ref(c), e, torch.tensor([3 + i]))
+                                                  for i, (c, e) in enumerate(zip(calls, events))])
+    device_plan._compact_earlier()
+    assert [e.waited for e in events] == [True, False, False, False, False]
+    assert [c.x.shape[0] if c.x is not None else None for c in calls] == [3, 4, 10, 10, None]
+    assert calls[0].up.shape[0] == calls[0].ids.shape[0] == calls[0].plan[0].shape[0] == 3
+    assert [entry[0]() for entry in device_plan._EARLIER] == [calls[2], calls[3]]
+    events[2].reached = True
+    device_plan._compact_earlier()  # reached now: shrunk with no wait
+    assert [c.x.shape[0] for c in calls[:4]] == [3, 4, 5, 10] and not events[2].waited
 
 
 def _subgroup_worker(rank, world, port, out_dir):

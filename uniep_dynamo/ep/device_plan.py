@@ -1,5 +1,5 @@
 """The EP layer with its plan on the device: no host synchronization in the forward or the backward of a call (the
-next call's forward waits once for an event of this one, long passed: ``_compact_earlier``).
+host waits for an event of a call only when it runs more than two calls ahead of the GPU: ``_compact_earlier``).
 
 ep_layer's other paths read every rank's per-expert counts on the host (plan.count_table: the layer's one
 synchronization). The host waits there for the GPU to finish all the work before it, so each MoE layer drains the
@@ -27,9 +27,11 @@ its source-major received rows by expert, stably), so the bits are the same for 
 The cost: the receive buffer and the experts' buffers are sized for the worst case (W * T * K rows at equal T), so
 memory grows with the EP size; the rows past the received ones cost no GEMM work. What the backward reads is not left
 at that size for long: the received row count goes to the host with no wait (a copy into pinned memory, an event),
-and the next call's forward, by when the GPU has long passed that point, reads it and keeps only the received rows
-of the earlier call's buffers (``_compact_earlier``: one copy of them, the same bits). In a model of L MoE layers the
-buffers held for the backward are then L - 1 layers' received rows and one layer's worst case, not L worst cases.
+and a later call's forward reads it and keeps only the received rows of the earlier call's buffers
+(``_compact_earlier``: one copy of them, the same bits). In a model of L MoE layers the buffers held for the
+backward are then the received rows of the earlier layers and the last layer's worst case, not L worst cases (while
+the GPU runs behind the host, up to two layers more stay at the worst case until their counts have reached the
+host; beyond that the host waits for the oldest).
 Where it cannot run (unsupported_reason) ep_layer takes the synchronized path.
 """
 from __future__ import annotations
@@ -161,18 +163,32 @@ def _compact(saved: Saved, received: int) -> None:
     saved.plan = (index, index, saved.plan[2])
 
 
+# earlier calls whose buffers may stay at the worst-case size while the GPU has not yet copied their row count: the
+# host runs up to this many MoE layers ahead of the GPU before it waits
+_AHEAD = 2
+
+
 def _compact_earlier() -> None:
-    """Shrink the saved buffers of the earlier calls to their received rows (_compact). Their row counts were copied
-    to the host when those calls ran, so the wait here is for a point the GPU has normally long passed (not for the
-    work queued since); a call whose backward already ran, or whose graph is gone, is skipped."""
-    while _EARLIER:
-        ref, event, host = _EARLIER.pop(0)
-        saved = ref()
+    """Shrink the saved buffers of the earlier calls to their received rows (_compact): those whose row count has
+    reached the host, and, past the _AHEAD newest, the oldest ones after waiting for theirs (an event the GPU reaches
+    at that call's tables, before the work queued since). A call whose backward already ran, or whose graph is gone,
+    is skipped."""
+    pending = []
+    for entry in _EARLIER:
+        saved = entry[0]()
         if saved is None or saved.x is None:
             continue
-        if event is not None:
-            event.synchronize()
-        _compact(saved, int(host[0]))
+        if entry[1] is None or entry[1].query():
+            _compact(saved, int(entry[2][0]))
+        else:
+            pending.append(entry)
+    while len(pending) > _AHEAD:
+        ref, event, host = pending.pop(0)
+        event.synchronize()
+        saved = ref()
+        if saved is not None and saved.x is not None:
+            _compact(saved, int(host[0]))
+    _EARLIER[:] = pending
 
 
 def _transfer(table, local, peers, push: bool, knobs) -> None:
