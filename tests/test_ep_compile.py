@@ -653,12 +653,17 @@ def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, 
         assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name
 
 
-def _two_calls_worker(rank, world, port, routing, out_dir):
-    from test_ep import gloo_group, rank_leaves
+def _two_calls_worker(rank, world, port, kernels, routing, out_dir):
+    from test_ep import gloo_group, rank_leaves, sorted_by_reference
 
-    with gloo_group(rank, world, port, UNIEP_KERNELS="reference"):
+    with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
         import uniep_dynamo  # noqa: F401
         from uniep_dynamo.ep import device_plan
+
+        if kernels == "triton":
+            from uniep_dynamo.kernels import triton_routing
+
+            triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
 
         compacted = []
         compact = device_plan._compact
@@ -688,16 +693,17 @@ def _two_calls_worker(rank, world, port, routing, out_dir):
                     "compacted": held_after_second}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("routing", ["spread", "rank0_only"])
-def test_ep_layer_device_plan_keeps_only_the_received_rows_of_earlier_calls(routing, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels,routing", [("reference", "spread"), ("reference", "rank0_only"),
+                                             ("triton", "spread")])  # triton: the MegaKernel's, in the interpreter
+def test_ep_layer_device_plan_keeps_only_the_received_rows_of_earlier_calls(kernels, routing, tmp_path, monkeypatch):
     """With the plan on the device the forward sizes its buffers for the most rows a rank could receive; the next
     call's forward keeps only the received rows of what the earlier call saved for its backward (at least one: a
     rank that receives nothing keeps one dropped row). Two calls, then both backwards: each output is the
     single-process op's, and the gradients are twice its gradients, bit for bit."""
     from test_ep import single_process, use_kernels
 
-    use_kernels(monkeypatch, "reference")
-    ranks = run_workers(_two_calls_worker, 2, (routing,), tmp_path)
+    use_kernels(monkeypatch, kernels)
+    ranks = run_workers(_two_calls_worker, 2, (kernels, routing), tmp_path)
     case = list(_op_case())
     if routing == "rank0_only":
         case[1] = case[1] % 2
