@@ -575,6 +575,7 @@ def _worker(rank, world, port, args, out_path):
                     base = ref[family]
                     diff = float((out.float() - base.float()).abs().max() / base.float().abs().max().clamp_min(1e-12))
                 rows.append({"shape": shape, "provider": provider, "world": world, "tokens_per_rank": args.tokens,
+                             "layers": args.layers if family == "hf_layer" else None,
                              "chunks": args.chunks if provider in OVERLAP else None,
                              "copy_programs": args.copy_programs if provider in OVERLAP else None,
                              "ms": worst, "rank_ms": ms, "ms_back_to_back": flowing,
