@@ -92,22 +92,21 @@ def config_text(c):
             + (" swap_ab" if c.swap_ab else ""))
 
 
-_CONFIGS_OVERRIDE: dict = {}  # --configs
-
-
-def _uniep_config(name):
+def uniep_config(name, overrides):
+    """The QuACK config uniep's GPU heuristics give GEMM ``name`` (config.QUACK_CONFIGS), or ``overrides[name]``."""
     from uniep_dynamo.kernels import quack_gemm
     from uniep_dynamo.kernels.config import QUACK_CONFIGS
 
-    text = _CONFIGS_OVERRIDE.get(name) or QUACK_CONFIGS[name.replace("_gather", "")]
+    text = overrides.get(name) or QUACK_CONFIGS[name.replace("_gather", "")]
     if name.endswith("_gather") or name in ("up", "wgrad_up"):  # QuACK's gather takes one CTA along N
         tile, kind, cluster = text.split("/")
         text = f"{tile}/{kind}/{cluster if cluster.endswith('x1') else '1x1'}"
     return quack_gemm._config(text)
 
 
-def run_quack(kw, E, mode, iters):
-    """(ms at the chosen config, the chosen config's text, {config text: ms} of every config tried, output)."""
+def run_quack(kw, E, mode, iters, config=None):
+    """(ms at the chosen config, the chosen config's text, {config text: ms} of every config tried, output).
+    ``config``: the one to run with where ``mode`` is "uniep"."""
     from quack.gemm_interface import gemm_tuned
     try:
         from quack.gemm_interface import default_config
@@ -116,15 +115,13 @@ def run_quack(kw, E, mode, iters):
 
     out = out_like(kw, E)
     tried = {}
-    rest = {k: v for k, v in kw.items() if k not in ("A", "B", "name")}
+    rest = {k: v for k, v in kw.items() if k not in ("A", "B")}
     if mode == "autotune":  # positional tensors: QuACK's parallel precompile reads their metadata from args
         gemm_tuned(kw["A"], kw["B"], out, **rest)
         config = gemm_tuned.best_config.kwargs["config"]
         for c, t in (getattr(gemm_tuned, "configs_timings", None) or {}).items():
             tried[config_text(c.kwargs["config"])] = round(float(t[0] if isinstance(t, (list, tuple)) else t), 4)
-    elif mode == "uniep":  # the config uniep's GPU heuristics give this GEMM (config.QUACK_CONFIGS)
-        config = _uniep_config(kw["name"])
-    else:
+    elif mode != "uniep":
         config = default_config(out.device)
 
     def call():
@@ -150,13 +147,13 @@ def main():
     args = parser.parse_args()
     import quack
 
-    _CONFIGS_OVERRIDE.update(json.loads(args.configs) if args.configs else {})
+    overrides = json.loads(args.configs) if args.configs else {}
     start = time.time()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     peak = 2 * 8192 ** 3 / time_cuda(lambda: a @ a, 20, 5) / 1e9
     del a
     data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "quack": quack.__version__,
-            "peak_tflops": round(peak, 1), "mode": args.mode, "configs": _CONFIGS_OVERRIDE, "rows": []}
+            "peak_tflops": round(peak, 1), "mode": args.mode, "configs": overrides, "rows": []}
     print(f"# {data['device']}, torch {torch.__version__}, quack {quack.__version__}, matmul peak {peak:.1f} TF/s")
     print(f"{'shape':<24} {'gemm':<11} {'glue':>7} {'grouped_mm':>10} {'quack':>8} {'q no-gather':>11} "
           f"{'today':>8} {'ratio':>6} bits  config")
@@ -179,16 +176,14 @@ def main():
             base_ms = time_cuda(base, args.iters, 5)
             glue_ms = time_cuda(glue, args.iters, 5) if glue else 0.0
             expected = base()
-            kw["name"] = gname
-            if kw_nogather is not None:
-                kw_nogather["name"] = gname
             try:
-                q_ms, config, tried, out = run_quack(kw, E, args.mode, args.iters)
+                fixed = uniep_config(gname, overrides) if args.mode == "uniep" else None
+                q_ms, config, tried, out = run_quack(kw, E, args.mode, args.iters, fixed)
                 row.update(quack_ms=round(q_ms, 4), config=config, tried=tried,
                            bitwise=bool(torch.equal(out.view(expected.shape), expected)),
                            max_abs=float((out.view(expected.shape).float() - expected.float()).abs().max()))
                 if kw_nogather is not None:
-                    q2, config2, _, out2 = run_quack(kw_nogather, E, args.mode, args.iters)
+                    q2, config2, _, out2 = run_quack(kw_nogather, E, args.mode, args.iters, fixed)
                     row.update(quack_nogather_ms=round(q2, 4), config_nogather=config2,
                                bitwise_nogather=bool(torch.equal(out2.view(expected.shape), expected)))
             except Exception as e:  # a config or layout QuACK refuses: recorded, the probe goes on
