@@ -673,6 +673,13 @@ def _two_calls_worker(rank, world, port, kernels, routing, out_dir):
             compact(saved, received)
             compacted.append((before, saved.x.shape[0], saved.up.shape[0], received))
         device_plan._compact = recording
+        buffers = []  # the rows of every receive buffer made (forward: x; backward: the gradient rows received)
+        make_buffer = device_plan._buffer
+
+        def recording_buffer(rows, like, fused_kernels):
+            buffers.append(rows)
+            return make_buffer(rows, like, fused_kernels)
+        device_plan._buffer = recording_buffer
         hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
         if routing == "rank0_only":
             ids = ids % 2
@@ -690,7 +697,7 @@ def _two_calls_worker(rank, world, port, kernels, routing, out_dir):
         first.backward(grad)
         second.backward(grad)
         torch.save({"outs": [first.detach(), second.detach()], "grads": [t.grad for t in leaves[:4]],
-                    "compacted": held_after_second}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "compacted": held_after_second, "buffers": buffers}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("kernels,routing", [("reference", "spread"), ("reference", "rank0_only"),
@@ -698,8 +705,10 @@ def _two_calls_worker(rank, world, port, kernels, routing, out_dir):
 def test_ep_layer_device_plan_keeps_only_the_received_rows_of_earlier_calls(kernels, routing, tmp_path, monkeypatch):
     """With the plan on the device the forward sizes its buffers for the most rows a rank could receive; the next
     call's forward keeps only the received rows of what the earlier call saved for its backward (at least one: a
-    rank that receives nothing keeps one dropped row). Two calls, then both backwards: each output is the
-    single-process op's, and the gradients are twice its gradients, bit for bit."""
+    rank that receives nothing keeps one dropped row). The second call, which no later forward shrinks, has its
+    backward's buffers sized by its received rows too (its count is on the host by then: on CPU at once). Two calls,
+    then both backwards: each output is the single-process op's, and the gradients are twice its gradients, bit for
+    bit."""
     from test_ep import single_process, use_kernels
 
     use_kernels(monkeypatch, kernels)
@@ -714,6 +723,8 @@ def test_ep_layer_device_plan_keeps_only_the_received_rows_of_earlier_calls(kern
         before, x_rows, up_rows, got = r["compacted"][0]
         want = int((case[1] // 2 == rank).sum())  # the rows routed to this rank's two experts
         assert (before, got, x_rows, up_rows) == (capacity, want, max(want, 1), max(want, 1)), r["compacted"]
+        # two forwards at the worst case, then two backwards at the received rows (the second by views, no copy)
+        assert r["buffers"] == [capacity, capacity, max(want, 1), max(want, 1)], r["buffers"]
         for out in r["outs"]:
             assert torch.equal(out, ref_out[rank * 12:(rank + 1) * 12]), rank
     assert routing != "rank0_only" or ranks[1]["compacted"][0][3] == 0, "rank 1 should receive nothing"

@@ -31,7 +31,9 @@ and a later call's forward reads it and keeps only the received rows of the earl
 (``_compact_earlier``: one copy of them, the same bits). In a model of L MoE layers the buffers held for the
 backward are then the received rows of the earlier layers and the last layer's worst case, not L worst cases (while
 the GPU runs behind the host, up to two layers more stay at the worst case until their counts have reached the
-host; beyond that the host waits for the oldest).
+host; beyond that the host waits for the oldest). A call's backward reads its buffers through views of the received
+rows where its count has reached the host by then (``_received_view``), so the buffers the backward makes are sized
+by the received rows even for the last layer.
 Where it cannot run (unsupported_reason) ep_layer takes the synchronized path.
 """
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Saved:
     table: torch.Tensor  # the transfer table (device)
     send_rows: int  # capacity of the windows' rows (the most slots of any rank)
     fused_kernels: bool
+    count: tuple | None = None  # (event or None, host tensor) of _received_rows_later: the received rows' count
 
 
 # (weak reference to an earlier call's Saved, event after its received row count was copied, that count on the host):
@@ -161,6 +164,30 @@ def _compact(saved: Saved, received: int) -> None:
         t[:keep].clone() if t is not None else None for t in (saved.x, saved.up, saved.down, saved.ids, saved.ones))
     index = saved.plan[0][:keep].clone()
     saved.plan = (index, index, saved.plan[2])
+
+
+def _received_now(saved: Saved) -> int | None:
+    """The rows the call received where that count has reached the host (its event has passed: no wait), else
+    None."""
+    if saved.count is None:
+        return None
+    event, host = saved.count
+    return int(host[0]) if event is None or event.query() else None
+
+
+def _received_view(saved: Saved):
+    """(x, up, down, ids, ones, plan) of a call for its backward: the first received rows (at least one) of its saved
+    buffers, as views, where the count has reached the host, else the buffers as saved. A call that no later forward
+    shrank (the model's last MoE layer, or one the host ran ahead of) is held at the worst case until its backward;
+    sized by the views, the backward's own buffers (the gradient rows received, the experts' backward) are not. The
+    bits do not change (the rows past the received ones are dropped, as in _compact)."""
+    buffers = (saved.x, saved.up, saved.down, saved.ids, saved.ones)
+    keep, rows = _received_now(saved), saved.x.shape[0]
+    if keep is None or max(keep, 1) >= rows or any(t is not None and t.shape[0] != rows for t in buffers[1:3]):
+        return (*buffers, saved.plan)
+    keep = max(keep, 1)
+    index = saved.plan[0][:keep]
+    return (*(t[:keep] if t is not None else None for t in buffers), (index, index, saved.plan[2]))
 
 
 # earlier calls whose buffers may stay at the worst-case size while the GPU has not yet copied their row count: the
@@ -251,7 +278,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     del y
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
-    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels)
+    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received)
     _EARLIER.append((weakref.ref(saved), *received))
     return back, row_order, slot_row, offsets, every, saved
 
@@ -262,7 +289,8 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     are dropped from it once read."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     num_tokens, top_k = topk_weights.shape
-    x, fused_kernels = saved.x, saved.fused_kernels
+    x, up, down, ids, ones, plan = _received_view(saved)
+    fused_kernels = saved.fused_kernels
     dtype, size = x.dtype, x.shape[1]
     win_x = window(group, saved.send_rows, size, dtype, x.device)
     send = win_x.send(rank)[:num_tokens * top_k]
@@ -276,13 +304,11 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     d_recv = _buffer(x.shape[0], x, fused_kernels)
     win_x.barrier()
     _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
-    down = saved.down if saved.down is not None else d_recv.new_empty(0, size)
-    up = saved.up
+    down = down if down is not None else d_recv.new_empty(0, size)
     saved.x = saved.up = saved.down = None
     d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
-        d_recv, x, saved.ids, saved.ones, w_up, w_down, b_up, b_down, [], *saved.plan, up, down, spec, False,
-        param_grads)
-    del d_recv, x, up, down
+        d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
+    del d_recv, x, up, down, ids, ones, plan
     win_dx = window(group, saved.send_rows, size, d_x.dtype, d_x.device)
     _transfer(saved.table, d_x, [win_dx.back(p) for p in range(world)], True, knobs)
     del d_x
