@@ -34,9 +34,10 @@ def test_whole_model_matches_eager_under_inductor(family):
         assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name  # inductor reorders reductions elsewhere
 
 
-def compiled_like_eager_without_weight_gradient_gemms(model, monkeypatch) -> dict:
+def compiled_like_eager_without_weight_gradient_gemms(model, monkeypatch, weight_gradients=False) -> dict:
     """One step of ``model`` eager and compiled by uniep (both MoE layers rewritten): the same loss and gradients
-    (returned, eager's), and no weight-gradient GEMM in the compiled step (a spy on the fused backward's)."""
+    (returned, eager's), and no weight-gradient GEMM in the compiled step (a spy on the fused backward's), or, with
+    ``weight_gradients``, some."""
     from uniep_dynamo.kernels import megakernel
 
     input_ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -47,7 +48,7 @@ def compiled_like_eager_without_weight_gradient_gemms(model, monkeypatch) -> dic
     counters.clear()
     c_loss, _, c_grads = loss_and_grads(model, input_ids, torch.compile(model, backend="uniep"))
     assert counters["uniep"]["moe_experts"] == 2
-    assert not calls
+    assert bool(calls) == weight_gradients
     assert c_grads.keys() == grads.keys()
     assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
     for name in grads:
@@ -75,8 +76,11 @@ def test_frozen_experts_match_eager_and_skip_their_weight_gradients(monkeypatch)
 
 def test_peft_lora_on_every_linear_layer(monkeypatch):
     """LoRA through PEFT on every linear layer (``target_modules="all-linear"``), the way MoE models are most often
-    fine-tuned: the experts and the router stay HF's modules (frozen), uniep rewrites both in each layer, and the
-    compiled model's loss and LoRA gradients match eager's, with no expert weight-gradient GEMM (interpreter)."""
+    fine-tuned. PEFT before 0.19 leaves the experts and the router HF's frozen modules: uniep rewrites both in each
+    layer with no expert weight-gradient GEMM. Newer PEFT puts LoRA on their parameters too (a parametrization that
+    adds each expert's low-rank delta in the forward): uniep rewrites both over the computed weights, and the
+    weight-gradient GEMMs feed the LoRA factors. Either way the compiled model's loss and LoRA gradients match
+    eager's (interpreter)."""
     peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
     from uniep_dynamo.kernels import config as kconfig
 
@@ -85,9 +89,16 @@ def test_peft_lora_on_every_linear_layer(monkeypatch):
     model = peft.get_peft_model(build_model("qwen3_moe"), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                                             target_modules="all-linear"))
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".mlp." in n and "lora_" not in n)
-    grads = compiled_like_eager_without_weight_gradient_gemms(model, monkeypatch)
+    on_experts = any(".experts." in n and "lora_B" in n for n, _ in model.named_parameters())
+    if on_experts:  # PEFT initializes B to zero: a delta of zero would not tell the LoRA path from the base weight
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".mlp." in name and "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    grads = compiled_like_eager_without_weight_gradient_gemms(model, monkeypatch, weight_gradients=on_experts)
     assert counters["uniep"]["moe_router"] == 2
     assert all("lora_" in name for name in grads)
+    assert not on_experts or any(".experts." in name for name in grads)
 
 
 def test_two_compiled_training_runs_are_bitwise_equal():

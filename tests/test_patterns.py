@@ -34,6 +34,10 @@ class HandWrittenExperts(nn.Module):
         self.gate_scale, self.leak_offsets, self.combine = gate_scale, leak_offsets, combine
         self.out_casts = out_casts
 
+    def weights(self):
+        """(gate_up_proj, down_proj) as the GEMMs read them."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, hidden, top_k_index, top_k_weights):
         k = top_k_index.size(-1)
         tokens = hidden.size(0)
@@ -44,14 +48,15 @@ class HandWrittenExperts(nn.Module):
         w = weights[perm]
         counts = torch.histc(ids_sorted.float(), bins=E, min=self.histc_min, max=E - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = torch.ops.transformers.grouped_mm_fallback(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+        gate_up_proj, down_proj = self.weights()
+        h = torch.ops.transformers.grouped_mm_fallback(x, gate_up_proj.transpose(-2, -1), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
         if self.swap_halves:
             gate, up = up, gate
         a = F.silu(gate) * up
         if self.gate_scale is not None:
             a = a * self.gate_scale
-        y = torch.ops.transformers.grouped_mm_fallback(a, self.down_proj.transpose(-2, -1), offs=offsets)
+        y = torch.ops.transformers.grouped_mm_fallback(a, down_proj.transpose(-2, -1), offs=offsets)
         y = y * w.unsqueeze(-1)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.size(0))
@@ -62,6 +67,21 @@ class HandWrittenExperts(nn.Module):
         if self.leak_offsets:
             return out, offsets
         return out
+
+
+class LowRankDeltaExperts(HandWrittenExperts):
+    """Expert weights that are no parameters: frozen base weights (buffers) plus a trainable low-rank delta per
+    expert, computed in the forward, as PEFT (0.19 and newer) computes LoRA on the experts' 3-D parameters."""
+
+    def __init__(self, rank=2):
+        super().__init__(weights_as_buffers=True)
+        self.a_up = nn.Parameter(torch.randn(E, rank, H) * 0.1)
+        self.b_up = nn.Parameter(torch.randn(E, 2 * I, rank) * 0.1)
+        self.a_down = nn.Parameter(torch.randn(E, rank, I) * 0.1)
+        self.b_down = nn.Parameter(torch.randn(E, H, rank) * 0.1)
+
+    def weights(self):
+        return self.gate_up_proj + self.b_up @ self.a_up, self.down_proj + self.b_down @ self.a_down
 
 
 class TitanStyleExperts(nn.Module):
@@ -144,6 +164,19 @@ def test_swapped_halves_and_a_scale_are_part_of_the_gate_program():
     assert counters["uniep"]["moe_experts"] == 1
 
 
+@pytest.mark.parametrize("module", ["buffers", "low_rank_delta"])
+def test_expert_weights_that_are_not_parameters_rewrite(module):
+    """The op computes sum_k w * down_e(gate(up_e(x))) for any weight tensors of the right shapes: buffers (no weight
+    gradient) and weights computed in the forward (a frozen base plus a trainable low-rank delta, PEFT's LoRA on
+    expert parameters), whose gradient reaches the delta's factors. Output and every gradient equal eager's."""
+    torch.manual_seed(0)
+    experts = HandWrittenExperts(weights_as_buffers=True) if module == "buffers" else LowRankDeltaExperts()
+    capture = compile_and_compare(experts, routed())
+    assert counters["uniep"]["moe_experts"] == 1 and counters["uniep"]["unfused"] == 0
+    assert capture.targets().count(torch.ops.uniep.moe_experts.default) == 1
+    assert module == "buffers" or len(list(experts.parameters())) == 4
+
+
 def test_torchtitan_style_plain_pytorch_rewrites():
     torch.manual_seed(0)
     capture = compile_and_compare(TitanStyleExperts(), routed(dtype=torch.bfloat16), dtype=torch.bfloat16)
@@ -156,7 +189,6 @@ def test_torchtitan_style_plain_pytorch_rewrites():
     ({"histc_min": 1}, "does not count experts"),                   # a constant that differs: histc range
     ({"combine": "mean"}, "combine is a sum over K"),                # mean over k is not the op's combine
     ({"leak_offsets": True}, "also used by"),                        # an intermediate escapes the region
-    ({"weights_as_buffers": True}, "is not a module parameter"),     # weights are not parameters
 ])
 def test_must_not_match(knobs, reason, caplog):
     torch.manual_seed(0)

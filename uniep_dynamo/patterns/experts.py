@@ -3,7 +3,8 @@
 ``interpreter.py`` gives every node its abstract value (``values.py``), checking each constant an op
 binds. A region is proposed wherever the value ``Combined`` appears
 (sum over k of weighted expert outputs in slot order); ``check_region`` then proves the whole
-expression is ``sum_k w[t,k] * down_e(gate(up_e(x_t)))`` for parameters of the right shapes and
+expression is ``sum_k w[t,k] * down_e(gate(up_e(x_t)))`` for weight tensors of the right shapes and dtype
+(parameters, buffers, or weights computed in the forward, as PEFT's LoRA on expert parameters computes them) and
 that no intermediate escapes. Both HF spellings (``grouped_mm``: sort + grouped GEMMs + inverse
 permutation; ``batched_mm``: repeat_interleave + per-slot weight gathers + bmm) and the common
 hand-written variants reduce to the same values, so one pattern serves every family.
@@ -51,7 +52,7 @@ def _out_of_range_mode(bounds: list, num_experts, spelling: str) -> str:
 
 
 def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsMatch:
-    """Prove that `value` is sum_k w[t,k] * down_e(gate(up_e(x_t))) over parameters of the right shapes."""
+    """Prove that `value` is sum_k w[t,k] * down_e(gate(up_e(x_t))) over weight tensors of the right shapes."""
     expr = value.expr
     _require(expr[0] == "weighted", "the combined slots are not multiplied by the routing weights")
     _, rows_expr, weights = expr
@@ -77,13 +78,10 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
                                           "float32, float16, bfloat16", "float32, float16 or bfloat16",
              _dtype_name(h_dtype))
     for name, node in (("up", w_up), ("down", w_down)):
-        _require(gu.parameter_of(node) is not None, f"the {name} expert weight {node.name} is not a module parameter",
-                 f"the experts' {name} weight: an nn.Parameter", f"{node.op} {node.name} (not a parameter)")
         _require(_dtype(node) == h_dtype, f"expert weights are {_dtype_name(_dtype(node))} but hidden states "
                                           f"are {_dtype_name(h_dtype)} (mixed precision is not supported)")
     for name, node in (("up", b_up), ("down", b_down)):
         if node is not None:
-            _require(gu.parameter_of(node) is not None, f"the {name} expert bias {node.name} is not a module parameter")
             _require(_dtype(node) == h_dtype, f"the {name} expert bias is {_dtype_name(_dtype(node))}")
     _require(_dtype(weights) is not None and _dtype(weights).is_floating_point, "routing weights are not floating point")
     _require(len(h_shape) == 2 and len(ids_shape) == 2 and len(w_shape) == 2, "hidden, ids and weights must be 2-D")

@@ -155,44 +155,6 @@ def is_dim(value, want: int, ndim: int) -> bool:
     return value % ndim == want
 
 
-# Placeholder meta key: for an input of a higher-order op's body (an activation-checkpoint body, say), the
-# outer graph's arguments that its calls pass in (set by the backend before it matches inside the body).
-OUTER_ARGS = "uniep_outer_args"
-
-
-def parameter_of(node) -> torch.nn.Parameter | None:
-    """The nn.Parameter a graph input stands for, or None for activations, buffers and constants."""
-    if not isinstance(node, Node):
-        return None
-    if node.op == "placeholder":
-        if OUTER_ARGS in node.meta:  # an input of a higher-order op's body: what every call passes in
-            found = [parameter_of(arg) for arg in node.meta[OUTER_ARGS]]
-            return found[0] if found and all(p is not None for p in found) else None
-        grapharg = node.meta.get("grapharg")
-        real = getattr(grapharg, "example", None) if grapharg is not None else None
-        if isinstance(real, torch.nn.Parameter):
-            return real
-        # A tensor a module holds in its parameter slot for the call: HF's expert parallelism swaps each
-        # DTensor parameter for its local shard (`_parameters[name] = param.to_local()`) while the experts run.
-        return real if isinstance(real, torch.Tensor) and _in_parameter_slot(grapharg) else None
-    if node.op == "get_attr":
-        obj = node.graph.owning_module
-        try:
-            for atom in node.target.split("."):
-                obj = getattr(obj, atom)
-        except AttributeError:
-            return None
-        return obj if isinstance(obj, torch.nn.Parameter) else None
-    return None
-
-
-def _in_parameter_slot(grapharg) -> bool:
-    source = getattr(grapharg, "source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
-    return isinstance(name, str) and re.search(r"\._parameters\[['\"][^'\"]+['\"]\]$", name) is not None
-
-
 def module_path(node: Node) -> str:
     """`model.layers.3.mlp.experts` for a node inside that module, from Dynamo's nn_module_stack."""
     stack = node.meta.get("nn_module_stack") or {}

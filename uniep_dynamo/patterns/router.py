@@ -1,6 +1,7 @@
 """The router pattern: find router regions (linear -> scores -> top-k -> routing weights) and prove them.
 
-Each node downstream of a ``linear`` whose weight is a 2-D parameter gets a symbolic term (a tuple)
+Each node downstream of a ``linear`` of 2-D input and weight (a parameter, or a weight computed in the forward,
+as PEFT's LoRA on the router's weight computes it) gets a symbolic term (a tuple)
 when it is a step of a router; every constant a step binds (the softmax dim, top-k's dim and
 `largest`, the keepdim of the renormalizing sum, the group view's sizes, the -inf fill, ...) is
 checked by its rule. A top-k over a term then proposes a region; ``_classify`` reads the expression of
@@ -137,9 +138,9 @@ class RouterInterp:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         x, cast_x = self._strip_f32(b["input"])
         w, cast_w = self._strip_f32(b["weight"])
-        if _ndim(w) != 2 or gu.parameter_of(w) is None or _ndim(x) != 2:
+        if _ndim(w) != 2 or _ndim(x) != 2:
             return None
-        if bias is not None and (_ndim(bias) != 1 or gu.parameter_of(bias) is None):
+        if bias is not None and _ndim(bias) != 1:
             return None
         return ("logits", node, x, w, bias, cast_x or cast_w)
 
