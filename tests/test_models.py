@@ -76,7 +76,7 @@ def test_frozen_experts_match_eager_and_skip_their_weight_gradients(monkeypatch)
 
 def test_peft_lora_on_every_linear_layer(monkeypatch):
     """LoRA through PEFT on every linear layer (``target_modules="all-linear"``), the way MoE models are most often
-    fine-tuned. PEFT before 0.19 leaves the experts and the router HF's frozen modules: uniep rewrites both in each
+    fine-tuned. PEFT 0.18 leaves the experts and the router HF's frozen modules: uniep rewrites both in each
     layer with no expert weight-gradient GEMM. Newer PEFT puts LoRA on their parameters too (a parametrization that
     adds each expert's low-rank delta in the forward): uniep rewrites both over the computed weights, and the
     weight-gradient GEMMs feed the LoRA factors. Either way the compiled model's loss and LoRA gradients match

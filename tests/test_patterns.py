@@ -71,7 +71,7 @@ class HandWrittenExperts(nn.Module):
 
 class LowRankDeltaExperts(HandWrittenExperts):
     """Expert weights that are no parameters: frozen base weights (buffers) plus a trainable low-rank delta per
-    expert, computed in the forward, as PEFT (0.19 and newer) computes LoRA on the experts' 3-D parameters."""
+    expert, computed in the forward, as PEFT (0.21.2; not 0.18.0) computes LoRA on the experts' 3-D parameters."""
 
     def __init__(self, rank=2):
         super().__init__(weights_as_buffers=True)
