@@ -34,8 +34,8 @@ class HandWrittenExperts(nn.Module):
         self.gate_scale, self.leak_offsets, self.combine = gate_scale, leak_offsets, combine
         self.out_casts = out_casts
 
-    def weights(self):
-        """(gate_up_proj, down_proj) as the GEMMs read them."""
+    def weights(self, hidden):
+        """(gate_up_proj, down_proj) as the GEMMs read them (``hidden``: the layer's input)."""
         return self.gate_up_proj, self.down_proj
 
     def forward(self, hidden, top_k_index, top_k_weights):
@@ -48,7 +48,7 @@ class HandWrittenExperts(nn.Module):
         w = weights[perm]
         counts = torch.histc(ids_sorted.float(), bins=E, min=self.histc_min, max=E - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate_up_proj, down_proj = self.weights()
+        gate_up_proj, down_proj = self.weights(hidden)
         h = torch.ops.transformers.grouped_mm_fallback(x, gate_up_proj.transpose(-2, -1), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
         if self.swap_halves:
@@ -80,8 +80,16 @@ class LowRankDeltaExperts(HandWrittenExperts):
         self.a_down = nn.Parameter(torch.randn(E, rank, I) * 0.1)
         self.b_down = nn.Parameter(torch.randn(E, H, rank) * 0.1)
 
-    def weights(self):
+    def weights(self, hidden):
         return self.gate_up_proj + self.b_up @ self.a_up, self.down_proj + self.b_down @ self.a_down
+
+
+class HiddenScaledExperts(HandWrittenExperts):
+    """A down weight computed from the layer's input (not from its routed rows): its gradient reaches the hidden
+    states through the weight as well."""
+
+    def weights(self, hidden):
+        return self.gate_up_proj, self.down_proj * (hidden.mean() + 1.0)
 
 
 class TitanStyleExperts(nn.Module):
@@ -164,17 +172,19 @@ def test_swapped_halves_and_a_scale_are_part_of_the_gate_program():
     assert counters["uniep"]["moe_experts"] == 1
 
 
-@pytest.mark.parametrize("module", ["buffers", "low_rank_delta"])
+@pytest.mark.parametrize("module", ["buffers", "low_rank_delta", "hidden_scaled"])
 def test_expert_weights_that_are_not_parameters_rewrite(module):
     """The op computes sum_k w * down_e(gate(up_e(x))) for any weight tensors of the right shapes: buffers (no weight
     gradient) and weights computed in the forward (a frozen base plus a trainable low-rank delta, PEFT's LoRA on
-    expert parameters), whose gradient reaches the delta's factors. Output and every gradient equal eager's."""
+    expert parameters; a weight scaled by the layer's input), whose gradient reaches what they are computed from.
+    Output and every gradient (the hidden states' included) equal eager's."""
     torch.manual_seed(0)
-    experts = HandWrittenExperts(weights_as_buffers=True) if module == "buffers" else LowRankDeltaExperts()
+    experts = {"buffers": lambda: HandWrittenExperts(weights_as_buffers=True), "low_rank_delta": LowRankDeltaExperts,
+               "hidden_scaled": HiddenScaledExperts}[module]()
     capture = compile_and_compare(experts, routed())
     assert counters["uniep"]["moe_experts"] == 1 and counters["uniep"]["unfused"] == 0
     assert capture.targets().count(torch.ops.uniep.moe_experts.default) == 1
-    assert module == "buffers" or len(list(experts.parameters())) == 4
+    assert module != "low_rank_delta" or len(list(experts.parameters())) == 4
 
 
 def test_torchtitan_style_plain_pytorch_rewrites():

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-
 # GraphModule meta key of a body: the outer graph's higher-order op calls that run it
 OUTER_CALLS = "uniep_outer_calls"
 

@@ -77,7 +77,7 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
     _require(h_dtype in SUPPORTED_DTYPES, f"hidden states are {_dtype_name(h_dtype)}; supported dtypes are "
                                           "float32, float16, bfloat16", "float32, float16 or bfloat16",
              _dtype_name(h_dtype))
-    for name, node in (("up", w_up), ("down", w_down)):
+    for node in (w_up, w_down):
         _require(_dtype(node) == h_dtype, f"expert weights are {_dtype_name(_dtype(node))} but hidden states "
                                           f"are {_dtype_name(h_dtype)} (mixed precision is not supported)")
     for name, node in (("up", b_up), ("down", b_down)):
@@ -119,7 +119,11 @@ def check_region(root: Node, value: Combined, interp: "Interpreter") -> ExpertsM
         outside = [u for u in node.users if u not in members]
         if node is not root and outside:
             raise Mismatch(f"intermediate {node.name} is also used by {outside[0].name}, outside the experts region")
-    _require_no_writes_to_inputs(nodes, [hidden, ids, weights, w_up, w_down, b_up, b_down] + post_operands)
+    inputs = [hidden, ids, weights, w_up, w_down, b_up, b_down] + post_operands
+    # the op replaces the region's nodes, so none of its inputs (weights computed in the forward included) may be one
+    inside = [n for n in inputs if isinstance(n, Node) and n in members]
+    _require(not inside, f"{inside[0].name if inside else ''}, an input of the experts op, is computed inside the region")
+    _require_no_writes_to_inputs(nodes, inputs)
     spelling = "batched_mm" if any(gu.op_name(n) == "bmm" for n in nodes) else "grouped_mm"
     out_of_range = _out_of_range_mode(interp.id_bounds.get(ids, []), num_experts, spelling)
     for operand in post_operands:
