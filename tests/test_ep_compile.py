@@ -756,13 +756,14 @@ def test_device_plan_waits_only_for_calls_more_than_two_behind(monkeypatch):
     calls = [saved() for _ in range(5)]
     calls[4].x = None  # its backward ran
     events = [Event(reached) for reached in (False, True, False, False, False)]
-    monkeypatch.setattr(device_plan, "_EARLIER", [(weakref.ref(c), e, torch.tensor([3 + i]))
-                                                  for i, (c, e) in enumerate(zip(calls, events))])
+    for i, (c, e) in enumerate(zip(calls, events)):
+        c.count = (e, torch.tensor([3 + i]))
+    monkeypatch.setattr(device_plan, "_EARLIER", [weakref.ref(c) for c in calls])
     device_plan._compact_earlier()
     assert [e.waited for e in events] == [True, False, False, False, False]
     assert [c.x.shape[0] if c.x is not None else None for c in calls] == [3, 4, 10, 10, None]
     assert calls[0].up.shape[0] == calls[0].ids.shape[0] == calls[0].plan[0].shape[0] == 3
-    pending = [entry[0]() for entry in device_plan._EARLIER]
+    pending = [ref() for ref in device_plan._EARLIER]
     assert len(pending) == 2 and pending[0] is calls[2] and pending[1] is calls[3]
     events[2].reached = True
     device_plan._compact_earlier()  # reached now: shrunk with no wait

@@ -133,8 +133,7 @@ class Saved:
     count: tuple | None = None  # (event or None, host tensor) of _received_rows_later: the received rows' count
 
 
-# (weak reference to an earlier call's Saved, event after its received row count was copied, that count on the host):
-# the buffers _compact_earlier shrinks at the next forward
+# weak references to earlier calls' Saved, whose buffers _compact_earlier shrinks at the next forward
 _EARLIER: list = []
 
 
@@ -150,20 +149,29 @@ def _received_rows_later(ends: torch.Tensor):
     return event, host
 
 
+def _first_rows(saved: Saved, received: int):
+    """(x, up, down, ids, ones, plan) of the first ``received`` rows (at least one) of the buffers a call saved for
+    its backward, as views, or None where that cuts nothing or they are not row for row with the receive buffer. The
+    rows past them were never received, and the backward drops them (their expert id is past the local experts), so
+    the bits do not change."""
+    keep, rows = max(received, 1), saved.x.shape[0]
+    if keep >= rows or any(t is not None and t.shape[0] != rows for t in (saved.up, saved.down)):
+        return None
+    index = saved.plan[0][:keep]
+    return (*(t[:keep] if t is not None else None for t in (saved.x, saved.up, saved.down, saved.ids, saved.ones)),
+            (index, index, saved.plan[2]))
+
+
 def _compact(saved: Saved, received: int) -> None:
-    """Keep only the first ``received`` rows (at least one) of the buffers a call saved for its backward: the rows
-    past them were never received, and the backward drops them (their expert id is past the local experts), so the
-    bits do not change."""
-    keep = max(received, 1)
-    if saved.x is None or keep >= saved.x.shape[0]:
+    """Keep only the first ``received`` rows (at least one) of the buffers a call saved for its backward (_first_rows),
+    as copies, so that the worst-case buffers are freed."""
+    cut = _first_rows(saved, received) if saved.x is not None else None
+    if cut is None:
         return
-    rows = saved.x.shape[0]
-    if any(t is not None and t.shape[0] != rows for t in (saved.up, saved.down)):
-        return  # not row for row with the receive buffer: left as it is
-    saved.x, saved.up, saved.down, saved.ids, saved.ones = (
-        t[:keep].clone() if t is not None else None for t in (saved.x, saved.up, saved.down, saved.ids, saved.ones))
-    index = saved.plan[0][:keep].clone()
-    saved.plan = (index, index, saved.plan[2])
+    *buffers, plan = cut
+    saved.x, saved.up, saved.down, saved.ids, saved.ones = (t.clone() if t is not None else None for t in buffers)
+    index = plan[0].clone()
+    saved.plan = (index, index, plan[2])
 
 
 def _received_now(saved: Saved) -> int | None:
@@ -176,18 +184,13 @@ def _received_now(saved: Saved) -> int | None:
 
 
 def _received_view(saved: Saved):
-    """(x, up, down, ids, ones, plan) of a call for its backward: the first received rows (at least one) of its saved
-    buffers, as views, where the count has reached the host, else the buffers as saved. A call that no later forward
+    """(x, up, down, ids, ones, plan) of a call for its backward: its saved buffers' first received rows as views
+    (_first_rows) where the count has reached the host, else the buffers as saved. A call that no later forward
     shrank (the model's last MoE layer, or one the host ran ahead of) is held at the worst case until its backward;
-    sized by the views, the backward's own buffers (the gradient rows received, the experts' backward) are not. The
-    bits do not change (the rows past the received ones are dropped, as in _compact)."""
-    buffers = (saved.x, saved.up, saved.down, saved.ids, saved.ones)
-    keep, rows = _received_now(saved), saved.x.shape[0]
-    if keep is None or max(keep, 1) >= rows or any(t is not None and t.shape[0] != rows for t in buffers[1:3]):
-        return (*buffers, saved.plan)
-    keep = max(keep, 1)
-    index = saved.plan[0][:keep]
-    return (*(t[:keep] if t is not None else None for t in buffers), (index, index, saved.plan[2]))
+    sized by the views, the backward's own buffers (the gradient rows received, the experts' backward) are not."""
+    keep = _received_now(saved)
+    cut = _first_rows(saved, keep) if keep is not None else None
+    return cut if cut is not None else (saved.x, saved.up, saved.down, saved.ids, saved.ones, saved.plan)
 
 
 # earlier calls whose buffers may stay at the worst-case size while the GPU has not yet copied their row count: the
@@ -201,20 +204,20 @@ def _compact_earlier() -> None:
     at that call's tables, before the work queued since). A call whose backward already ran, or whose graph is gone,
     is skipped."""
     pending = []
-    for entry in _EARLIER:
-        saved = entry[0]()
+    for ref in _EARLIER:
+        saved = ref()
         if saved is None or saved.x is None:
             continue
-        if entry[1] is None or entry[1].query():
-            _compact(saved, int(entry[2][0]))
+        received = _received_now(saved)
+        if received is not None:
+            _compact(saved, received)
         else:
-            pending.append(entry)
+            pending.append(ref)
     while len(pending) > _AHEAD:
-        ref, event, host = pending.pop(0)
-        event.synchronize()
-        saved = ref()
+        saved = pending.pop(0)()
         if saved is not None and saved.x is not None:
-            _compact(saved, int(host[0]))
+            saved.count[0].synchronize()
+            _compact(saved, int(saved.count[1][0]))
     _EARLIER[:] = pending
 
 
@@ -279,7 +282,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
     saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received)
-    _EARLIER.append((weakref.ref(saved), *received))
+    _EARLIER.append(weakref.ref(saved))
     return back, row_order, slot_row, offsets, every, saved
 
 
