@@ -10,6 +10,10 @@ same model (dynamo is reset between backends). Prints a table and writes JSON.
 
 --time-experts: after timing uniep, one more step with CUDA events around the experts ops' work: their GPU time
 against the whole step's (what a faster experts layer could take off the step).
+
+--breakdown: after timing each backend, one more step with CUDA events between its forward (with the loss),
+backward and optimizer step, and one under torch.profiler: the GPU time of each phase and the kernels that took the
+most time (summed by name), where the step's time goes outside the experts.
 """
 from __future__ import annotations
 
@@ -85,7 +89,36 @@ def experts_share(step) -> dict:
             "events_step_ms": round(start.elapsed_time(end), 2)}
 
 
-def time_backend(model, backend, input_ids, iters, warmup, time_experts=False):
+def breakdown(forward, backward, optimizer, top: int = 12) -> dict:
+    """One step timed phase by phase with CUDA events (forward with the loss, backward, optimizer step), then one
+    under torch.profiler: each phase's ms and the ``top`` kernels by summed GPU time."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    torch.cuda.synchronize()
+    events[0].record()
+    loss = forward()
+    events[1].record()
+    backward(loss)
+    events[2].record()
+    optimizer()
+    events[3].record()
+    torch.cuda.synchronize()
+    phases = {name: round(events[i].elapsed_time(events[i + 1]), 2)
+              for i, name in enumerate(("forward_ms", "backward_ms", "optimizer_ms"))}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        backward(forward())
+        optimizer()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:90]
+            kernels[name] = kernels.get(name, 0.0) + event.time_range.elapsed_us() / 1000
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+    return {**phases, "kernels_ms": round(sum(kernels.values()), 2),
+            "top_kernels": [[name, round(ms, 3)] for name, ms in ranked[:top]]}
+
+
+def time_backend(model, backend, input_ids, iters, warmup, time_experts=False, phases=False):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -93,11 +126,17 @@ def time_backend(model, backend, input_ids, iters, warmup, time_experts=False):
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
 
-    def step():
-        loss = compiled(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
+    def forward():
+        return compiled(input_ids=input_ids, labels=input_ids).loss
+
+    def optimizer():
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def step():
+        loss = forward()
+        loss.backward()
+        optimizer()
         return loss
 
     t0 = time.time()
@@ -111,6 +150,8 @@ def time_backend(model, backend, input_ids, iters, warmup, time_experts=False):
            "uniep_rewrites": counters["uniep"]["moe_experts"], "uniep_router_rewrites": counters["uniep"]["moe_router"]}
     if time_experts and backend == "uniep":
         row.update(experts_share(step))
+    if phases:
+        row.update(breakdown(forward, lambda loss: loss.backward(), optimizer))
     return row
 
 
@@ -127,6 +168,8 @@ def main():
     parser.add_argument("--backends", default="inductor,uniep")
     parser.add_argument("--time-experts", action="store_true",
                         help="one more uniep step: GPU time of the experts ops' work against the whole step's")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="one more step per backend: its forward, backward and optimizer time, and its top kernels")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_train_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -145,7 +188,8 @@ def main():
     rows = {}
     for backend in args.backends.split(","):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        rows[backend] = time_backend(model, backend, input_ids, args.iters, args.warmup, args.time_experts)
+        rows[backend] = time_backend(model, backend, input_ids, args.iters, args.warmup, args.time_experts,
+                                     args.breakdown)
         model.load_state_dict(state)  # every backend starts from the same weights
         del state
         print(json.dumps({backend: rows[backend]}), flush=True)
@@ -154,6 +198,12 @@ def main():
     for backend, row in rows.items():
         speed = f"{base / row['ms']:.3f}x" if base else "-"
         print(f"{backend:10s} {row['ms']:10.2f} {speed:>8s} {row['peak_gb']:8.2f} {row['first_loss']:10.4f}")
+    for backend, row in rows.items():
+        if "top_kernels" in row:
+            print(f"{backend}: forward {row['forward_ms']} ms, backward {row['backward_ms']} ms, optimizer "
+                  f"{row['optimizer_ms']} ms; kernels {row['kernels_ms']} ms, the most:")
+            for name, ms in row["top_kernels"]:
+                print(f"  {ms:9.3f}  {name}")
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
