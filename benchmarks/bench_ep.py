@@ -49,6 +49,9 @@ it. Providers, on the same module and inputs:
   hf_uniep_overlap_graphs  hf_uniep_overlap with mode="reduce-overhead"
   hf_uniep_device_plan, hf_layer_uniep_device_plan  hf_uniep and hf_layer_uniep with options={"ep_device_plan":
              True}: uniep.ep_layer keeps its routing plan on the device (no host synchronization in the layer)
+             wherever it can run; the default ("auto") does so where its worst-case buffers fit (device_plan.choose)
+  hf_uniep_sync, hf_layer_uniep_sync  the same with options={"ep_device_plan": False}: the layer reads its plan on
+             the host (the synchronized path, the default before ep_device_plan="auto")
   hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a model
              of the same kind with --layers decoder layers (one by default), whole (each decoder layer with its
              attention at the shape's real head counts, the final norm, a 128-word head) on [1, T, H] input
@@ -103,7 +106,7 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs",
              "hf_uniep_overlap_graphs", "hf_layer_eager", "hf_layer_inductor", "hf_layer_uniep",
              "hf_layer_inductor_graphs", "hf_layer_uniep_graphs", "hf_uniep_device_plan",
-             "hf_layer_uniep_device_plan")
+             "hf_layer_uniep_device_plan", "hf_uniep_sync", "hf_layer_uniep_sync")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -508,7 +511,8 @@ def _worker(rank, world, port, args, out_path):
                     backend = {"eager": None, "inductor": "inductor"}.get(
                         provider[len(family) + 1:].removesuffix("_graphs"), "uniep")
                     options = {"overlap_ep": True} if "_uniep_overlap" in provider else \
-                        {"ep_device_plan": True} if provider.endswith("_device_plan") else None
+                        {"ep_device_plan": True} if provider.endswith("_device_plan") else \
+                        {"ep_device_plan": False} if provider.endswith("_sync") else None
                     mode = "reduce-overhead" if provider.endswith("_graphs") else None
                     if options and mode:  # torch.compile takes one of them: the mode's settings go in uniep's options
                         options["inductor"], mode = dict(torch._inductor.list_mode_options(mode)), None

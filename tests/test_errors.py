@@ -48,6 +48,8 @@ def test_second_backward_through_reused_buffers_names_the_option(inner, donated)
     ("inductor", [("max_autotune", True)], r"inductor=\[\('max_autotune', True\)\] \(list\); inductor takes a dict"),
     ("ep_knobs", "chunks=8", r"ep_knobs='chunks=8' \(str\); ep_knobs takes a dict"),
     ("inner_backend", 3, r"inner_backend=3 \(int\); inner_backend takes one of \('inductor'"),
+    ("ep_device_plan", 1, r"ep_device_plan=1 \(int\); ep_device_plan takes True, False or \"auto\""),
+    ("ep_device_plan", "on", r"ep_device_plan='on' \(str\); ep_device_plan takes True, False or \"auto\""),
 ])
 def test_option_of_the_wrong_type_is_an_error_naming_it(name, value, expected):
     with pytest.raises(ValueError, match="uniep: option " + expected):

@@ -201,6 +201,8 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
     import uniep_dynamo  # noqa: F401
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
+
+    from uniep_dynamo.ep import device_plan
     from transformers.distributed import DistributedConfig
 
     input_ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(rank)).cuda()
@@ -210,7 +212,7 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
     torch.cuda.CUDAGraph.capture_begin = lambda self, *a, **k: (captures.append(1), capture_begin(self, *a, **k))[1]
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for name in ("eager", "uniep", "uniep_again", "uniep_graphs", "uniep_device_plan"):
+            for name in ("eager", "uniep", "uniep_again", "uniep_graphs", "uniep_device_plan", "uniep_sync"):
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=(
                     DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="all_to_all")))
                 torch._dynamo.reset()
@@ -218,8 +220,10 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
                 # uniep_graphs: mode="reduce-overhead", inductor's CUDA graphs around the EP layers; three steps
                 run = model if name == "eager" else torch.compile(
                     model, backend="uniep", mode="reduce-overhead" if name == "uniep_graphs" else None,
-                    options={"ep_device_plan": True} if name == "uniep_device_plan" else None)
+                    options={"uniep_device_plan": {"ep_device_plan": True},
+                             "uniep_sync": {"ep_device_plan": False}}.get(name))
                 captures.clear()
+                planned_before = device_plan.RUNS["forward"]
                 try:
                     for _ in range(3 if name == "uniep_graphs" else 1):
                         torch.compiler.cudagraph_mark_step_begin()
@@ -235,7 +239,8 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
                          for n, p in model.named_parameters() if p.grad is not None}
                 results[(dtype, name)] = {"loss": loss.detach().float().cpu(), "grads": grads,
                                           "counters": dict(counters["uniep"]),
-                                          "captures": len(captures)}
+                                          "captures": len(captures),
+                                          "device_plan_calls": device_plan.RUNS["forward"] - planned_before}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -246,8 +251,9 @@ def _hf_gpu_worker(rank, world, port, model_dir, out_dir):
 def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
     """HF transformers' own EP (AllToAllEP, >= 5.23) over NCCL, compiled with backend="uniep" (inductor
     behind it): each layer one uniep.ep_layer; in fp32, loss and gradients within 1e-4 / 1e-3 of HF's eager EP
-    path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal; the same with ep_device_plan
-    (the layer's plan on the device). Under mode="reduce-overhead"
+    path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal. The default (ep_device_plan
+    "auto") runs the layer with its plan on the device here (a tiny model on one host), as True does; False (the
+    synchronized path) gives the same bits. Under mode="reduce-overhead"
     (three steps) CUDA graphs are captured around the EP layers, and loss and gradients are the compile's without
     them, bit for bit."""
     import tempfile
@@ -286,9 +292,15 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
             assert graphs["captures"] > 0 and graphs["counters"].get("ep_layer", 0) >= 1, (graphs["captures"],
                                                                                          graphs["counters"])
             assert first["captures"] == 0, first["captures"]
-            # ep_device_plan: the layer's plan on the device (no host synchronization), eager's loss and gradients
-            planned = r[(dtype, "uniep_device_plan")]
+            # ep_device_plan: the layer's plan on the device (no host synchronization) by default ("auto") and with
+            # True, eager's loss and gradients; False: the synchronized path, the same bits
+            planned, sync = r[(dtype, "uniep_device_plan")], r[(dtype, "uniep_sync")]
             assert planned["counters"].get("ep_layer", 0) >= 1, planned["counters"]
+            assert first["device_plan_calls"] >= 1 and planned["device_plan_calls"] >= 1, first["device_plan_calls"]
+            assert sync["device_plan_calls"] == 0 and sync["counters"].get("ep_layer", 0) >= 1, sync["counters"]
+            torch.testing.assert_close(sync["loss"], first["loss"], atol=0, rtol=0)
+            for name, want in first["grads"].items():
+                assert torch.equal(sync["grads"][name], want), f"rank {rank} {dtype}: {name} synchronized path"
             torch.testing.assert_close(planned["loss"], eager["loss"], atol=1e-4 if fp32 else 2e-2,
                                        rtol=1e-4 if fp32 else 2e-2)
             for name, want in eager["grads"].items():

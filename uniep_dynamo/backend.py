@@ -51,8 +51,13 @@ class UniepOptions:
     overlap_ep: bool = False
     # HF's EP layer (uniep.ep_layer) with its routing plan kept on the device: no host synchronization in the layer,
     # so the host runs ahead of the GPU (ep/device_plan.py: device-side split sizes, symmetric-memory windows sized
-    # for the most rows a rank can receive). Where it cannot run, the synchronized path runs, with a warning
-    ep_device_plan: bool = False
+    # for the most rows a rank can receive). "auto" (the default): on CUDA, where the EP group's GPUs share one host
+    # and the buffers it holds above the synchronized path's at the worst case fit in 1/16 of the GPU's memory, and
+    # overlap_ep is off (device_plan.choose; measured on HF's 4-layer Qwen3-30B-A3B-dims model at 2 ranks: 1.09x /
+    # 1.17x inductor synchronized / back to back against the synchronized path's 1.01x / 1.00x, its back-to-back
+    # spread within 5%, 0.87 GiB more memory; BENCHMARKS.md). True: wherever it can run (else the synchronized path,
+    # with a warning); False: never
+    ep_device_plan: bool | str = "auto"
     # OverlapConfig fields for those exchanges (ep/config.py), e.g. {"chunks": 8, "copy_kernel": True}
     ep_knobs: dict = field(default_factory=dict)
     inductor: dict = field(default_factory=dict)  # inductor config patches, as torch.compile(options=...) takes
@@ -89,6 +94,8 @@ def _check_type(name: str, value, annotation: str) -> None:
     if name == "inner_backend":
         ok, expected = isinstance(value, str) or callable(value), \
             f"one of {INNER_BACKENDS} or a torch.compile backend callable"
+    elif annotation == "bool | str":  # ep_device_plan
+        ok, expected = isinstance(value, bool) or value == "auto", 'True, False or "auto"'
     else:
         kind = {"bool": bool, "dict": dict, "int": int, "float": float, "str": str}[annotation]
         ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))

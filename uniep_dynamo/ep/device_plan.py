@@ -101,12 +101,88 @@ def unsupported_reason(hidden, group) -> str | None:
     return None
 
 
-def _host_tokens(num_tokens: int, group) -> list:
+def host_tokens(num_tokens: int, group) -> list:
     """Every rank's token count on the host, all-gathered over the host group (no GPU involved)."""
     hosts = host_group(group)
     out = torch.empty(dist.get_world_size(group), dtype=torch.int64)
     all_gather_flat(out, torch.tensor([num_tokens], dtype=torch.int64), hosts)
     return out.tolist()
+
+
+# ep_layer's device_plan argument (the compile's ep_device_plan: False, True, "auto")
+OFF, ON, AUTO = 0, 1, 2
+# "auto" runs this path where the buffers it holds above the synchronized path's, at the worst case, fit in this
+# share of the GPU's memory (the smallest of the group's GPUs)
+AUTO_MEMORY_SHARE = 1 / 16
+# process group name -> (that group, why the auto rule leaves the group on the synchronized path or None, the
+# smallest total memory of its GPUs): found once per group, the same on every rank
+_GROUP_FACTS: dict = {}
+
+
+def _group_facts(group, device: torch.device):
+    """(reason or None, smallest GPU memory in bytes) of ``group`` for the auto rule, gathered over the host group at
+    the group's first call: its ranks must share one host (the transfer kernel reads and writes the peers' memory
+    directly), each GPU must reach every other one (peer access), and every rank learns the same answer."""
+    import socket
+    import zlib
+
+    entry = _GROUP_FACTS.get(group.group_name)
+    if entry is None or entry[0] is not group:
+        world, hosts = dist.get_world_size(group), host_group(group)
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), device.index,
+                             torch.cuda.get_device_properties(device).total_memory], dtype=torch.int64)
+        every = torch.empty(3 * world, dtype=torch.int64)
+        all_gather_flat(every, mine, hosts)
+        names, devices, memory = every[0::3].tolist(), every[1::3].tolist(), min(every[2::3].tolist())
+        reason = None
+        if len(set(names)) > 1:
+            reason = "the EP group spans several hosts (its transfers address the peers' GPU memory within one host)"
+        else:
+            reach = torch.tensor([all(d == device.index or torch.cuda.can_device_access_peer(device, d)
+                                      for d in devices)], dtype=torch.int64)
+            reaches = torch.empty(world, dtype=torch.int64)
+            all_gather_flat(reaches, reach, hosts)
+            if not all(reaches.tolist()):
+                reason = "a GPU of the EP group has no peer access to another"
+        entry = _GROUP_FACTS[group.group_name] = (group, reason, memory)
+    return entry[1], entry[2]
+
+
+def _auto_facts(hidden, group):
+    """(why the auto rule does not run the path here or None, the smallest GPU memory of the group in bytes)."""
+    if not hidden.is_cuda:
+        return "not on CUDA", 0
+    return _group_facts(group, hidden.device)
+
+
+def worst_case_excess(tokens: list, top_k: int, hidden_size: int, up_width: int, itemsize: int) -> int:
+    """Bytes the path may hold above the synchronized one, at the worst case: the receive buffer and its up
+    projection at the most rows this rank can receive (every rank's T * K) instead of its own T * K rows (the mean
+    at even routing), for the layer whose backward is next and the _AHEAD layers whose counts the host has not
+    seen yet."""
+    extra_rows = (sum(tokens) - max(tokens)) * top_k
+    return (_AHEAD + 1) * extra_rows * (hidden_size + up_width) * itemsize
+
+
+def choose(hidden, topk_ids, w_up, group, auto: bool):
+    """(None, every rank's token count) where this path runs, else (why not, None). ``auto`` (the compile's default,
+    ep_device_plan="auto"): also only on CUDA, within one host, and where worst_case_excess fits in
+    AUTO_MEMORY_SHARE of the smallest GPU of the group; every rank decides alike (from gathered counts), so the
+    group's collectives match."""
+    why = unsupported_reason(hidden, group)
+    if why is None and auto:
+        why, memory = _auto_facts(hidden, group)
+    if why is not None:
+        return why, None
+    tokens = host_tokens(topk_ids.shape[0], group)
+    if auto:
+        up_width = w_up[0].numel() // hidden.shape[1]
+        excess = worst_case_excess(tokens, topk_ids.shape[1], hidden.shape[1], up_width, hidden.element_size())
+        if excess > memory * AUTO_MEMORY_SHARE:
+            return (f"its worst-case buffers would hold {excess / 2**30:.1f} GiB above the synchronized path's, over "
+                    f"{AUTO_MEMORY_SHARE:.3g} of the GPU's {memory / 2**30:.0f} GiB (ep_device_plan=True runs it "
+                    "anyway)"), None
+    return None, tokens
 
 
 def _buffer(rows: int, like: torch.Tensor, fused_kernels: bool) -> torch.Tensor:
@@ -132,6 +208,9 @@ class Saved:
     fused_kernels: bool
     count: tuple | None = None  # (event or None, host tensor) of _received_rows_later: the received rows' count
 
+
+# forward calls of this path in this process (the tests read it: which path ep_layer took)
+RUNS = {"forward": 0}
 
 # weak references to earlier calls' Saved, whose buffers _compact_earlier shrinks at the next forward
 _EARLIER: list = []
@@ -237,22 +316,23 @@ def _identity_plan(ends: torch.Tensor, rows: int, dtype):
     return ids, ones, (index, index, ends)
 
 
-def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knobs, fused_kernels: bool):
+def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knobs, fused_kernels: bool, tokens: list):
     """(rows sent back [T*K, H] in plan order, row_order, slot_row, offsets, every rank's counts [W, E + 1] on the
-    device, Saved) of the EP layer's exchange with the plan on the device."""
+    device, Saved) of the EP layer's exchange with the plan on the device; ``tokens``: every rank's token count
+    (choose)."""
     from ..kernels import megakernel
     from ..kernels.triton_transfer import layout_tables
     from ..spec import decode_spec
 
     _compact_earlier()
+    RUNS["forward"] += 1
     s = decode_spec(spec)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     slots, size, local = topk_ids.numel(), hidden.shape[1], w_up.shape[0]
     num_experts = local * world
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     every = device_count_table(offsets, slots, group)
-    tokens = _host_tokens(num_tokens, group)
     # an id outside [0, E) sorts past every expert's rows: its rank's counts sum to fewer than its slots. Checked on
     # the device (a failed check stops the process with this message), not lost
     torch._assert_async(every[:, :num_experts].sum(1).eq(every[:, num_experts]).all(),

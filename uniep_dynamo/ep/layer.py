@@ -41,7 +41,7 @@ def _process_group(group_name: str):
 
 _LAYER_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, Tensor? b_up, "
                  "Tensor? b_down, str spec, str group_name, int world, bool overlap=False, str knobs=\"\", "
-                 "bool device_plan=False) "
+                 "int device_plan=0) "
                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
@@ -75,7 +75,7 @@ def _out_dtype(spec, weights):
 
 @torch.library.custom_op("uniep::ep_layer", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_LAYER_SCHEMA)
 def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, overlap=False,
-             knobs="", device_plan=False):
+             knobs="", device_plan=0):
     """The EP layer over the `world` ranks of `group_name`, each owning E / W consecutive experts (w_up, w_down,
     b_up, b_down are this rank's): hidden [T, H], topk_ids [T, K] (global ids), topk_weights [T, K] are this
     rank's tokens. ``spec``: the experts op's spec for the received rows (each one expert, weight 1; its out_dtype
@@ -83,10 +83,10 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     [T*K, H], then what the backward reads: row_order, slot_row, expert_offsets, the received counts [W, E/W], and on
     the host the exchange's table and the split sizes [2, W]). The rows sent back, the received rows and their up
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
-    the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: the plan
-    stays on the device (ep/device_plan.py: no host synchronization; ``overlap`` is then not read) where that path
-    runs; the host table and sizes are then placeholders of their shapes, and the received counts are on the device
-    as ever."""
+    the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: 1 (True)
+    keeps the plan on the device (ep/device_plan.py: no host synchronization; ``overlap`` is then not read) where
+    that path runs, 2 ("auto") where device_plan.choose's rule says so and ``overlap`` is off, 0 never; the host
+    table and sizes are then placeholders of their shapes, and the received counts are on the device as ever."""
     group = _process_group(group_name)
     if group.size() != world:
         raise ValueError(f"uniep.ep_layer: compiled for {world} ranks, but process group {group_name!r} has "
@@ -95,14 +95,19 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0] * world
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
-    if device_plan:
-        why = device_plan_path.unsupported_reason(hidden, group)
+    auto = device_plan == device_plan_path.AUTO
+    if device_plan and not (auto and overlap):
+        why, tokens = device_plan_path.choose(hidden, topk_ids, w_up, group, auto)
         if why is None:
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
-                                        knobs, fused_kernels)
+                                        knobs, fused_kernels, tokens)
         from ..kernels import megakernel
-        megakernel.warn_once("ep_layer", why,
-                             "uniep: ep_device_plan cannot run here; the EP layer reads its plan on the host: %s")
+        if auto:
+            megakernel.info_once("ep_layer", why, "uniep: the EP layer reads its plan on the host (ep_device_plan "
+                                 "\"auto\" leaves the device plan off here): %s")
+        else:
+            megakernel.warn_once("ep_layer", why,
+                                 "uniep: ep_device_plan cannot run here; the EP layer reads its plan on the host: %s")
     row_order, slot_row, offsets = routing_plan(topk_ids, num_experts, fused_kernels)
     counts, slots, every = count_table(offsets, topk_ids.numel(), group)  # the layer's one host synchronization
     # an id outside [0, E) sorts past every expert's rows: that rank's counts then sum to fewer than its slots
@@ -131,12 +136,12 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
 
 
 def _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group, knobs,
-                         fused_kernels):
+                         fused_kernels, tokens):
     world, local = group.size(), w_up.shape[0]
     rank = dist.get_rank(group)
     back, row_order, slot_row, offsets, every, saved = device_plan_path.forward(
         hidden, topk_ids, w_up, w_down, b_up, b_down, spec, group, knobs_from_json(knobs) or OverlapConfig(),
-        fused_kernels)
+        fused_kernels, tokens)
     saved.y_rows = back.to(s.out_dtype)
     out = combine_rows(saved.y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights), fused_kernels)
     recv = every[:, rank * local:(rank + 1) * local].contiguous()
@@ -148,7 +153,7 @@ def _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_d
 
 @ep_layer.register_fake
 def _ep_layer_fake(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world,
-                   overlap=False, knobs="", device_plan=False):
+                   overlap=False, knobs="", device_plan=0):
     s = decode_spec(spec)
     num_tokens, top_k = topk_ids.shape
     slots, size = topk_ids.numel(), hidden.shape[1]

@@ -139,6 +139,13 @@ def warn_once(op: str, reason: str, message: str) -> None:
         log.warning(message, reason)
 
 
+def info_once(op: str, reason: str, message: str) -> None:
+    """warn_once at the info level: a default choosing the slower path where the faster one would not fit."""
+    if (op, reason) not in _LOGGED:
+        _LOGGED.add((op, reason))
+        log.info(message, reason)
+
+
 def log_fallback(op: str, reason: str, hidden) -> None:
     """One log line per (op, reason) on CUDA, where the reference is the slow path."""
     if (op, reason) not in _LOGGED and hidden.device.type == "cuda":
