@@ -431,11 +431,12 @@ def _checkpointing_worker(rank, world, port, model_dir, out_dir):
     load, messages = _hf_ep_setup(rank, world, port, model_dir)
     from test_distributed_training import _counting_backend
     from uniep_dynamo import hf_ep
+    from uniep_dynamo.ep import device_plan
 
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))
     results = {}
     try:
-        for name in ("eager", "model", "blocks"):
+        for name in ("eager", "model", "blocks", "blocks_device_plan"):
             messages.clear()
             model = load()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -445,9 +446,11 @@ def _checkpointing_worker(rank, world, port, model_dir, out_dir):
             run = model
             if name == "model":  # the whole model compiled
                 run = torch.compile(model, backend="uniep", options={"inner_backend": inner})
-            elif name == "blocks":  # each MoE block compiled, inside the checkpointed decoder layer
-                for layer in model.model.layers:
-                    layer.mlp.compile(backend="uniep", options={"inner_backend": inner})
+            elif name.startswith("blocks"):  # each MoE block compiled, inside the checkpointed decoder layer
+                for layer in model.model.layers:  # (the device plan, the default on GPUs, forced here: CPU)
+                    layer.mlp.compile(backend="uniep", options={"inner_backend": inner,
+                                                                "ep_device_plan": name == "blocks_device_plan"})
+            planned = device_plan.RUNS["forward"]
             losses = []
             for _ in range(2):  # the first step compiles inside the checkpointed region, the second does not
                 model.zero_grad(set_to_none=True)
@@ -457,7 +460,8 @@ def _checkpointing_worker(rank, world, port, model_dir, out_dir):
             grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                      for n, p in model.named_parameters() if p.grad is not None}
             results[name] = {"losses": losses, "grads": grads, "ran": dict(graphs["ran"]),
-                             "graphs": len(graphs["forward"]), "warned": messages.count(hf_ep.EAGER_WARNING)}
+                             "graphs": len(graphs["forward"]), "warned": messages.count(hf_ep.EAGER_WARNING),
+                             "device_plan_calls": device_plan.RUNS["forward"] - planned}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
@@ -470,7 +474,8 @@ def test_hf_ep_layer_under_gradient_checkpointing(tmp_path):
     graph inside the checkpoint, so the layers run eagerly (README, Training set-ups); the loss is eager's, and uniep
     says once that HF's EP layers ran eagerly, with the recipe (before, nothing was said). With each MoE block
     compiled by uniep, each runs as one uniep.ep_layer in the forward and again in the recomputation, with its backward
-    op; loss and every gradient equal the model without uniep over two steps. The first step compiles inside the
+    op; loss and every gradient equal the model without uniep over two steps; with the layer's plan on the device
+    (ep_device_plan, the default on GPUs), the same bits as its synchronized path. The first step compiles inside the
     checkpointed region: hf_ep's trace-time probe of the experts saves its tensors apart from the checkpoint's, whose
     forward and recomputation must save as many (before, torch.utils.checkpoint raised "A different number of tensors
     was saved during the original forward and recomputation")."""
@@ -486,6 +491,11 @@ def test_hf_ep_layer_under_gradient_checkpointing(tmp_path):
         assert eager["warned"] == 0, eager  # no compile in the process yet: running eagerly is what was asked
         assert blocks["ran"].get("forward ep_layer") == 2 * layers * steps, blocks["ran"]  # forward and recomputation
         assert blocks["ran"].get("backward ep_layer_backward") == layers * steps, blocks["ran"]
+        planned = r["blocks_device_plan"]
+        assert planned["device_plan_calls"] == 2 * layers * steps and blocks["device_plan_calls"] == 0, planned
+        assert planned["ran"] == blocks["ran"], planned["ran"]
+        assert all(torch.equal(a, b) for a, b in zip(planned["losses"], blocks["losses"]))
+        assert all(torch.equal(planned["grads"][n], g) for n, g in blocks["grads"].items())
         for got in (whole, blocks):
             for a, b in zip(got["losses"], eager["losses"]):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
