@@ -387,6 +387,8 @@ def _generate_worker(rank, world, port, model_dir, out_dir):
     from test_distributed_training import _counting_backend
     from torch._dynamo.utils import counters
 
+    from uniep_dynamo.ep import device_plan
+
     model = load().eval()
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(rank))  # each rank its own prompts
     # every rank takes the same number of steps (each step's layers are collectives over the ranks)
@@ -397,11 +399,21 @@ def _generate_worker(rank, world, port, model_dir, out_dir):
             want = model.generate(ids, **kwargs)
             inner, graphs = _counting_backend()
             counters.clear()
-            model.forward = torch.compile(model.forward, backend="uniep", options={"inner_backend": inner})
+            plain = model.forward
+            model.forward = torch.compile(plain, backend="uniep", options={"inner_backend": inner})
             got = model.generate(ids, **kwargs)
+            ran, graph_count = dict(graphs["ran"]), len(graphs["forward"])
+            # the layer's plan on the device (the default on GPUs; forced here, on CPU): the same tokens and scores
+            torch._dynamo.reset()
+            planned_before = device_plan.RUNS["forward"]
+            model.forward = torch.compile(plain, backend="uniep", options={"inner_backend": _counting_backend()[0],
+                                                                           "ep_device_plan": True})
+            planned = model.generate(ids, **kwargs)
         torch.save({"want": want.sequences, "got": got.sequences, "want_scores": list(want.scores),
-                    "got_scores": list(got.scores), "ran": dict(graphs["ran"]), "counters": dict(counters["uniep"]),
-                    "graphs": len(graphs["forward"])}, os.path.join(out_dir, f"rank{rank}.pt"))
+                    "got_scores": list(got.scores), "ran": ran, "counters": dict(counters["uniep"]),
+                    "graphs": graph_count, "planned": planned.sequences, "planned_scores": list(planned.scores),
+                    "device_plan_calls": device_plan.RUNS["forward"] - planned_before},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -410,7 +422,9 @@ def _generate_worker(rank, world, port, model_dir, out_dir):
 def test_hf_ep_generate_matches_eager(tmp_path):
     """generate() on HF's EP model (ep_size=2, each rank its own prompts), its forward compiled with uniep as users
     speed it up: greedy decoding with the KV cache gives eager's tokens and, step by step, its scores; the prefill
-    and every decode step run each MoE layer as one uniep.ep_layer (forward only: no backward under no_grad)."""
+    and every decode step run each MoE layer as one uniep.ep_layer (forward only: no backward under no_grad). With the
+    layer's plan on the device (ep_device_plan, the default on GPUs), every call takes it, with the same tokens and
+    scores bit for bit."""
     with tempfile.TemporaryDirectory() as model_dir:
         _save_model("qwen3_moe", model_dir, 4)
         ranks = run_workers(_generate_worker, 2, (model_dir,), tmp_path, timeout=900)
@@ -423,6 +437,9 @@ def test_hf_ep_generate_matches_eager(tmp_path):
         assert r["ran"].get("forward ep_layer") == layers * steps, r["ran"]
         assert not any(k.startswith("backward") for k in r["ran"]), r["ran"]
         assert r["graphs"] >= 2, r["graphs"]  # the prefill and at least one decode graph
+        assert r["device_plan_calls"] == layers * steps, r["device_plan_calls"]
+        assert torch.equal(r["planned"], r["got"])
+        assert all(torch.equal(a, b) for a, b in zip(r["planned_scores"], r["got_scores"]))
 
 
 # ---- HF's EP model under gradient checkpointing ---------------------------------------------------------------------
