@@ -49,7 +49,7 @@ it. Providers, on the same module and inputs:
   hf_uniep_overlap_graphs  hf_uniep_overlap with mode="reduce-overhead"
   hf_uniep_device_plan, hf_layer_uniep_device_plan  hf_uniep and hf_layer_uniep with options={"ep_device_plan":
              True}: uniep.ep_layer keeps its routing plan on the device (no host synchronization in the layer)
-             wherever it can run; the default ("auto") does so where its worst-case buffers fit (device_plan.choose)
+             wherever it can run; the default ("auto") does so where its worst-case buffers fit (device_choice.choose)
   hf_uniep_sync, hf_layer_uniep_sync  the same with options={"ep_device_plan": False}: the layer reads its plan on
              the host (the synchronized path, the default before ep_device_plan="auto")
   hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a model

@@ -479,32 +479,32 @@ def test_device_plan_auto_rule(tmp_path, monkeypatch):
     The numbers: HF's Qwen3-30B-A3B dims at T = 8192 a rank (H 2048, up width 1536, K 8, bf16) on an 80 GiB GPU are
     on at 2 and 4 ranks and off at 8; True runs it whatever the memory."""
     import uniep_dynamo  # noqa: F401
-    from uniep_dynamo.ep import device_plan
+    from uniep_dynamo.ep import device_choice
 
     hidden = torch.zeros(8192, 2048, dtype=torch.bfloat16)
     ids = torch.zeros(8192, 8, dtype=torch.int64)
     w_up = torch.empty(1, 1536, 2048, dtype=torch.bfloat16)
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
-        monkeypatch.setattr(device_plan, "unsupported_reason", lambda hidden, group: None)
-        why, tokens = device_plan.choose(hidden, ids, w_up, group, auto=True)
+        monkeypatch.setattr(device_choice, "unsupported_reason", lambda hidden, group: None)
+        why, tokens = device_choice.choose(hidden, ids, w_up, group, auto=True)
         assert why == "not on CUDA" and tokens is None
-        why, tokens = device_plan.choose(hidden, ids, w_up, group, auto=False)  # True: no auto rule
+        why, tokens = device_choice.choose(hidden, ids, w_up, group, auto=False)  # True: no auto rule
         assert why is None and tokens == [8192]
         gib = 2**30
-        monkeypatch.setattr(device_plan, "_auto_facts", lambda hidden, group: (None, 80 * gib))
+        monkeypatch.setattr(device_choice, "_auto_facts", lambda hidden, group: (None, 80 * gib))
         for world, runs in ((1, True), (2, True), (4, True), (8, False)):
-            monkeypatch.setattr(device_plan, "host_tokens", lambda n, group, w=world: [n] * w)
-            why, tokens = device_plan.choose(hidden, ids, w_up, group, auto=True)
+            monkeypatch.setattr(device_choice, "host_tokens", lambda n, group, w=world: [n] * w)
+            why, tokens = device_choice.choose(hidden, ids, w_up, group, auto=True)
             assert (why is None) == runs, (world, why)
             if runs:
                 assert tokens == [8192] * world
             else:
                 assert "above the synchronized path's" in why and "ep_device_plan=True" in why, why
-                assert device_plan.choose(hidden, ids, w_up, group, auto=False)[0] is None
-        excess = device_plan.worst_case_excess([8192] * 4, 8, 2048, 1536, 2)
-        assert excess == (device_plan._AHEAD + 1) * 3 * 8192 * 8 * (2048 + 1536) * 2
+                assert device_choice.choose(hidden, ids, w_up, group, auto=False)[0] is None
+        excess = device_choice.worst_case_excess([8192] * 4, 8, 2048, 1536, 2)
+        assert excess == (device_choice.AHEAD + 1) * 3 * 8192 * 8 * (2048 + 1536) * 2
         # uneven token counts: the same answer on every rank (the excess reads every rank's counts)
-        assert device_plan.worst_case_excess([100, 300], 8, 2048, 1536, 2) == \
-            device_plan.worst_case_excess([300, 100], 8, 2048, 1536, 2)
-        monkeypatch.setattr(device_plan, "_auto_facts", lambda hidden, group: ("the EP group spans several hosts", 0))
-        assert device_plan.choose(hidden, ids, w_up, group, auto=True)[0] == "the EP group spans several hosts"
+        assert device_choice.worst_case_excess([100, 300], 8, 2048, 1536, 2) == \
+            device_choice.worst_case_excess([300, 100], 8, 2048, 1536, 2)
+        monkeypatch.setattr(device_choice, "_auto_facts", lambda hidden, group: ("the EP group spans several hosts", 0))
+        assert device_choice.choose(hidden, ids, w_up, group, auto=True)[0] == "the EP group spans several hosts"

@@ -53,7 +53,7 @@ class UniepOptions:
     # so the host runs ahead of the GPU (ep/device_plan.py: device-side split sizes, symmetric-memory windows sized
     # for the most rows a rank can receive). "auto" (the default): on CUDA, where the EP group's GPUs share one host
     # and the buffers it holds above the synchronized path's at the worst case fit in 1/16 of the GPU's memory, and
-    # overlap_ep is off (device_plan.choose; measured on HF's 4-layer Qwen3-30B-A3B-dims model at 2 ranks: 1.09x /
+    # overlap_ep is off (ep/device_choice.py; measured on HF's 4-layer Qwen3-30B-A3B-dims model at 2 ranks: 1.09x /
     # 1.17x inductor synchronized / back to back against the synchronized path's 1.01x / 1.00x, its back-to-back
     # spread within 5%, 0.87 GiB more memory; BENCHMARKS.md). True: wherever it can run (else the synchronized path,
     # with a warning); False: never

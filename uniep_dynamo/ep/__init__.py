@@ -18,6 +18,8 @@ One module per concept; the imports go down this list, never up:
     custom_ops     torch.ops.uniep.ep_dispatch / ep_combine / ep_exchange, what the compile rewrites lower to
     device_plan    the EP layer with its routing plan on the device (no host synchronization): the windows and the
                    transfer kernel over device-made tables, buffers sized for the most rows a rank can receive
+    device_choice  which path ep_layer takes a call by (the device plan or the synchronized one): ep_device_plan's
+                   "auto" rule, alike on every rank
     layer          torch.ops.uniep.ep_layer: the whole layer (plan, exchange, combine) as one op, what HF's AllToAllEP
                    becomes under the compile (uniep_dynamo/hf_ep.py)
 

@@ -109,82 +109,6 @@ def host_tokens(num_tokens: int, group) -> list:
     return out.tolist()
 
 
-# ep_layer's device_plan argument (the compile's ep_device_plan: False, True, "auto")
-OFF, ON, AUTO = 0, 1, 2
-# "auto" runs this path where the buffers it holds above the synchronized path's, at the worst case, fit in this
-# share of the GPU's memory (the smallest of the group's GPUs)
-AUTO_MEMORY_SHARE = 1 / 16
-# process group name -> (that group, why the auto rule leaves the group on the synchronized path or None, the
-# smallest total memory of its GPUs): found once per group, the same on every rank
-_GROUP_FACTS: dict = {}
-
-
-def _group_facts(group, device: torch.device):
-    """(reason or None, smallest GPU memory in bytes) of ``group`` for the auto rule, gathered over the host group at
-    the group's first call: its ranks must share one host (the transfer kernel reads and writes the peers' memory
-    directly), each GPU must reach every other one (peer access), and every rank learns the same answer."""
-    import socket
-    import zlib
-
-    entry = _GROUP_FACTS.get(group.group_name)
-    if entry is None or entry[0] is not group:
-        world, hosts = dist.get_world_size(group), host_group(group)
-        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), device.index,
-                             torch.cuda.get_device_properties(device).total_memory], dtype=torch.int64)
-        every = torch.empty(3 * world, dtype=torch.int64)
-        all_gather_flat(every, mine, hosts)
-        names, devices, memory = every[0::3].tolist(), every[1::3].tolist(), min(every[2::3].tolist())
-        reason = None
-        if len(set(names)) > 1:
-            reason = "the EP group spans several hosts (its transfers address the peers' GPU memory within one host)"
-        else:
-            reach = torch.tensor([all(d == device.index or torch.cuda.can_device_access_peer(device, d)
-                                      for d in devices)], dtype=torch.int64)
-            reaches = torch.empty(world, dtype=torch.int64)
-            all_gather_flat(reaches, reach, hosts)
-            if not all(reaches.tolist()):
-                reason = "a GPU of the EP group has no peer access to another"
-        entry = _GROUP_FACTS[group.group_name] = (group, reason, memory)
-    return entry[1], entry[2]
-
-
-def _auto_facts(hidden, group):
-    """(why the auto rule does not run the path here or None, the smallest GPU memory of the group in bytes)."""
-    if not hidden.is_cuda:
-        return "not on CUDA", 0
-    return _group_facts(group, hidden.device)
-
-
-def worst_case_excess(tokens: list, top_k: int, hidden_size: int, up_width: int, itemsize: int) -> int:
-    """Bytes the path may hold above the synchronized one, at the worst case: the receive buffer and its up
-    projection at the most rows this rank can receive (every rank's T * K) instead of its own T * K rows (the mean
-    at even routing), for the layer whose backward is next and the _AHEAD layers whose counts the host has not
-    seen yet."""
-    extra_rows = (sum(tokens) - max(tokens)) * top_k
-    return (_AHEAD + 1) * extra_rows * (hidden_size + up_width) * itemsize
-
-
-def choose(hidden, topk_ids, w_up, group, auto: bool):
-    """(None, every rank's token count) where this path runs, else (why not, None). ``auto`` (the compile's default,
-    ep_device_plan="auto"): also only on CUDA, within one host, and where worst_case_excess fits in
-    AUTO_MEMORY_SHARE of the smallest GPU of the group; every rank decides alike (from gathered counts), so the
-    group's collectives match."""
-    why = unsupported_reason(hidden, group)
-    if why is None and auto:
-        why, memory = _auto_facts(hidden, group)
-    if why is not None:
-        return why, None
-    tokens = host_tokens(topk_ids.shape[0], group)
-    if auto:
-        up_width = w_up[0].numel() // hidden.shape[1]
-        excess = worst_case_excess(tokens, topk_ids.shape[1], hidden.shape[1], up_width, hidden.element_size())
-        if excess > memory * AUTO_MEMORY_SHARE:
-            return (f"its worst-case buffers would hold {excess / 2**30:.1f} GiB above the synchronized path's, over "
-                    f"{AUTO_MEMORY_SHARE:.3g} of the GPU's {memory / 2**30:.0f} GiB (ep_device_plan=True runs it "
-                    "anyway)"), None
-    return None, tokens
-
-
 def _buffer(rows: int, like: torch.Tensor, fused_kernels: bool) -> torch.Tensor:
     """A [rows, H] receive buffer. The rows past the received ones are never written: the MegaKernel (CUDA) reads
     none of them (its GEMMs and gathers stop at the expert ends on the device); elsewhere the buffer is zeroed
@@ -274,12 +198,12 @@ def _received_view(saved: Saved):
 
 # earlier calls whose buffers may stay at the worst-case size while the GPU has not yet copied their row count: the
 # host runs up to this many MoE layers ahead of the GPU before it waits
-_AHEAD = 2
+AHEAD = 2
 
 
 def _compact_earlier() -> None:
     """Shrink the saved buffers of the earlier calls to their received rows (_compact): those whose row count has
-    reached the host, and, past the _AHEAD newest, the oldest ones after waiting for theirs (an event the GPU reaches
+    reached the host, and, past the AHEAD newest, the oldest ones after waiting for theirs (an event the GPU reaches
     at that call's tables, before the work queued since). A call whose backward already ran, or whose graph is gone,
     is skipped."""
     pending = []
@@ -292,7 +216,7 @@ def _compact_earlier() -> None:
             _compact(saved, received)
         else:
             pending.append(ref)
-    while len(pending) > _AHEAD:
+    while len(pending) > AHEAD:
         saved = pending.pop(0)()
         if saved is not None and saved.x is not None:
             saved.count[0].synchronize()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..spec import CUDAGRAPH_UNSAFE, SECOND_BACKWARD_ERROR, decode_spec
 from .config import OverlapConfig, knobs_from_json
 from .exchange import KeptByTable, exchange_backward, exchange_forward, schema_param_grads
-from . import device_plan as device_plan_path
+from . import device_choice, device_plan as device_plan_path
 from .plan import count_table, layer_fused, routing_plan
 from .sequential import combine_rows, combine_rows_backward, gather_sum
 
@@ -85,7 +85,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
     the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: 1 (True)
     keeps the plan on the device (ep/device_plan.py: no host synchronization; ``overlap`` is then not read) where
-    that path runs, 2 ("auto") where device_plan.choose's rule says so and ``overlap`` is off, 0 never; the host
+    that path runs, 2 ("auto") where device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host
     table and sizes are then placeholders of their shapes, and the received counts are on the device as ever."""
     group = _process_group(group_name)
     if group.size() != world:
@@ -95,9 +95,9 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     num_tokens, top_k = topk_ids.shape
     num_experts = w_up.shape[0] * world
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
-    auto = device_plan == device_plan_path.AUTO
+    auto = device_plan == device_choice.AUTO
     if device_plan and not (auto and overlap):
-        why, tokens = device_plan_path.choose(hidden, topk_ids, w_up, group, auto)
+        why, tokens = device_choice.choose(hidden, topk_ids, w_up, group, auto)
         if why is None:
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
                                         knobs, fused_kernels, tokens)
