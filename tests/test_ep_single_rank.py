@@ -508,3 +508,31 @@ def test_device_plan_auto_rule(tmp_path, monkeypatch):
             device_choice.worst_case_excess([300, 100], 8, 2048, 1536, 2)
         monkeypatch.setattr(device_choice, "_auto_facts", lambda hidden, group: ("the EP group spans several hosts", 0))
         assert device_choice.choose(hidden, ids, w_up, group, auto=True)[0] == "the EP group spans several hosts"
+
+
+def _windows_probe_worker(rank, world, port, out_dir):
+    from uniep_dynamo.ep import device_choice, local_rank
+
+    with local_rank(rank, world, port, "cpu"):
+        group, hidden = dist.group.WORLD, torch.zeros(4, 8)
+        works = device_choice._windows_reason(group, hidden)
+
+        def refused(*args, **kwargs):
+            raise PermissionError("opening a peer's memory is not permitted")
+        if rank == 1:
+            device_choice.window = refused
+        fails = device_choice._windows_reason(group, hidden)
+    torch.save({"works": works, "fails": fails}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_device_plan_auto_rule_probes_symmetric_memory_on_every_rank(tmp_path):
+    """The auto rule's one-time check that the group's windows can be made: where they can, no reason; where one
+    rank fails (here its window raises, as a container that forbids opening a peer's memory would), every rank gets
+    a reason naming that rank, so all of them take the synchronized path together."""
+    from test_ep import run_workers
+
+    ranks = run_workers(_windows_probe_worker, 2, (), tmp_path)
+    assert [r["works"] for r in ranks] == [None, None]
+    assert all(r["fails"] and "symmetric memory failed on rank(s) [1]" in r["fails"] for r in ranks), ranks
+    assert "PermissionError: opening a peer's memory is not permitted" in ranks[1]["fails"]

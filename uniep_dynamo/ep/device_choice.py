@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .device_plan import AHEAD, host_group, host_tokens, unsupported_reason
 from .plan import all_gather_flat
+from .transfer import window
 
 # ep_layer's device_plan argument (the compile's ep_device_plan: False, True, "auto")
 OFF, ON, AUTO = 0, 1, 2
@@ -22,16 +23,17 @@ AUTO_MEMORY_SHARE = 1 / 16
 _GROUP_FACTS: dict = {}
 
 
-def _group_facts(group, device: torch.device):
+def _group_facts(group, hidden):
     """(reason or None, smallest GPU memory in bytes) of ``group`` for the auto rule, gathered over the host group at
     the group's first call: its ranks must share one host (the transfer kernel reads and writes the peers' memory
-    directly), each GPU must reach every other one (peer access), and every rank learns the same answer."""
+    directly), each GPU must reach every other one (peer access), and symmetric memory must work (_windows_reason);
+    every rank learns the same answer."""
     import socket
     import zlib
 
     entry = _GROUP_FACTS.get(group.group_name)
     if entry is None or entry[0] is not group:
-        world, hosts = dist.get_world_size(group), host_group(group)
+        world, hosts, device = dist.get_world_size(group), host_group(group), hidden.device
         mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), device.index,
                              torch.cuda.get_device_properties(device).total_memory], dtype=torch.int64)
         every = torch.empty(3 * world, dtype=torch.int64)
@@ -47,15 +49,36 @@ def _group_facts(group, device: torch.device):
             all_gather_flat(reaches, reach, hosts)
             if not all(reaches.tolist()):
                 reason = "a GPU of the EP group has no peer access to another"
+            else:
+                reason = _windows_reason(group, hidden)
         entry = _GROUP_FACTS[group.group_name] = (group, reason, memory)
     return entry[1], entry[2]
+
+
+def _windows_reason(group, hidden) -> str | None:
+    """Why this group cannot use symmetric-memory windows here, or None: one window is made (the one the layer's
+    first call would make) with each rank's failure caught, and the ranks' outcomes all-gathered, so that a
+    container that forbids opening a peer's memory, say, gets the synchronized path on every rank instead of an
+    error on some."""
+    try:
+        window(group, 1, hidden.shape[1], hidden.dtype, hidden.device)
+        failed = ""
+    except Exception as exc:  # noqa: BLE001  (any failure: this rank cannot take the path)
+        failed = f"{type(exc).__name__}: {exc}"
+    world = dist.get_world_size(group)
+    flags = torch.empty(world, dtype=torch.int64)
+    all_gather_flat(flags, torch.tensor([int(bool(failed))], dtype=torch.int64), host_group(group))
+    bad = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if not bad:
+        return None
+    return f"symmetric memory failed on rank(s) {bad} of the EP group ({failed or 'see their log'})"
 
 
 def _auto_facts(hidden, group):
     """(why the auto rule does not run the path here or None, the smallest GPU memory of the group in bytes)."""
     if not hidden.is_cuda:
         return "not on CUDA", 0
-    return _group_facts(group, hidden.device)
+    return _group_facts(group, hidden)
 
 
 def worst_case_excess(tokens: list, top_k: int, hidden_size: int, up_width: int, itemsize: int) -> int:

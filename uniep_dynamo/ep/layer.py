@@ -98,10 +98,13 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     auto = device_plan == device_choice.AUTO
     if device_plan and not (auto and overlap):
         why, tokens = device_choice.choose(hidden, topk_ids, w_up, group, auto)
+        from ..kernels import megakernel
         if why is None:
+            if auto:
+                megakernel.info_once("ep_layer", f"{world} ranks of group {group_name}", "uniep: the EP layer keeps its "
+                                     "routing plan on the device (ep_device_plan \"auto\"; False turns it off): %s")
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
                                         knobs, fused_kernels, tokens)
-        from ..kernels import megakernel
         if auto:
             megakernel.info_once("ep_layer", why, "uniep: the EP layer reads its plan on the host (ep_device_plan "
                                  "\"auto\" leaves the device plan off here): %s")
