@@ -101,8 +101,9 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
         from ..kernels import megakernel
         if why is None:
             if auto:
-                megakernel.info_once("ep_layer", f"{world} ranks of group {group_name}", "uniep: the EP layer keeps its "
-                                     "routing plan on the device (ep_device_plan \"auto\"; False turns it off): %s")
+                megakernel.info_once("ep_layer", f"{world} ranks of group {group_name}",
+                                     "uniep: the EP layer keeps its routing plan on the device (ep_device_plan "
+                                     "\"auto\"; False turns it off): %s")
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
                                         knobs, fused_kernels, tokens)
         if auto:

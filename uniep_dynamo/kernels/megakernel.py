@@ -140,7 +140,7 @@ def warn_once(op: str, reason: str, message: str) -> None:
 
 
 def info_once(op: str, reason: str, message: str) -> None:
-    """warn_once at the info level: a default choosing the slower path where the faster one would not fit."""
+    """warn_once at the info level: which path a default ("auto") chose, and why."""
     if (op, reason) not in _LOGGED:
         _LOGGED.add((op, reason))
         log.info(message, reason)
