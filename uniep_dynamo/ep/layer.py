@@ -22,6 +22,7 @@ single-GPU op over all ranks' tokens (each rank holding a contiguous shard of th
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
@@ -101,14 +102,14 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
         from ..kernels import megakernel
         if why is None:
             if auto:
-                megakernel.info_once("ep_layer", f"{world} ranks of group {group_name}",
+                megakernel.warn_once("ep_layer", f"{world} ranks of group {group_name}",
                                      "uniep: the EP layer keeps its routing plan on the device (ep_device_plan "
-                                     "\"auto\"; False turns it off): %s")
+                                     "\"auto\"; False turns it off): %s", logging.INFO)
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
                                         knobs, fused_kernels, tokens)
         if auto:
-            megakernel.info_once("ep_layer", why, "uniep: the EP layer reads its plan on the host (ep_device_plan "
-                                 "\"auto\" leaves the device plan off here): %s")
+            megakernel.warn_once("ep_layer", why, "uniep: the EP layer reads its plan on the host (ep_device_plan "
+                                 "\"auto\" leaves the device plan off here): %s", logging.INFO)
         else:
             megakernel.warn_once("ep_layer", why,
                                  "uniep: ep_device_plan cannot run here; the EP layer reads its plan on the host: %s")

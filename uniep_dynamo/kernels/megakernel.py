@@ -131,19 +131,13 @@ def _gate_plan(gate: str):
             gate_program.decode(gate)[0])
 
 
-def warn_once(op: str, reason: str, message: str) -> None:
+def warn_once(op: str, reason: str, message: str, level: int = logging.WARNING) -> None:
     """Log ``message`` (a format with one %s, the reason) once per (op, reason): the EP layers say so when they
-    run their sequential steps instead of the overlapped ones."""
+    run their sequential steps instead of the overlapped ones; ``level`` logging.INFO where a default ("auto")
+    chose the path."""
     if (op, reason) not in _LOGGED:
         _LOGGED.add((op, reason))
-        log.warning(message, reason)
-
-
-def info_once(op: str, reason: str, message: str) -> None:
-    """warn_once at the info level: which path a default ("auto") chose, and why."""
-    if (op, reason) not in _LOGGED:
-        _LOGGED.add((op, reason))
-        log.info(message, reason)
+        log.log(level, message, reason)
 
 
 def log_fallback(op: str, reason: str, hidden) -> None:
