@@ -373,6 +373,124 @@ def test_example_plain_pytorch_ep_model(world, tmp_path):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def _one_graph_worker(rank, world, port, out_dir):
+    """The example's layer compiled with its split sizes traced (capture_scalar_outputs): the variants in _ONE_GRAPH."""
+    _init(rank, world, port)
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import uniep_dynamo
+        from ep_moe import ExpertParallelMoE
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+        from uniep_dynamo.ep import device_plan
+        from uniep_dynamo.patterns.graph_utils import op_name
+
+        class SizesRead(ExpertParallelMoE):
+            """The layer with its received row count also read outside the exchange: not one op (the count read
+            on the host stays)."""
+
+            def forward(self, x):
+                weights, ids = self.route(x)
+                send, order, recv_counts, sizes = self.dispatch(x, ids)
+                send_sizes, recv_sizes = sizes.tolist()
+                recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
+                local_ids = torch.arange(self.local_experts).repeat(self.world)
+                local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1),
+                                                        output_size=sum(recv_sizes)).unsqueeze(-1)
+                y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
+                back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
+                return self.combine(back, order, weights) + 0 * torch.scalar_tensor(sum(recv_sizes))
+
+        torch.manual_seed(0)  # the same router on every rank; experts differ per rank
+        plain = ExpertParallelMoE(16, 24, 2 * world, 2)
+        sizes_read = SizesRead(16, 24, 2 * world, 2)
+        sizes_read.load_state_dict(plain.state_dict())
+        with torch.no_grad():
+            for model in (plain, sizes_read):
+                for p in (model.gate_up_proj, model.down_proj):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) * p.shape[-1] ** -0.5)
+        x = torch.randn(24, 16, generator=torch.Generator().manual_seed(100 + rank))
+        graphs = []
+
+        def inner(gm, inputs):  # the Dynamo graph as uniep hands it on, then AOTAutograd as the test backends run it
+            from functorch.compile import make_boxed_func
+            from torch._dynamo.backends.common import aot_autograd
+
+            graphs.append([op_name(n) or n.op for n in gm.graph.nodes])
+            return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+
+        results = {}
+        for name, capture, options in _ONE_GRAPH:
+            model = sizes_read if name == "sizes_read" else plain
+            torch._dynamo.reset()
+            graphs.clear()
+            model.zero_grad()
+            xi = x.clone().requires_grad_()
+            if name == "eager":
+                out = model(xi)
+                report = None
+            else:
+                runs = dict(device_plan.RUNS)
+                with torch._dynamo.config.patch(capture_scalar_outputs=capture), uniep_dynamo.recording() as report:
+                    out = torch.compile(model, backend="uniep", options={"inner_backend": inner, **options})(xi)
+            out.square().mean().backward()
+            results[name] = {"values": [out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()]}
+            if report is not None:
+                results[name].update(totals=report.totals(), graphs=list(graphs), gaps=[g.coverage_gaps()
+                                                                                      for g in report.graphs],
+                                     device_plan_runs={k: device_plan.RUNS[k] - runs[k] for k in runs})
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# (name, capture_scalar_outputs, the compile's options)
+_ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {}), ("one_graph", True, {}),
+              ("one_graph_device_plan", True, {"ep_device_plan": True}),
+              ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {})]
+
+
+def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(tmp_path):
+    """examples/ep_moe.py's layer with torch._dynamo.config.capture_scalar_outputs = True: Dynamo traces the split
+    sizes' .tolist() as unbacked ints and keeps the layer in one graph, whose dispatch, exchange and combine become
+    one uniep.ep_layer; the host reads of the counts and Dynamo's asserts on them go with them, so nothing in the graph
+    reads a count on the host, and with its plan on the device (forced here, on CPU) the layer never does. The output
+    and every gradient equal the two-graph rewrite's bit for bit. With the exchange left as written
+    (rewrite_ep_exchange=False) the dispatch and combine, rewritten in one graph, read each other's replaced nodes
+    (before, the backend raised: a node used before its definition). A layer that reads a split size outside the
+    exchange stays three ops."""
+    ranks = run_workers(_one_graph_worker, 2, (), tmp_path)
+    host_reads = {"item", "_local_scalar_dense", "_assert_scalar", "tolist"}
+    for r in ranks:
+        two, eager = r["two_graphs"], r["eager"]
+        assert (two["totals"]["ep_dispatch"], two["totals"]["ep_exchange"], two["totals"]["ep_layer"]) == (1, 1, 0)
+        for name in ("one_graph", "one_graph_device_plan"):
+            got = r[name]
+            t = got["totals"]
+            assert (t["moe_router"], t["moe_experts"], t["ep_layer"], t["ep_dispatch"], t["ep_exchange"],
+                    t["ep_combine"], t["unfused"], t["ep_unmatched"]) == (1, 1, 1, 0, 0, 0, 0, 0), (name, t)
+            assert len(got["graphs"]) == 1, (name, len(got["graphs"]))
+            ops = got["graphs"][0]
+            assert ops.count("ep_layer") == 1 and not host_reads & set(ops), (name, ops)
+            assert got["gaps"] == [[]], got["gaps"]
+            assert all(torch.equal(a, b) for a, b in zip(got["values"], two["values"])), name
+        assert r["one_graph"]["device_plan_runs"] == {"forward": 0}
+        assert r["one_graph_device_plan"]["device_plan_runs"] == {"forward": 1}
+        apart = r["one_graph_exchange_apart"]
+        t = apart["totals"]
+        assert (t["ep_dispatch"], t["ep_combine"], t["ep_exchange"], t["ep_layer"]) == (1, 1, 0, 0), t
+        assert len(apart["graphs"]) == 1
+        read = r["sizes_read"]  # a split size read outside the exchange: three ops, the host read kept
+        t = read["totals"]
+        assert (t["ep_dispatch"], t["ep_exchange"], t["ep_combine"], t["ep_layer"]) == (1, 1, 1, 0), t
+        assert len(read["graphs"]) == 1 and "item" in read["graphs"][0]
+        for got in (apart, two, read):
+            for i, (a, b) in enumerate(zip(got["values"], eager["values"])):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=str(i))
+
+
 def test_dispatch_op_refuses_a_group_of_another_size(one_rank_group):
     """The rank count is an argument of the op (so a compiled-graph cache keyed on the graph cannot hand a
     graph proven for 4 ranks to a run on 2); a group of another size is an error, not a wrong split."""

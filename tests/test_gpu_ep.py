@@ -351,6 +351,75 @@ def test_compiled_plain_ep_model_exchange_on_gpus(world, tmp_path):
     check_model(run_workers(_model_worker, world, ("cuda", "plain"), tmp_path, timeout=600))
 
 
+def _one_graph_worker(rank, world, port, out_dir):
+    """examples/ep_moe.py in bf16 over inductor with its split sizes traced (capture_scalar_outputs), by default (the
+    device plan, "auto") and with ep_device_plan=False; and the two-graph compile: three steps, the last with the
+    second's token count (no compile), its host synchronizations counted."""
+    from test_ep_exchange import _group
+
+    with _group(rank, world, port, "cuda") as (device, dtype, _):
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+        import uniep_dynamo
+        from ep_moe import ExpertParallelMoE
+        from test_ep_single_rank import host_syncs
+        from uniep_dynamo.ep import device_plan
+
+        torch.manual_seed(0)
+        model = ExpertParallelMoE(512, 384, 4 * world, 2)
+        with torch.no_grad():
+            for p in (model.gate_up_proj, model.down_proj):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) * 0.3)
+        model.to(device, dtype)
+        xs = [torch.randn(tokens + 3 * rank, 512, generator=torch.Generator().manual_seed(100 + rank))
+              .to(device, dtype) for tokens in (970, 680, 680)]
+        results = {}
+        for name, capture, options in (("two_graphs", False, {"ep_device_plan": False}), ("one_graph", True, {}),
+                                       ("one_graph_sync", True, {"ep_device_plan": False})):
+            torch._dynamo.reset()
+            runs = device_plan.RUNS["forward"]
+            compiled = torch.compile(model, backend="uniep", options={"inner_backend": "inductor", **options})
+            tensors, syncs = [], None
+            with torch._dynamo.config.patch(capture_scalar_outputs=capture), uniep_dynamo.recording() as report:
+                for step, x in enumerate(xs):
+                    model.zero_grad()
+                    xi = x.clone().requires_grad_()
+                    torch.cuda.synchronize(device)
+                    with host_syncs() as found:
+                        out = compiled(xi)
+                        out.float().square().mean().backward()
+                    if step == 2:
+                        syncs = list(found)
+                    tensors += [t.cpu() for t in [out.detach(), xi.grad] + [p.grad for p in model.parameters()]]
+            results[name] = {"tensors": tensors, "totals": report.totals(), "syncs": syncs,
+                             "device_plan_runs": device_plan.RUNS["forward"] - runs,
+                             "gaps": [g.coverage_gaps() for g in report.graphs]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2])
+def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
+    """examples/ep_moe.py with capture_scalar_outputs: one uniep.ep_layer per compile, which by default keeps its plan
+    on the device: a step makes no host synchronization, and the output and every gradient are bitwise those of
+    the two-graph compile (which reads the counts on the host) and of ep_device_plan=False."""
+    from test_ep import run_workers
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
+    for r in run_workers(_one_graph_worker, world, (), tmp_path, timeout=600):
+        two = r["two_graphs"]
+        assert two["totals"]["ep_exchange"] == 2 and two["totals"]["ep_layer"] == 0, two["totals"]
+        assert two["syncs"], "the two-graph compile reads the split sizes on the host"
+        for name in ("one_graph", "one_graph_sync"):
+            got = r[name]
+            # the first step's compile and the second's (dynamic token count); the third runs the second's
+            assert got["totals"]["ep_layer"] == 2 and got["totals"]["ep_exchange"] == 0, (name, got["totals"])
+            assert all(g == [] for g in got["gaps"]), got["gaps"]
+            assert all(torch.equal(a, b) for a, b in zip(got["tensors"], two["tensors"])), name
+        assert r["one_graph"]["device_plan_runs"] == 3 and r["one_graph_sync"]["device_plan_runs"] == 0
+        assert r["one_graph"]["syncs"] == [], r["one_graph"]["syncs"]
+
+
 def _device_plan_worker(rank, world, port, case, out_dir):
     from uniep_dynamo.ep import local_rank
 

@@ -152,6 +152,16 @@ def test_experts_taken_into_an_ep_exchange_are_covered():
     # an exchange op does not stand in for experts that no exchange took in
     alone = GraphRecord("1/0", rewrites=rewrites[:1], aot_graphs={"forward": {"ep_exchange": 1}})
     assert alone.coverage_gaps() == ["forward graph holds 0 uniep.moe_experts for 1 rewrites"]
+    # the layer in one graph (split sizes traced): its exchange became part of a rewritten uniep.ep_layer, which holds
+    # the experts, and whose backward op the backward graph must hold
+    layer = [Rewrite(op, "m", "", "", [], []) for op in ("moe_experts", "ep_layer")]
+    covered = GraphRecord("1/0", rewrites=layer, aot_graphs={"forward": {"ep_layer": 1},
+                                                             "backward": {"ep_layer_backward": 1}})
+    assert covered.coverage_gaps() == []
+    missing = GraphRecord("1/0", rewrites=layer, aot_graphs={"forward": {"ep_layer": 1}, "backward": {}})
+    assert missing.coverage_gaps() == [
+        "backward graph holds 0 uniep.moe_experts_backward and 0 uniep.ep_layer_backward for 1 rewrites",
+        "backward graph holds 0 uniep.ep_layer_backward for 1 traced uniep.ep_layer"]
 
 
 def test_hf_ep_layers_traced_as_the_op_are_checked_in_both_graphs():

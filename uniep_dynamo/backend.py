@@ -19,8 +19,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import ddp, hf_ep, report
-from .lowering import lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_router, share_routing_plan
-from .patterns import find_ep_regions, find_experts_regions, find_router_regions
+from .lowering import (lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_layer, lower_router,
+                       share_routing_plan)
+from .patterns import find_ep_regions, find_experts_regions, find_layers, find_router_regions
 from .patterns.bodies import walk
 from .patterns.graph_utils import module_path
 
@@ -177,20 +178,24 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
     # exchanges last: a combine's match holds the exchange's last node as its rows, which an exchange lowered
     # first would have replaced
     ep_matches.sort(key=lambda m: ("ep_dispatch", "ep_combine", "ep_exchange").index(m.op))
-    for match in ep_matches:
+    replaced_by = {}  # a node a lowering replaced -> what replaced it: a later match in this graph may hold it
+    for i, match in enumerate(ep_matches):
+        match = ep_matches[i] = _refreshed(match, replaced_by)
         replaced = [n.name for n in match.nodes]
         if match.op == "ep_exchange":
             call = lower_exchange(gm, match, opts.ep_knobs, sequential=not opts.overlap_ep)
         elif match.op == "ep_dispatch":
-            call = lower_dispatch(gm, match, gather_counts=opts.rewrite_ep_exchange)
+            call = lower_dispatch(gm, match, gather_counts=opts.rewrite_ep_exchange, replaced_by=replaced_by)
         else:
             call = lower_combine(gm, match)
         lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
         counts[match.op] += 1
         log.info("uniep: rewrote %s (%d nodes)%s into uniep.%s [%s]", match.module, len(match.nodes), inside,
                  match.op, match.spec.describe())
+    made = _lower_layers(gm, opts, where, ep_matches, lowered, counts) if ep_matches else set()
     for node in gm.graph.nodes:  # HF's EP layers, traced as one op (hf_ep.py): counted and logged here
-        if node.op == "call_function" and node.target in (torch.ops.uniep.ep_layer, torch.ops.uniep.ep_layer.default):
+        if node.op == "call_function" and node.target in (torch.ops.uniep.ep_layer, torch.ops.uniep.ep_layer.default) \
+                and node not in made:
             counts["ep_layer"] += 1
             log.info("uniep: %s%s is one uniep.ep_layer (HF's AllToAllEP, substituted while Dynamo traced)",
                      module_path(node), inside)
@@ -208,6 +213,55 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         # (scatter_ into a mask, say) that FX's DCE would drop. The lowering erased its own region.
         gm.graph.lint()
         gm.recompile()
+
+
+def _refreshed(match, replaced_by: dict):
+    """``match`` with each node field an earlier lowering in this graph replaced (and erased) swapped for its
+    replacement: where one graph holds the dispatch and the exchange or combine (split sizes traced,
+    ``capture_scalar_outputs``), they read the dispatch's rows, order and counts."""
+    changes = {f.name: replaced_by[v] for f in dataclasses.fields(match)
+               if isinstance(v := getattr(match, f.name), torch.fx.Node) and v in replaced_by}
+    return dataclasses.replace(match, **changes) if changes else match
+
+
+_SYNC_HINTED: set = set()
+
+
+def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered: list, counts) -> set:
+    """Where one graph holds a layer's dispatch, exchange and combine (Dynamo traced the split sizes as unbacked ints:
+    ``torch._dynamo.config.capture_scalar_outputs = True``), the three calls become one uniep.ep_layer, which reads
+    no count on the host where its plan stays on the device (``ep_device_plan``). Their entries in ``lowered`` and
+    ``ep_matches`` become the layer's, and the counts move to ``ep_layer``. Returns the ep_layer calls made."""
+    from .ep.device_choice import mode
+
+    layers, reasons = find_layers(gm.graph) if opts.rewrite_ep_exchange else ([], [])
+    for dispatch, reason in reasons:
+        log.info("uniep: the EP layer of %s stays three ops, its split sizes read on the host: %s",
+                 module_path(dispatch), reason)
+    if opts.rewrite_ep_exchange and not layers and any(m.op == "ep_dispatch" for m in ep_matches) \
+            and not any(m.op == "ep_exchange" for m in ep_matches) and "hint" not in _SYNC_HINTED:
+        _SYNC_HINTED.add("hint")
+        log.info("uniep: an EP dispatch's split sizes go to the host in another graph than its exchange (a "
+                 "synchronization each layer); with torch._dynamo.config.capture_scalar_outputs = True Dynamo keeps "
+                 "the layer in one graph, which uniep runs as one uniep.ep_layer with its plan on the device")
+    made = set()
+    for match in layers:
+        names = {c.name for c in match.calls}
+        merged = [entry for entry in lowered if entry[3] == where and entry[2] and entry[2][0] in names]
+        added_before = {n for entry in merged for n in entry[2]}
+        replaced = [n for entry in merged for n in entry[1]] + [n.name for n in match.nodes
+                                                                if n.name not in added_before]
+        call = lower_layer(gm, match, mode(opts.ep_device_plan))
+        made.add(call)
+        for entry in merged:
+            lowered.remove(entry)
+            counts[entry[0].op] -= 1
+        ep_matches[:] = [m for m in ep_matches if not any(m is entry[0] for entry in merged)] + [match]
+        lowered.append((match, replaced, [call.name] + [u.name for u in call.users], where))
+        counts["ep_layer"] += 1
+        log.info("uniep: rewrote the EP layer of %s (%d nodes)%s into uniep.ep_layer [%s]", match.module,
+                 len(replaced), f" in {where}" if where else "", match.spec.describe())
+    return made
 
 
 def _needs_grad(gm, example_inputs) -> bool:

@@ -246,10 +246,10 @@ def _layer_plan():
     group = ep.ep_mesh.get_group()
     knobs = json.dumps(opts.ep_knobs, sort_keys=True) if opts.ep_knobs else ""
     log.info("uniep: HF's %s traced as uniep.ep_layer over %d ranks [%s]", where, ep.ep_mesh.size(), spec)
-    from .ep import device_choice as choice
+    from .ep.device_choice import mode
 
-    mode = choice.AUTO if opts.ep_device_plan == "auto" else choice.ON if opts.ep_device_plan else choice.OFF
-    return (signature, spec, group.group_name, ep.ep_mesh.size(), opts.overlap_ep, knobs, mode, names)
+    return (signature, spec, group.group_name, ep.ep_mesh.size(), opts.overlap_ep, knobs, mode(opts.ep_device_plan),
+            names)
 
 
 def _declined(ep):

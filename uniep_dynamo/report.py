@@ -98,7 +98,8 @@ class GraphRecord:
         """Rewrites whose op is missing from the traced forward or backward graph, and HF EP layers traced as
         uniep.ep_layer (traced_ops) whose op, or its backward op, is missing there. A backward op is expected only
         for calls that read a tensor requiring grad (a frozen layer with frozen inputs has none)."""
-        layers = self.traced_ops.get("ep_layer", 0)
+        # HF's layers traced as one op, and the layers the rewrite made one op (the split sizes traced in one graph)
+        layers = self.traced_ops.get("ep_layer", 0) + sum(1 for r in self.rewrites if r.op == "ep_layer")
         if self.aot_graphs is None or not (self.rewrites or layers):
             return []
         forward = {}  # under DDP's optimizer some pieces of one graph may trace as inference beside the others
@@ -111,20 +112,26 @@ class GraphRecord:
             return sum(1 for r in self.rewrites if r.op == op and (r.needs_grad or not grad))
         gaps = []
         # an experts rewrite that an EP exchange took in (patterns/ep.py) runs inside uniep.ep_exchange and its
-        # backward inside uniep.ep_exchange_backward
-        for kind, ops, op, inside, count, taken in (
-                ("forward", forward, "moe_experts", "ep_exchange", rewrites("moe_experts"), rewrites("ep_exchange")),
-                ("forward", forward, "moe_router", None, rewrites("moe_router"), 0),
-                ("backward", backward, "moe_experts_backward", "ep_exchange_backward", rewrites("moe_experts", True),
-                 rewrites("ep_exchange", True))):
+        # backward inside uniep.ep_exchange_backward; one whose exchange became a whole layer, inside uniep.ep_layer
+        # and uniep.ep_layer_backward
+        for kind, ops, op, suffix, count in (
+                ("forward", forward, "moe_experts", "", rewrites("moe_experts")),
+                ("forward", forward, "moe_router", None, rewrites("moe_router")),
+                ("backward", backward, "moe_experts_backward", "_backward", rewrites("moe_experts", True))):
             if ops is None:  # no backward graph traced
                 continue
-            held = ops.get(op, 0) + (min(taken, ops.get(inside, 0)) if inside else 0)
+            # the ops that took experts rewrites in, each named where a rewrite made one
+            inside = [] if suffix is None else \
+                [taker + suffix for taker in ("ep_exchange", "ep_layer") if rewrites(taker, bool(suffix))]
+            taken = sum(rewrites(name.removesuffix("_backward"), bool(suffix)) for name in inside)
+            within = sum(ops.get(name, 0) for name in inside)
+            held = ops.get(op, 0) + min(taken, within)
             if held < count:
-                also = f" and {ops.get(inside, 0)} uniep.{inside}" if inside and taken else ""
+                also = f" and {within} uniep.{' / '.join(inside)}" if taken else ""
                 gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op}{also} for {count} rewrites"
                             + (" needing a gradient" if kind == "backward" and count < rewrites("moe_experts") else ""))
-        frozen = self.traced_without_grad.get("ep_layer", 0)
+        frozen = self.traced_without_grad.get("ep_layer", 0) + sum(1 for r in self.rewrites
+                                                                  if r.op == "ep_layer" and not r.needs_grad)
         for kind, ops, op, count in (("forward", forward, "ep_layer", layers),
                                      ("backward", backward, "ep_layer_backward", layers - frozen)):
             if ops is not None and ops.get(op, 0) < count:
@@ -175,7 +182,7 @@ class Recorder:
                   "router_unmatched": 0, "ep_unmatched": 0, "all_to_all_unmatched": 0, "ep_layer": 0}
         for g in self.graphs:
             totals["ep_layer"] += g.traced_ops.get("ep_layer", 0)
-            for op in ("moe_experts", "moe_router", "ep_dispatch", "ep_exchange", "ep_combine"):
+            for op in ("moe_experts", "moe_router", "ep_dispatch", "ep_exchange", "ep_combine", "ep_layer"):
                 totals[op] += sum(1 for r in g.rewrites if r.op == op)
             totals["ep_unmatched"] += sum(1 for m in g.near_misses if m.pattern == "ep")
             totals["unfused"] += sum(1 for m in g.near_misses if m.pattern == "experts")

@@ -15,6 +15,12 @@ from .transfer import window
 
 # ep_layer's device_plan argument (the compile's ep_device_plan: False, True, "auto")
 OFF, ON, AUTO = 0, 1, 2
+
+
+def mode(option) -> int:
+    """ep_layer's device_plan argument for the compile's ep_device_plan option (False, True or "auto")."""
+    return AUTO if option == "auto" else ON if option else OFF
+
 # "auto" runs the device plan where the buffers it holds above the synchronized path's, at the worst case, fit in this
 # share of the GPU's memory (the smallest of the group's GPUs)
 AUTO_MEMORY_SHARE = 1 / 16

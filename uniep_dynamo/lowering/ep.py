@@ -1,5 +1,5 @@
-"""Replace a proven expert-parallel dispatch or combine by one call of torch.ops.uniep.ep_dispatch /
-ep_combine (patterns/ep.py says what each replaces)."""
+"""Replace a proven expert-parallel dispatch, exchange, combine or whole layer by one call of torch.ops.uniep.ep_dispatch /
+ep_exchange / ep_combine / ep_layer (patterns/ep.py says what each replaces)."""
 from __future__ import annotations
 
 import operator
@@ -7,13 +7,15 @@ import operator
 import torch
 from torch.fx import GraphModule
 
-from ..patterns.ep import CombineMatch, DispatchMatch, ExchangeMatch
+from ..patterns.ep import CombineMatch, DispatchMatch, ExchangeMatch, LayerMatch
 from .experts import take_place
 
 
-def lower_dispatch(gm: GraphModule, match: DispatchMatch, gather_counts: bool = False) -> torch.fx.Node:
+def lower_dispatch(gm: GraphModule, match: DispatchMatch, gather_counts: bool = False,
+                   replaced_by: dict | None = None) -> torch.fx.Node:
     """``gather_counts``: where the exchanges are rewritten too (the rewrite_ep_exchange option), the dispatch
-    all-gathers the count table they take their split sizes and layout from (ep.ep_dispatch)."""
+    all-gathers the count table they take their split sizes and layout from (ep.ep_dispatch). ``replaced_by``
+    takes each replaced node -> its replacement, for later matches in the graph that read them."""
     graph = gm.graph
     last = match.nodes[-1]
     with graph.inserting_after(last):
@@ -31,6 +33,8 @@ def lower_dispatch(gm: GraphModule, match: DispatchMatch, gather_counts: bool = 
             outs[i].meta.update({k: old.meta[k] for k in ("example_value", "stack_trace") if k in old.meta})
         else:
             take_place(old, outs[i], call)
+        if replaced_by is not None:
+            replaced_by[old] = outs[i]
     _erase_region(match.nodes, graph)
     return call
 
@@ -59,6 +63,23 @@ def lower_exchange(gm: GraphModule, match: ExchangeMatch, knobs: dict | None = N
     with graph.inserting_after(call):
         back = graph.call_function(operator.getitem, (call, 0))
     take_place(match.back, back, call)
+    _erase_region(match.nodes, graph)
+    return call
+
+
+def lower_layer(gm: GraphModule, match: LayerMatch, device_plan: int) -> torch.fx.Node:
+    """One uniep.ep_layer in place of the dispatch, exchange and combine calls (and the host reads of the counts
+    that only sized the exchange): the same steps in one op, whose plan may stay on the device (``device_plan``: its
+    argument, device_choice's OFF / ON / AUTO)."""
+    graph = gm.graph
+    with graph.inserting_before(match.out):
+        call = graph.call_function(torch.ops.uniep.ep_layer.default,
+                                   (match.hidden, match.ids, match.weights, match.w_up, match.w_down, match.b_up,
+                                    match.b_down, match.experts_spec, match.group_name, match.world,
+                                    not match.sequential, match.knobs, device_plan))
+    with graph.inserting_after(call):
+        out = graph.call_function(operator.getitem, (call, 0))
+    take_place(match.out, out, call)
     _erase_region(match.nodes, graph)
     return call
 

@@ -23,6 +23,7 @@ the combine reads the same order back, and the stable order is the one a single 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -509,3 +510,144 @@ def _feeds_count_exchange(sort: Node) -> bool:
             following.extend(node.users)
         frontier = following
     return False
+
+
+# ---- the whole layer in one graph ----------------------------------------------------------------------------------
+
+@dataclass
+class LayerMatch:
+    """uniep.ep_dispatch -> uniep.ep_exchange -> uniep.ep_combine in ONE graph, which the rewrites above made where
+    Dynamo traced the layer's split sizes as unbacked ints (``capture_scalar_outputs``) and so kept the whole layer
+    in one graph: the three become one uniep.ep_layer, whose plan may stay on the device (no host read of the
+    counts). ``nodes``: the three calls, their outputs, and the host reads of the counts that fed nothing but the
+    exchange's split sizes (with their runtime asserts), in graph order."""
+    hidden: Node
+    ids: Node
+    weights: Node
+    w_up: Node
+    w_down: Node
+    b_up: Node | None
+    b_down: Node | None
+    experts_spec: str
+    group_name: str
+    world: int
+    knobs: str
+    sequential: bool
+    out: Node  # the combine call
+    calls: tuple  # (ep_dispatch, ep_exchange, ep_combine) calls
+    nodes: list
+    module: str
+    op: str = "ep_layer"
+    spelling: str = "ep_dispatch + ep_exchange + ep_combine in one graph, split sizes traced"
+
+    @property
+    def spec(self):
+        return _Described(f"{self.world} ranks (group {self.group_name}), the plan and split sizes inside the op")
+
+
+# what may read the counts on their way to the exchange's split sizes (besides the exchange): host reads, sums,
+# indexing, symbolic arithmetic on the sizes read, and the runtime asserts Dynamo put on them; nothing that writes
+_SIZE_METHODS = {"item", "tolist", "sum", "__getitem__", "view", "reshape"}
+_SIZE_FUNCTIONS = {torch.stack, torch.sum, torch.sym_sum, torch.sym_not, torch.sym_max, torch.sym_min,
+                   torch.sym_int, torch.sym_float, torch._check, torch._check_is_size,
+                   torch.ops.aten._assert_scalar.default, torch.ops.aten._local_scalar_dense.default,
+                   torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten.sym_constrain_range.default}
+
+
+def _is_size_step(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _SIZE_METHODS
+    if node.op != "call_function":
+        return False
+    target = node.target
+    return target in _SIZE_FUNCTIONS or (getattr(target, "__module__", None) in ("_operator", "operator")
+                                         and target is not operator.setitem and not target.__name__.startswith("i"))
+
+
+def _outputs(call: Node) -> dict:
+    """index -> the getitem reading that output of a uniep op's call; Mismatch if it is read any other way."""
+    outs = {}
+    for user in call.users:
+        _require(_is_op(user, "getitem") and isinstance(user.args[1], int) and user.args[1] not in outs,
+                 f"{call.name}'s outputs are read other than once each")
+        outs[user.args[1]] = user
+    return outs
+
+
+def _summed_counts(size, counts: dict):
+    """(which, rank) for a split size that is ``counts[which][rank]`` summed over the local experts and read on the
+    host -- ``c.sum(dim=1).tolist()[rank]``, or through ``stack([send.sum(1), recv.sum(1)]).tolist()`` -- where
+    ``counts`` maps the dispatch's send and received count outputs to "send" and "recv"; Mismatch otherwise."""
+    _require(isinstance(size, Node) and gu.op_name(size) in ("item", "_local_scalar_dense"),
+             "a split size is not a count read on the host")
+    element = size.args[0]
+    _require(_is_op(element, "getitem") and isinstance(element.args[1], int), "a split size is not one element")
+    rank, source = element.args[1], element.args[0]
+    if _is_op(source, "getitem") and _is_op(source.args[0], "stack"):
+        stack, row = source.args[0], source.args[1]
+        parts = gu.bind(stack, "stack").get("input")
+        dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+        _require(isinstance(row, int) and isinstance(parts, (list, tuple)) and 0 <= row < len(parts) and dim == 0,
+                 "the split sizes' stack is not read by row")
+        source = parts[row]
+    _require(_is_op(source, "sum"), "a split size is not a sum of the per-expert counts")
+    s = gu.bind(source, "sum")
+    _require(s["input"] in counts and gu.is_dim(gu.constant(s["dim"]), 1, 2) and not s["keepdim"]
+             and s["dtype"] is None, "a split size is not the sum of a rank's per-expert counts")
+    return counts[s["input"]], rank
+
+
+def _match_layer(dispatch: Node, order_of: dict) -> LayerMatch:
+    hidden, ids, num_experts, world, group_name, gather_counts = dispatch.args
+    d = _outputs(dispatch)
+    _require(gather_counts and set(d) == {0, 1, 2, 3}, "the dispatch does not hand its count table to an exchange")
+    exchange = next(iter(d[0].users)) if len(d[0].users) == 1 else None
+    _require(exchange is not None and exchange.target is torch.ops.uniep.ep_exchange.default
+             and exchange.args[0] is d[0] and exchange.args[1] is d[3],
+             "the dispatched rows do not go to one exchange in this graph")
+    send, recv_counts, w_up, w_down, b_up, b_down, spec, x_group, send_sizes, recv_sizes, knobs, sequential = \
+        exchange.args
+    _require(x_group == group_name and len(send_sizes) == len(recv_sizes) == world,
+             "the exchange is over another group than the dispatch")
+    x = _outputs(exchange)
+    _require(set(x) == {0} and len(x[0].users) == 1, "the exchanged rows are read outside one combine")
+    combine = next(iter(x[0].users))
+    _require(combine.target is torch.ops.uniep.ep_combine.default and combine.args[0] is x[0]
+             and combine.args[1] is d[1] and set(d[1].users) == {combine},
+             "the exchanged rows do not go to the combine in the dispatch's order")
+    counts = {d[2]: "send", d[3]: "recv"}
+    for which, sizes in (("send", send_sizes), ("recv", recv_sizes)):
+        for rank, size in enumerate(sizes):
+            got = _summed_counts(size, counts)
+            _require(got == (which, rank), f"the exchange's {which} size {rank} is not rank {rank}'s {which} count",
+                     (which, rank), got)
+    # every reader of the counts but the exchange: size steps read by nothing outside them (Dynamo's asserts on the
+    # read sizes included), which go with the layer
+    steps, frontier = set(), [u for c in (d[2], d[3]) for u in c.users if u is not exchange]
+    while frontier:
+        node = frontier.pop()
+        if node in steps:
+            continue
+        _require(_is_size_step(node), f"the counts reach {node.name} ({gu.op_name(node) or node.op}), not only the "
+                 "exchange's split sizes")
+        steps.add(node)
+        frontier.extend(u for u in node.users if u is not exchange)
+    calls = (dispatch, exchange, combine)
+    nodes = sorted({*calls, *d.values(), *x.values(), *steps}, key=order_of.get)
+    return LayerMatch(hidden, ids, combine.args[2], w_up, w_down, b_up, b_down, spec, group_name, world, knobs,
+                      sequential, combine, calls, nodes, gu.module_path(exchange))
+
+
+def find_layers(graph: Graph) -> tuple[list, list]:
+    """(matches, reasons): each uniep.ep_dispatch whose rows, counts and order go to an ep_exchange and ep_combine in
+    this graph, as one LayerMatch; (dispatch node, why not) for those that reach an exchange here but are not one
+    layer. Run after the EP rewrites (the calls are theirs)."""
+    order_of = {n: i for i, n in enumerate(graph.nodes)}
+    matches, reasons = [], []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.uniep.ep_dispatch.default:
+            try:
+                matches.append(_match_layer(node, order_of))
+            except Mismatch as exc:
+                reasons.append((node, str(exc)))
+    return matches, reasons
