@@ -1,6 +1,7 @@
 """Expert parallelism written in plain PyTorch, compiled with backend="uniep" -- no uniep import in the model.
 
     torchrun --nproc-per-node 2 examples/ep_moe.py      # gloo on CPU, or one GPU per rank (nccl) when there are
+    torchrun --nproc-per-node 2 examples/ep_moe.py --one-graph   # the split sizes traced: one uniep.ep_layer
 
 Each rank holds its own tokens and E / world experts. The MoE layer routes (softmax, top-k, renormalize),
 sorts its (token, expert) pairs by expert, exchanges per-expert counts, then the token rows, with
@@ -9,13 +10,17 @@ token. That is the usual way to write it (HF transformers' AllToAllEP and torcht
 uniep rewrites each part: the router (uniep.moe_router), the dispatch plan with its count exchange
 (uniep.ep_dispatch), the token all-to-all with the experts and the all-to-all back (one uniep.ep_exchange,
 which takes its split sizes from the dispatch's count table), and the combine (uniep.ep_combine). The split
-sizes go to the host (`.tolist()`), so Dynamo makes two graphs of the layer.
+sizes go to the host (`.tolist()`), so Dynamo makes two graphs of the layer. With
+`torch._dynamo.config.capture_scalar_outputs = True` (`--one-graph`) Dynamo traces that `.tolist()` and keeps
+the layer in one graph, which uniep runs as one uniep.ep_layer: on CUDA by default its routing plan stays on
+the device, and the layer makes no host synchronization.
 
 The script compares one forward and backward with eager and prints what uniep rewrote.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -114,6 +119,8 @@ def main():
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
+    if "--one-graph" in sys.argv[1:]:
+        torch._dynamo.config.capture_scalar_outputs = True
     try:
         results, report = run(inner_backend="inductor" if backend == "nccl" else "aot_eager")
         eager, fused = results["eager"], results["uniep"]
