@@ -242,8 +242,9 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
             and not any(m.op == "ep_exchange" for m in ep_matches) and "hint" not in _SYNC_HINTED:
         _SYNC_HINTED.add("hint")
         log.info("uniep: an EP dispatch's split sizes go to the host in another graph than its exchange (a "
-                 "synchronization each layer); with torch._dynamo.config.capture_scalar_outputs = True Dynamo keeps "
-                 "the layer in one graph, which uniep runs as one uniep.ep_layer with its plan on the device")
+                 "synchronization each layer); in plain PyTorch EP code like examples/ep_moe.py, "
+                 "torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one graph, which uniep runs "
+                 "as one uniep.ep_layer with its plan on the device")
     made = set()
     for match in layers:
         names = {c.name for c in match.calls}

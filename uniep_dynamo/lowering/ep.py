@@ -1,5 +1,5 @@
-"""Replace a proven expert-parallel dispatch, exchange, combine or whole layer by one call of torch.ops.uniep.ep_dispatch /
-ep_exchange / ep_combine / ep_layer (patterns/ep.py says what each replaces)."""
+"""Replace a proven expert-parallel dispatch, exchange, combine or whole layer by one call of
+torch.ops.uniep.ep_dispatch / ep_exchange / ep_combine / ep_layer (patterns/ep.py says what each replaces)."""
 from __future__ import annotations
 
 import operator

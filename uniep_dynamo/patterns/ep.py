@@ -597,14 +597,22 @@ def _summed_counts(size, counts: dict):
     return counts[s["input"]], rank
 
 
-def _match_layer(dispatch: Node, order_of: dict) -> LayerMatch:
+def _exchange_of(dispatch: Node) -> Node | None:
+    """The uniep.ep_exchange call in this graph that reads the dispatch's rows, or None (the layer's other graph)."""
+    for rows in dispatch.users:
+        if _is_op(rows, "getitem") and rows.args[1] == 0:
+            for user in rows.users:
+                if user.op == "call_function" and user.target is torch.ops.uniep.ep_exchange.default:
+                    return user
+    return None
+
+
+def _match_layer(dispatch: Node, exchange: Node, order_of: dict) -> LayerMatch:
     hidden, ids, num_experts, world, group_name, gather_counts = dispatch.args
     d = _outputs(dispatch)
-    _require(gather_counts and set(d) == {0, 1, 2, 3}, "the dispatch does not hand its count table to an exchange")
-    exchange = next(iter(d[0].users)) if len(d[0].users) == 1 else None
-    _require(exchange is not None and exchange.target is torch.ops.uniep.ep_exchange.default
-             and exchange.args[0] is d[0] and exchange.args[1] is d[3],
-             "the dispatched rows do not go to one exchange in this graph")
+    _require(gather_counts and set(d) == {0, 1, 2, 3}, "the dispatch does not hand its count table to the exchange")
+    _require(set(d[0].users) == {exchange} and exchange.args[0] is d[0] and exchange.args[1] is d[3],
+             "the dispatched rows or counts go elsewhere than the exchange")
     send, recv_counts, w_up, w_down, b_up, b_down, spec, x_group, send_sizes, recv_sizes, knobs, sequential = \
         exchange.args
     _require(x_group == group_name and len(send_sizes) == len(recv_sizes) == world,
@@ -640,14 +648,17 @@ def _match_layer(dispatch: Node, order_of: dict) -> LayerMatch:
 
 def find_layers(graph: Graph) -> tuple[list, list]:
     """(matches, reasons): each uniep.ep_dispatch whose rows, counts and order go to an ep_exchange and ep_combine in
-    this graph, as one LayerMatch; (dispatch node, why not) for those that reach an exchange here but are not one
-    layer. Run after the EP rewrites (the calls are theirs)."""
+    this graph, as one LayerMatch; (dispatch node, why not) for those whose rows reach an exchange here but are not
+    one layer. Run after the EP rewrites (the calls are theirs)."""
     order_of = {n: i for i, n in enumerate(graph.nodes)}
     matches, reasons = [], []
     for node in graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.uniep.ep_dispatch.default:
+            exchange = _exchange_of(node)
+            if exchange is None:
+                continue
             try:
-                matches.append(_match_layer(node, order_of))
+                matches.append(_match_layer(node, exchange, order_of))
             except Mismatch as exc:
                 reasons.append((node, str(exc)))
     return matches, reasons
