@@ -23,7 +23,8 @@ it. Providers, on the same module and inputs:
   inductor_one_graph, uniep_one_graph, uniep_one_graph_sync  inductor and uniep's default compile with
              torch._dynamo.config.capture_scalar_outputs = True: Dynamo traces the split sizes' .tolist() and keeps
              the layer in one graph, which uniep runs as one uniep.ep_layer, its plan on the device by default
-             (ep_device_plan "auto"; _sync: ep_device_plan=False, the plan read on the host)
+             (ep_device_plan "auto"; _sync: ep_device_plan=False, the plan read on the host); uniep_one_graph_graphs
+             the default under mode="reduce-overhead" (inductor's CUDA graphs around uniep.ep_layer)
   uniep_overlap  the same router compiled with uniep, then uniep's overlapped EP experts layer
              (uniep_dynamo/ep/: token transfers through symmetric memory, copy-engine copies on
              their own streams, pipelined with the MegaKernel's GEMMs chunk by chunk; --chunks pipeline chunks): one
@@ -102,7 +103,7 @@ SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), 
 # name: (attention heads, key/value heads, head dim) of the models these MoE shapes come from (the hf_layer_* rows)
 ATTENTION = {"mixtral": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "tiny": (4, 2, 16)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_apart",
-             "inductor_one_graph", "uniep_one_graph", "uniep_one_graph_sync",
+             "inductor_one_graph", "uniep_one_graph", "uniep_one_graph_sync", "uniep_one_graph_graphs",
              "uniep_overlap",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
@@ -527,9 +528,11 @@ def _worker(rank, world, port, args, out_path):
                         run = functools.partial(_decoder_call, run)
                 elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
-                elif provider.endswith("_one_graph") or provider.endswith("_one_graph_sync"):
-                    compiled = torch.compile(module, backend=provider.split("_")[0], options=(
-                        {"ep_device_plan": False} if provider.endswith("_sync") else None))
+                elif "_one_graph" in provider:
+                    options = {"ep_device_plan": False} if provider.endswith("_sync") else {}
+                    if provider.endswith("_graphs"):  # reduce-overhead's settings, through uniep's options
+                        options["inductor"] = dict(torch._inductor.list_mode_options("reduce-overhead"))
+                    compiled = torch.compile(module, backend=provider.split("_")[0], options=options or None)
 
                     def run(x, compiled=compiled):  # the config as Dynamo traces, and for its guards
                         with torch._dynamo.config.patch(capture_scalar_outputs=True):

@@ -375,14 +375,18 @@ def _one_graph_worker(rank, world, port, out_dir):
         xs = [torch.randn(tokens + 3 * rank, 512, generator=torch.Generator().manual_seed(100 + rank))
               .to(device, dtype) for tokens in (970, 680, 680)]
         results = {}
+        graphs = {"inductor": dict(torch._inductor.list_mode_options("reduce-overhead"))}
         for name, capture, options in (("two_graphs", False, {"ep_device_plan": False}), ("one_graph", True, {}),
-                                       ("one_graph_sync", True, {"ep_device_plan": False})):
+                                       ("one_graph_sync", True, {"ep_device_plan": False}),
+                                       ("one_graph_cuda_graphs", True, graphs)):
             torch._dynamo.reset()
             runs = device_plan.RUNS["forward"]
             compiled = torch.compile(model, backend="uniep", options={"inner_backend": "inductor", **options})
             tensors, syncs = [], None
             with torch._dynamo.config.patch(capture_scalar_outputs=capture), uniep_dynamo.recording() as report:
                 for step, x in enumerate(xs):
+                    if options is graphs:
+                        torch.compiler.cudagraph_mark_step_begin()
                     model.zero_grad()
                     xi = x.clone().requires_grad_()
                     torch.cuda.synchronize(device)
@@ -402,7 +406,8 @@ def _one_graph_worker(rank, world, port, out_dir):
 def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
     """examples/ep_moe.py with capture_scalar_outputs: one uniep.ep_layer per compile, which by default keeps its plan
     on the device: a step makes no host synchronization, and the output and every gradient are bitwise those of
-    the two-graph compile (which reads the counts on the host) and of ep_device_plan=False."""
+    the two-graph compile (which reads the counts on the host), of ep_device_plan=False, and of the default under
+    mode="reduce-overhead" (inductor's CUDA graphs around the op: the graph has no data-dependent shape left)."""
     from test_ep import run_workers
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
@@ -410,13 +415,14 @@ def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
         two = r["two_graphs"]
         assert two["totals"]["ep_exchange"] == 2 and two["totals"]["ep_layer"] == 0, two["totals"]
         assert two["syncs"], "the two-graph compile reads the split sizes on the host"
-        for name in ("one_graph", "one_graph_sync"):
+        for name in ("one_graph", "one_graph_sync", "one_graph_cuda_graphs"):
             got = r[name]
             # the first step's compile and the second's (dynamic token count); the third runs the second's
             assert got["totals"]["ep_layer"] == 2 and got["totals"]["ep_exchange"] == 0, (name, got["totals"])
             assert all(g == [] for g in got["gaps"]), got["gaps"]
             assert all(torch.equal(a, b) for a, b in zip(got["tensors"], two["tensors"])), name
-        assert r["one_graph"]["device_plan_runs"] == 3 and r["one_graph_sync"]["device_plan_runs"] == 0
+        assert r["one_graph"]["device_plan_runs"] == r["one_graph_cuda_graphs"]["device_plan_runs"] == 3
+        assert r["one_graph_sync"]["device_plan_runs"] == 0
         assert r["one_graph"]["syncs"] == [], r["one_graph"]["syncs"]
 
 
