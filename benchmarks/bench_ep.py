@@ -531,9 +531,9 @@ def _worker(rank, world, port, args, out_path):
                 elif "_one_graph" in provider:
                     options = {"ep_device_plan": False} if provider.endswith("_sync") else {}
                     if provider.endswith("_graphs"):  # reduce-overhead's settings, through uniep's options
-                        import torch._inductor
+                        from torch._inductor import list_mode_options
 
-                        options["inductor"] = dict(torch._inductor.list_mode_options("reduce-overhead"))
+                        options["inductor"] = dict(list_mode_options("reduce-overhead"))
                     compiled = torch.compile(module, backend=provider.split("_")[0], options=options or None)
 
                     def run(x, compiled=compiled):  # the config as Dynamo traces, and for its guards

@@ -375,9 +375,9 @@ def _one_graph_worker(rank, world, port, out_dir):
         xs = [torch.randn(tokens + 3 * rank, 512, generator=torch.Generator().manual_seed(100 + rank))
               .to(device, dtype) for tokens in (970, 680, 680)]
         results = {}
-        import torch._inductor
+        from torch._inductor import list_mode_options
 
-        graphs = {"inductor": dict(torch._inductor.list_mode_options("reduce-overhead"))}
+        graphs = {"inductor": dict(list_mode_options("reduce-overhead"))}
         for name, capture, options in (("two_graphs", False, {"ep_device_plan": False}), ("one_graph", True, {}),
                                        ("one_graph_sync", True, {"ep_device_plan": False}),
                                        ("one_graph_cuda_graphs", True, graphs)):
