@@ -433,10 +433,14 @@ def _one_graph_worker(rank, world, port, out_dir):
                 report = None
             else:
                 runs = dict(device_plan.RUNS)
-                with torch._dynamo.config.patch(capture_scalar_outputs=capture), uniep_dynamo.recording() as report:
+                with torch._dynamo.config.patch(capture_scalar_outputs=capture), uniep_dynamo.recording() as report, \
+                        torch.set_grad_enabled(not name.endswith("no_grad")):
                     out = torch.compile(model, backend="uniep", options={"inner_backend": inner, **options})(xi)
-            out.square().mean().backward()
-            results[name] = {"values": [out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()]}
+            if name.endswith("no_grad"):  # inference (generate() and the like): the forward only
+                results[name] = {"values": [out]}
+            else:
+                out.square().mean().backward()
+                results[name] = {"values": [out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()]}
             if report is not None:
                 results[name].update(totals=report.totals(), graphs=list(graphs), gaps=[g.coverage_gaps()
                                                                                       for g in report.graphs],
@@ -449,10 +453,12 @@ def _one_graph_worker(rank, world, port, out_dir):
 # (name, capture_scalar_outputs, the compile's options)
 _ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {}), ("one_graph", True, {}),
               ("one_graph_device_plan", True, {"ep_device_plan": True}),
-              ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {})]
+              ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {}),
+              ("one_graph_no_grad", True, {}), ("one_graph_device_plan_no_grad", True, {"ep_device_plan": True})]
 
 
-def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path):
     """examples/ep_moe.py's layer with torch._dynamo.config.capture_scalar_outputs = True: Dynamo traces the split
     sizes' .tolist() as unbacked ints and keeps the layer in one graph, whose dispatch, exchange and combine become
     one uniep.ep_layer; the host reads of the counts and Dynamo's asserts on them go with them, so nothing in the graph
@@ -460,13 +466,13 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(tmp_path):
     and every gradient equal the two-graph rewrite's bit for bit. With the exchange left as written
     (rewrite_ep_exchange=False) the dispatch and combine, rewritten in one graph, read each other's replaced nodes
     (before, the backend raised: a node used before its definition). A layer that reads a split size outside the
-    exchange stays three ops."""
-    ranks = run_workers(_one_graph_worker, 2, (), tmp_path)
+    exchange stays three ops. Under no_grad (inference) the layer is the same one op, with the same output."""
+    ranks = run_workers(_one_graph_worker, world, (), tmp_path)
     host_reads = {"item", "_local_scalar_dense", "_assert_scalar", "tolist"}
     for r in ranks:
         two, eager = r["two_graphs"], r["eager"]
         assert (two["totals"]["ep_dispatch"], two["totals"]["ep_exchange"], two["totals"]["ep_layer"]) == (1, 1, 0)
-        for name in ("one_graph", "one_graph_device_plan"):
+        for name in ("one_graph", "one_graph_device_plan", "one_graph_no_grad", "one_graph_device_plan_no_grad"):
             got = r[name]
             t = got["totals"]
             assert (t["moe_router"], t["moe_experts"], t["ep_layer"], t["ep_dispatch"], t["ep_exchange"],
@@ -476,8 +482,9 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(tmp_path):
             assert ops.count("ep_layer") == 1 and not host_reads & set(ops), (name, ops)
             assert got["gaps"] == [[]], got["gaps"]
             assert all(torch.equal(a, b) for a, b in zip(got["values"], two["values"])), name
-        assert r["one_graph"]["device_plan_runs"] == {"forward": 0}
+        assert r["one_graph"]["device_plan_runs"] == r["one_graph_no_grad"]["device_plan_runs"] == {"forward": 0}
         assert r["one_graph_device_plan"]["device_plan_runs"] == {"forward": 1}
+        assert r["one_graph_device_plan_no_grad"]["device_plan_runs"] == {"forward": 1}
         apart = r["one_graph_exchange_apart"]
         t = apart["totals"]
         assert (t["ep_dispatch"], t["ep_combine"], t["ep_exchange"], t["ep_layer"]) == (1, 1, 0, 0), t
