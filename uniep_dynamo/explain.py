@@ -93,8 +93,8 @@ class Report:
     def summary(self) -> str:
         t = self.totals
         ep = "".join(f", {t[op]} ({op})" for op in ("ep_dispatch", "ep_exchange", "ep_combine") if t.get(op))
-        if t.get("ep_layer"):  # HF's AllToAllEP layers, traced as one op each (hf_ep.py), not rewrites
-            ep += f", {t['ep_layer']} HF EP layer(s) traced as uniep.ep_layer"
+        if t.get("ep_layer"):  # HF's AllToAllEP layers traced as one op (hf_ep.py), and plain EP layers in one graph
+            ep += f", {t['ep_layer']} EP layer(s) as one uniep.ep_layer"
         lines = [f"uniep: {t['moe_experts']} rewrite(s) (moe_experts), {t.get('moe_router', 0)} (moe_router){ep}, "
                  f"{t['unfused']} unfused, "
                  f"{len(self.data['graphs'])} graph(s)"]
@@ -230,7 +230,7 @@ table {{ border-collapse: collapse; width: 100%; }} td, th {{ border-bottom: 1px
 tr.miss {{ outline: 2px solid #d33; }} .gap {{ color: #b00; font-weight: bold; }}
 </style></head><body>
 <h1>uniep report</h1>
-<p id="totals">{totals['moe_experts']} experts and {totals.get('moe_router', 0)} router rewrite(s), {totals.get('ep_dispatch', 0)} EP dispatch, {totals.get('ep_exchange', 0)} EP exchange and {totals.get('ep_combine', 0)} EP combine rewrite(s), {totals.get('ep_layer', 0)} HF EP layer(s) traced as uniep.ep_layer, {totals['unfused']} unfused, {len(data['graphs'])} graph(s);
+<p id="totals">{totals['moe_experts']} experts and {totals.get('moe_router', 0)} router rewrite(s), {totals.get('ep_dispatch', 0)} EP dispatch, {totals.get('ep_exchange', 0)} EP exchange and {totals.get('ep_combine', 0)} EP combine rewrite(s), {totals.get('ep_layer', 0)} EP layer(s) as one uniep.ep_layer, {totals['unfused']} unfused, {len(data['graphs'])} graph(s);
 uniep {html.escape(str(data['uniep']))}, torch {html.escape(str(data['torch']))}</p>
 {''.join(sections)}
 </body></html>
