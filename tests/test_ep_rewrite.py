@@ -407,8 +407,9 @@ def _one_graph_worker(rank, world, port, out_dir):
         plain = ExpertParallelMoE(16, 24, 2 * world, 2)
         sizes_read = SizesRead(16, 24, 2 * world, 2)
         sizes_read.load_state_dict(plain.state_dict())
+        stacked = torch.nn.Sequential(ExpertParallelMoE(16, 24, 2 * world, 2), ExpertParallelMoE(16, 24, 2 * world, 2))
         with torch.no_grad():
-            for model in (plain, sizes_read):
+            for model in (plain, sizes_read, *stacked):
                 for p in (model.gate_up_proj, model.down_proj):
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) * p.shape[-1] ** -0.5)
         x = torch.randn(24, 16, generator=torch.Generator().manual_seed(100 + rank))
@@ -423,7 +424,7 @@ def _one_graph_worker(rank, world, port, out_dir):
 
         results = {}
         for name, capture, options in _ONE_GRAPH:
-            model = sizes_read if name == "sizes_read" else plain
+            model = sizes_read if name == "sizes_read" else stacked if name.startswith("stacked") else plain
             torch._dynamo.reset()
             graphs.clear()
             model.zero_grad()
@@ -454,7 +455,8 @@ def _one_graph_worker(rank, world, port, out_dir):
 _ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {}), ("one_graph", True, {}),
               ("one_graph_device_plan", True, {"ep_device_plan": True}),
               ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {}),
-              ("one_graph_no_grad", True, {}), ("one_graph_device_plan_no_grad", True, {"ep_device_plan": True})]
+              ("one_graph_no_grad", True, {}), ("one_graph_device_plan_no_grad", True, {"ep_device_plan": True}),
+              ("stacked_two_graphs", False, {}), ("stacked_one_graph", True, {})]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -489,6 +491,12 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
         t = apart["totals"]
         assert (t["ep_dispatch"], t["ep_combine"], t["ep_exchange"], t["ep_layer"]) == (1, 1, 0, 0), t
         assert len(apart["graphs"]) == 1
+        stacked, apart_stacked = r["stacked_one_graph"], r["stacked_two_graphs"]  # two layers: one graph, two ops
+        t = stacked["totals"]
+        assert (t["ep_layer"], t["ep_dispatch"], t["ep_exchange"], t["ep_combine"]) == (2, 0, 0, 0), t
+        assert len(stacked["graphs"]) == 1 and stacked["graphs"][0].count("ep_layer") == 2
+        assert apart_stacked["totals"]["ep_exchange"] == 2 and len(apart_stacked["graphs"]) >= 3
+        assert all(torch.equal(a, b) for a, b in zip(stacked["values"], apart_stacked["values"]))
         read = r["sizes_read"]  # a split size read outside the exchange: three ops, the host read kept
         t = read["totals"]
         assert (t["ep_dispatch"], t["ep_exchange"], t["ep_combine"], t["ep_layer"]) == (1, 1, 1, 0), t
