@@ -554,6 +554,31 @@ _SIZE_FUNCTIONS = {torch.stack, torch.sum, torch.sym_sum, torch.sym_not, torch.s
                    torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten.sym_constrain_range.default}
 
 
+# the steps among them that check the sizes (raise where a check fails)
+_SIZE_CHECKS = {torch._check, torch._check_is_size, torch.ops.aten._assert_scalar.default,
+                torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten.sym_constrain_range.default}
+
+
+def _require_no_model_checks(steps: set) -> None:
+    """The size checks among ``steps`` must be those Dynamo put on the host reads when it traced them (where the
+    sizes became unbacked ints: each carries the read's source line): they hold what the replaced ops assumed (sizes
+    >= 0, the sent rows' sum) or what tracing them assumed (a rank receives some row), which the one op does not
+    need. A check the model makes itself (``torch._check(sum(sizes) < n)``, with its own line) is the model's and
+    would be dropped with the sizes: the layer then stays three ops."""
+    reads = {n.meta.get("stack_trace") for n in steps if gu.op_name(n) in ("item", "_local_scalar_dense", "tolist")}
+    for node in steps:
+        if node.op == "call_function" and node.target in _SIZE_CHECKS:
+            trace = node.meta.get("stack_trace")
+            _require(trace is not None and trace in reads,
+                     f"the model checks its split sizes ({node.name}, {_last_line(trace)}): that check would be "
+                     "dropped with them")
+
+
+def _last_line(trace) -> str:
+    lines = [line.strip() for line in (trace or "").splitlines() if line.strip() and set(line.strip()) != {"^"}]
+    return lines[-1] if lines else "no source line"
+
+
 def _is_size_step(node: Node) -> bool:
     if node.op == "call_method":
         return node.target in _SIZE_METHODS
@@ -640,6 +665,7 @@ def _match_layer(dispatch: Node, exchange: Node, order_of: dict) -> LayerMatch:
                  "exchange's split sizes")
         steps.add(node)
         frontier.extend(u for u in node.users if u is not exchange)
+    _require_no_model_checks(steps)
     calls = (dispatch, exchange, combine)
     nodes = sorted({*calls, *d.values(), *x.values(), *steps}, key=order_of.get)
     return LayerMatch(hidden, ids, combine.args[2], w_up, w_down, b_up, b_down, spec, group_name, world, knobs,
