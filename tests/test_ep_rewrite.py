@@ -402,24 +402,31 @@ def _one_graph_worker(rank, world, port, out_dir):
                 y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
                 back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
                 out = self.combine(back, order, weights)
-                if self.checked:  # the model's own check on its sizes, which the one op would drop
+                if self.checked == "check":  # the model's own check on its sizes, which the one op would drop
                     torch._check(sum(recv_sizes) >= 0)
+                    return out
+                if self.checked == "assert":  # a Python assert: Dynamo checks it on the host read itself
+                    assert sum(recv_sizes) <= 10 ** 6, "capacity"
                     return out
                 return out + 0 * torch.scalar_tensor(sum(recv_sizes))
 
             checked = False
 
         class SizesChecked(SizesRead):
-            checked = True
+            checked = "check"
+
+        class SizesAsserted(SizesRead):
+            checked = "assert"
 
         torch.manual_seed(0)  # the same router on every rank; experts differ per rank
         plain = ExpertParallelMoE(16, 24, 2 * world, 2)
         sizes_read, sizes_checked = SizesRead(16, 24, 2 * world, 2), SizesChecked(16, 24, 2 * world, 2)
-        sizes_read.load_state_dict(plain.state_dict())
-        sizes_checked.load_state_dict(plain.state_dict())
+        sizes_asserted = SizesAsserted(16, 24, 2 * world, 2)
+        for model in (sizes_read, sizes_checked, sizes_asserted):
+            model.load_state_dict(plain.state_dict())
         stacked = torch.nn.Sequential(ExpertParallelMoE(16, 24, 2 * world, 2), ExpertParallelMoE(16, 24, 2 * world, 2))
         with torch.no_grad():
-            for model in (plain, sizes_read, sizes_checked, *stacked):
+            for model in (plain, sizes_read, sizes_checked, sizes_asserted, *stacked):
                 for p in (model.gate_up_proj, model.down_proj):
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)) * p.shape[-1] ** -0.5)
         x = torch.randn(24, 16, generator=torch.Generator().manual_seed(100 + rank))
@@ -434,7 +441,7 @@ def _one_graph_worker(rank, world, port, out_dir):
 
         results = {}
         for name, capture, options in _ONE_GRAPH:
-            model = {"sizes_read": sizes_read, "sizes_checked": sizes_checked}.get(
+            model = {"sizes_read": sizes_read, "sizes_checked": sizes_checked, "sizes_asserted": sizes_asserted}.get(
                 name, stacked if name.startswith("stacked") else plain)
             torch._dynamo.reset()
             graphs.clear()
@@ -467,7 +474,8 @@ _ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {}), ("one_graph", Tru
               ("one_graph_device_plan", True, {"ep_device_plan": True}),
               ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {}),
               ("one_graph_no_grad", True, {}), ("one_graph_device_plan_no_grad", True, {"ep_device_plan": True}),
-              ("stacked_two_graphs", False, {}), ("stacked_one_graph", True, {}), ("sizes_checked", True, {})]
+              ("stacked_two_graphs", False, {}), ("stacked_one_graph", True, {}), ("sizes_checked", True, {}),
+              ("sizes_asserted", True, {})]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -479,8 +487,9 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
     and every gradient equal the two-graph rewrite's bit for bit. With the exchange left as written
     (rewrite_ep_exchange=False) the dispatch and combine, rewritten in one graph, read each other's replaced nodes
     (before, the backend raised: a node used before its definition). A layer that reads a split size outside the
-    exchange, or checks one (torch._check: the one op would drop the check), stays three ops. Under no_grad
-    (inference) the layer is the same one op, with the same output; two stacked layers in one graph are two."""
+    exchange, or checks one (torch._check, or a Python assert: the one op would drop the check), stays three ops.
+    Under no_grad (inference) the layer is the same one op, with the same output; two stacked layers in one graph are
+    two."""
     ranks = run_workers(_one_graph_worker, world, (), tmp_path)
     host_reads = {"item", "_local_scalar_dense", "_assert_scalar", "tolist"}
     for r in ranks:
@@ -511,12 +520,12 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
         assert all(torch.equal(a, b) for a, b in zip(stacked["values"], apart_stacked["values"]))
         # a split size read outside the exchange, or checked by the model: three ops, the host read (and the check)
         # kept
-        for read in (r["sizes_read"], r["sizes_checked"]):
+        for read in (r["sizes_read"], r["sizes_checked"], r["sizes_asserted"]):
             t = read["totals"]
             assert (t["ep_dispatch"], t["ep_exchange"], t["ep_combine"], t["ep_layer"]) == (1, 1, 1, 0), t
             assert len(read["graphs"]) == 1 and "item" in read["graphs"][0]
-        assert "_assert_scalar" in r["sizes_checked"]["graphs"][0]
-        for got in (apart, two, r["sizes_read"], r["sizes_checked"]):
+        assert all("_assert_scalar" in r[name]["graphs"][0] for name in ("sizes_checked", "sizes_asserted"))
+        for got in (apart, two, r["sizes_read"], r["sizes_checked"], r["sizes_asserted"]):
             for i, (a, b) in enumerate(zip(got["values"], eager["values"])):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=str(i))
 

@@ -559,19 +559,63 @@ _SIZE_CHECKS = {torch._check, torch._check_is_size, torch.ops.aten._assert_scala
                 torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten.sym_constrain_range.default}
 
 
-def _require_no_model_checks(steps: set) -> None:
-    """The size checks among ``steps`` must be those Dynamo put on the host reads when it traced them (where the
-    sizes became unbacked ints: each carries the read's source line): they hold what the replaced ops assumed (sizes
-    >= 0, the sent rows' sum) or what tracing them assumed (a rank receives some row), which the one op does not
-    need. A check the model makes itself (``torch._check(sum(sizes) < n)``, with its own line) is the model's and
-    would be dropped with the sizes: the layer then stays three ops."""
+def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, rows) -> None:
+    """Every size check among ``steps`` must go with the layer without changing what the model does: one Dynamo put
+    on the host reads when it traced them (it carries the read's source line; a ``torch._check`` the model calls
+    carries its own), stating what the replaced ops hold (a size >= 0, a sent size <= the T*K rows, the sent sizes
+    summing to them) or what tracing the experts' views assumed of the received rows (their sum not 0, a multiple
+    of it), which the one op does not need: it takes a rank that receives nothing. Any other check, say a Python
+    ``assert`` on a size, which Dynamo turns into a check of that kind on the read, is the model's own and would be
+    dropped with the sizes: the layer then stays three ops."""
+    import sympy
+
     reads = {n.meta.get("stack_trace") for n in steps if gu.op_name(n) in ("item", "_local_scalar_dense", "tolist")}
+    send, recv = (_symbols(sizes) for sizes in (send_sizes, recv_sizes))
+    total = _sym_expr(gu.tensor_meta(rows).shape[0] if gu.tensor_meta(rows) is not None else None)
+    _require(None not in send and None not in recv and total is not None, "the split sizes are not traced symbols")
+    sent, received = sympy.Add(*send), sympy.Add(*recv)
+    held = {sympy.Eq(sent, total), sympy.Ne(received, 0)} | {sympy.Ge(u, 0) for u in send + recv} | \
+        {sympy.Le(u, total) for u in send}
     for node in steps:
-        if node.op == "call_function" and node.target in _SIZE_CHECKS:
-            trace = node.meta.get("stack_trace")
-            _require(trace is not None and trace in reads,
-                     f"the model checks its split sizes ({node.name}, {_last_line(trace)}): that check would be "
-                     "dropped with them")
+        if not (node.op == "call_function" and node.target in _SIZE_CHECKS):
+            continue
+        trace = node.meta.get("stack_trace")
+        _require(trace is not None and trace in reads,
+                 f"the model checks its split sizes ({node.name}, {_last_line(trace)}): that check would be dropped "
+                 "with them")
+        expr = _sym_expr(gu.example(node.args[0]) if node.args else None)
+        if node.target in (torch._check_is_size, torch.ops.aten.sym_constrain_range_for_size.default):
+            expr = sympy.Ge(expr, 0) if expr is not None else None  # size-like: >= 0
+        ok = expr is not None and (expr in held or _multiple_of(expr, received))
+        _require(ok, f"the model checks its split sizes ({node.name}: {expr}): that check would be dropped with them")
+
+
+def _sym_expr(value):
+    """The sympy expression of an int, SymInt or SymBool (None for anything else)."""
+    import sympy
+
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    node = getattr(value, "node", None)
+    return getattr(node, "expr", None)
+
+
+def _symbols(sizes: list) -> list:
+    return [_sym_expr(gu.example(size)) for size in sizes]
+
+
+def _multiple_of(expr, received) -> bool:
+    """``Eq(Mod(c * received, received), 0)``: tracing a view of the received rows by their count."""
+    import sympy
+
+    # torch's own Mod classes (torch.utils._sympy.functions) stand beside sympy's
+    if not (isinstance(expr, sympy.Eq) and expr.rhs == 0 and type(expr.lhs).__name__ in ("Mod", "PythonMod")
+            and len(expr.lhs.args) == 2):
+        return False
+    a, b = expr.lhs.args
+    return sympy.simplify(b - received) == 0 and sympy.simplify(a / received).is_number
 
 
 def _last_line(trace) -> str:
@@ -665,7 +709,7 @@ def _match_layer(dispatch: Node, exchange: Node, order_of: dict) -> LayerMatch:
                  "exchange's split sizes")
         steps.add(node)
         frontier.extend(u for u in node.users if u is not exchange)
-    _require_no_model_checks(steps)
+    _require_no_model_checks(steps, send_sizes, recv_sizes, d[0])
     calls = (dispatch, exchange, combine)
     nodes = sorted({*calls, *d.values(), *x.values(), *steps}, key=order_of.get)
     return LayerMatch(hidden, ids, combine.args[2], w_up, w_down, b_up, b_down, spec, group_name, world, knobs,
