@@ -464,6 +464,15 @@ def _one_graph_worker(rank, world, port, out_dir):
                 results[name].update(totals=report.totals(), graphs=list(graphs), gaps=[g.coverage_gaps()
                                                                                       for g in report.graphs],
                                      device_plan_runs={k: device_plan.RUNS[k] - runs[k] for k in runs})
+        # another token count: Dynamo compiles the graph again with the count symbolic, and the layer is one op there too
+        torch._dynamo.reset()
+        compiled = torch.compile(plain, backend="uniep", options={"inner_backend": inner})
+        dynamic = []
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), uniep_dynamo.recording() as report:
+            for tokens in (24, 17):
+                xi = torch.randn(tokens + rank, 16, generator=torch.Generator().manual_seed(tokens + rank))
+                dynamic.append((compiled(xi), plain(xi)))
+        results["dynamic"] = {"outs": dynamic, "totals": report.totals()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -518,6 +527,10 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
         assert len(stacked["graphs"]) == 1 and stacked["graphs"][0].count("ep_layer") == 2
         assert apart_stacked["totals"]["ep_exchange"] == 2 and len(apart_stacked["graphs"]) >= 3
         assert all(torch.equal(a, b) for a, b in zip(stacked["values"], apart_stacked["values"]))
+        dynamic = r["dynamic"]  # the second token count compiled again, symbolic: one op in both graphs
+        assert dynamic["totals"]["ep_layer"] == 2 and dynamic["totals"]["ep_dispatch"] == 0, dynamic["totals"]
+        for got, want in dynamic["outs"]:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # a split size read outside the exchange, or checked by the model: three ops, the host read (and the check)
         # kept
         for read in (r["sizes_read"], r["sizes_checked"], r["sizes_asserted"]):
