@@ -586,7 +586,8 @@ def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, row
         expr = _sym_expr(gu.example(node.args[0]) if node.args else None)
         if node.target in (torch._check_is_size, torch.ops.aten.sym_constrain_range_for_size.default):
             expr = sympy.Ge(expr, 0) if expr is not None else None  # size-like: >= 0
-        ok = expr is not None and (expr in held or _multiple_of(expr, received))
+        ok = expr is not None and (expr in held or getattr(expr, "reversed", None) in held  # 48 >= u0 is u0 <= 48
+                                   or _multiple_of(expr, received))
         _require(ok, f"the model checks its split sizes ({node.name}: {expr}): that check would be dropped with them")
 
 
