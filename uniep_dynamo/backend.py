@@ -224,9 +224,6 @@ def _refreshed(match, replaced_by: dict):
     return dataclasses.replace(match, **changes) if changes else match
 
 
-_SYNC_HINTED: set = set()
-
-
 def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered: list, counts) -> set:
     """Where one graph holds a layer's dispatch, exchange and combine (Dynamo traced the split sizes as unbacked ints:
     ``torch._dynamo.config.capture_scalar_outputs = True``), the three calls become one uniep.ep_layer, which reads
@@ -239,12 +236,13 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
         log.info("uniep: the EP layer of %s stays three ops, its split sizes read on the host: %s",
                  module_path(dispatch), reason)
     if opts.rewrite_ep_exchange and not layers and any(m.op == "ep_dispatch" for m in ep_matches) \
-            and not any(m.op == "ep_exchange" for m in ep_matches) and "hint" not in _SYNC_HINTED:
-        _SYNC_HINTED.add("hint")
-        log.info("uniep: an EP dispatch's split sizes go to the host in another graph than its exchange (a "
-                 "synchronization each layer); in plain PyTorch EP code like examples/ep_moe.py, "
-                 "torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one graph, which uniep runs "
-                 "as one uniep.ep_layer with its plan on the device")
+            and not any(m.op == "ep_exchange" for m in ep_matches):
+        from .kernels.megakernel import warn_once
+
+        warn_once("ep_dispatch", "split sizes read between two graphs",
+                  "uniep: an EP dispatch's %s (a synchronization each layer); in plain PyTorch EP code like "
+                  "examples/ep_moe.py, torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one "
+                  "graph, which uniep runs as one uniep.ep_layer with its plan on the device", logging.INFO)
     made = set()
     for match in layers:
         names = {c.name for c in match.calls}

@@ -548,15 +548,11 @@ class LayerMatch:
 # what may read the counts on their way to the exchange's split sizes (besides the exchange): host reads, sums,
 # indexing, symbolic arithmetic on the sizes read, and the runtime asserts Dynamo put on them; nothing that writes
 _SIZE_METHODS = {"item", "tolist", "sum", "__getitem__", "view", "reshape"}
-_SIZE_FUNCTIONS = {torch.stack, torch.sum, torch.sym_sum, torch.sym_not, torch.sym_max, torch.sym_min,
-                   torch.sym_int, torch.sym_float, torch._check, torch._check_is_size,
-                   torch.ops.aten._assert_scalar.default, torch.ops.aten._local_scalar_dense.default,
-                   torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten.sym_constrain_range.default}
-
-
 # the steps among them that check the sizes (raise where a check fails)
 _SIZE_CHECKS = {torch._check, torch._check_is_size, torch.ops.aten._assert_scalar.default,
                 torch.ops.aten.sym_constrain_range_for_size.default, torch.ops.aten.sym_constrain_range.default}
+_SIZE_FUNCTIONS = {torch.stack, torch.sum, torch.sym_sum, torch.sym_not, torch.sym_max, torch.sym_min,
+                   torch.sym_int, torch.sym_float, torch.ops.aten._local_scalar_dense.default} | _SIZE_CHECKS
 
 
 def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, rows) -> None:
