@@ -65,7 +65,7 @@ class ExpertParallelMoE(nn.Module):
         h = torch.bmm(self.gate_up_proj[flat_ids], rows.unsqueeze(-1)).squeeze(-1)
         gate, up = h.chunk(2, dim=-1)
         y = torch.bmm(self.down_proj[flat_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-        return (y * flat_w.unsqueeze(-1)).view(x.shape[0], top_k, -1).sum(dim=1)
+        return (y * flat_w.unsqueeze(-1)).view(x.shape[0], top_k, y.shape[-1]).sum(dim=1)  # 0 rows too
 
     @staticmethod
     def combine(rows, order, weights):

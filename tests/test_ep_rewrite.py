@@ -373,6 +373,55 @@ def test_example_plain_pytorch_ep_model(world, tmp_path):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def _zero_rows_worker(rank, world, port, out_dir):
+    """The example's layer where every token picks rank 0's experts: rank 1 receives no row."""
+    _init(rank, world, port)
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import uniep_dynamo
+        from ep_moe import ExpertParallelMoE
+
+        torch.manual_seed(0)
+        model = ExpertParallelMoE(16, 24, 2 * world, 2)
+        with torch.no_grad():  # feature 0 (10 in every token) lifts experts 0 and 1 and sinks the others
+            model.gate.weight.zero_()
+            model.gate.weight[:2, 0] = 5.0
+            model.gate.weight[2:, 0] = -5.0
+        x = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank))
+        x[:, 0] = 10.0
+        results = {}
+        for name in ("eager", "uniep"):
+            model.zero_grad()
+            xi = x.clone().requires_grad_()
+            run = model if name == "eager" else torch.compile(model, backend="uniep",
+                                                             options={"inner_backend": "aot_eager"})
+            with uniep_dynamo.recording() as report:
+                out = run(xi)
+            out.square().mean().backward()
+            results[name] = {"out": out.detach(), "d_x": xi.grad,
+                             **{f"d_{n}": p.grad.clone() for n, p in model.named_parameters()}}
+        torch.save({"results": results, "totals": report.totals()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_example_with_a_rank_that_receives_no_row(tmp_path):
+    """examples/ep_moe.py where one rank's experts get no token: eager runs (its experts see 0 rows), and uniep's
+    rewrite gives eager's output and gradients (rank 1's expert gradients are zeros)."""
+    for rank, r in enumerate(run_workers(_zero_rows_worker, 2, (), tmp_path)):
+        t = r["totals"]
+        assert (t["ep_dispatch"], t["moe_experts"], t["ep_exchange"], t["ep_combine"], t["unfused"]) == \
+            (1, 1, 1, 1, 0), t
+        eager, fused = r["results"]["eager"], r["results"]["uniep"]
+        assert sorted(eager) == ["d_down_proj", "d_gate.weight", "d_gate_up_proj", "d_x", "out"]
+        for name in eager:
+            torch.testing.assert_close(fused[name], eager[name], atol=1e-5, rtol=1e-5, msg=name)
+        assert eager["d_gate_up_proj"].any() == (rank == 0) and eager["d_down_proj"].any() == (rank == 0)
+
+
 def _one_graph_worker(rank, world, port, out_dir):
     """The example's layer compiled with its split sizes traced (capture_scalar_outputs): the variants in _ONE_GRAPH."""
     _init(rank, world, port)
