@@ -46,11 +46,18 @@ def main():
     parser.add_argument("--loops", action="store_true",
                         help="each tile candidate also with a persistent grid (one program per SM), alone and with "
                              "Triton's flatten and warp_specialize loop options")
+    parser.add_argument("--tiles", default="",
+                        help="tile candidates instead of the list: 'BM,BN,BK,WARPS,STAGES;...'")
+    parser.add_argument("--balanced", action="store_true",
+                        help="also on a routing that gives every expert exactly T*K/E rows (the same GEMMs with no "
+                             "partial row tiles and no unevenness), beside the benchmark's routing")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sweep_megakernel.json"))
     args = parser.parse_args()
     import dataclasses
 
     tiles = CANDIDATES[:args.top] if args.top else CANDIDATES
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     loops = [{}] + ([dict(num_programs=sms, flatten=f, warp_specialize=w) for f in (False, True) for w in (False, True)]
                     if args.loops else [])
@@ -59,10 +66,19 @@ def main():
     dtype, dev = torch.bfloat16, "cuda"
     silu = encode("chunk", SILU_GLU_EXPR)
     results = []
-    for name in args.shapes.split(","):
+    routings = ("benchmark", "balanced") if args.balanced else ("benchmark",)
+    for name, routing in [(n, r) for n in args.shapes.split(",") for r in routings]:
         H, I, E, K = SHAPES[name]
         T = args.tokens
         x, ids, w, dy = make_inputs(H, I, E, K, T, dtype, dev)
+        if routing == "balanced":  # token t takes experts (t*K + j) mod E: T*K/E rows each when E divides T*K
+            ids = ((torch.arange(T, device=dev)[:, None] * K + torch.arange(K, device=dev)) % E).to(ids.dtype)
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        for bm in sorted({t[0] for t in tiles} | {128}):
+            tiles_m = int(((counts + bm - 1) // bm).sum())
+            print(json.dumps({"shape": name, "routing": routing, "rows": T * K, "min_rows": int(counts.min()),
+                              "max_rows": int(counts.max()), "block_m": bm, "row_tiles": tiles_m,
+                              "tile_rows_used": round(T * K / (tiles_m * bm), 4)}), flush=True)
         w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
         w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
         spec = ExpertsSpec("oi", "oi", silu, dtype)
@@ -118,7 +134,8 @@ def main():
                             "grad_act": (dy_rows, w_down), "grad_input": (d_up, w_up)}[base]
                     run = (lambda a=a, b=b: torch._grouped_mm(a, b, offs=offs))
                 ms = time_cuda(run, iters=10, warmup=2)
-                row = {"shape": name, "gemm": gemm, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+                row = {"shape": name, "routing": routing, "gemm": gemm, "ms": round(ms, 4),
+                       "tflops": round(flops / ms / 1e9, 1)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
                 continue
@@ -137,9 +154,9 @@ def main():
                         rows.append({"config": label, "error": repr(exc)[:120]})
                 ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
                 best = ok[0] if ok else None
-                print(json.dumps({"shape": name, "gemm": gemm, "tma": tma, "best": best,
+                print(json.dumps({"shape": name, "routing": routing, "gemm": gemm, "tma": tma, "best": best,
                                   "all": [(r["config"], r.get("tflops", r.get("error"))) for r in rows]}), flush=True)
-                results.append({"shape": name, "gemm": gemm, "tma": tma, "rows": rows})
+                results.append({"shape": name, "routing": routing, "gemm": gemm, "tma": tma, "rows": rows})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
