@@ -20,9 +20,6 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
                            before the activation-gradient GEMM, the down rows kept for the backward: the numerics
                            knob late_routing_weight off), for its A/B
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
-  uniep_tails_off          the same compiled module run with the heuristics' config as it was before tail tiles
-                           (GemmConfig.tail_m; the forward's row GEMMs back on torch._grouped_mm where the tails took
-                           them to Triton) and the tuning cache ignored, for the A/B; the same as uniep elsewhere
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
 gradients are compared with it (max_rel: max |diff| / max |ref|; rel_err: ||diff|| / ||ref||). A provider named in
@@ -40,8 +37,6 @@ A shape may carry its own token count after "@"; --tokens sets the others.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -49,7 +44,6 @@ import time
 
 import torch
 
-from uniep_dynamo.kernels import config as kconfig  # noqa: E402
 from uniep_dynamo.tuner import time_cuda  # noqa: F401 (the tuner's timing loop; other benchmarks import it from here)
 
 
@@ -204,18 +198,6 @@ def providers(experts, sonicmoe_autotune=True):
     # compiled apart: the knob is read while the graph is traced too (whether the backward keeps the down rows)
     out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0", torch.compile(experts_again, backend="uniep"))
     out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
-
-    def before_tails(num_rows, num_experts, hidden, inter):  # the heuristics as they were before tail tiles
-        cfg = kconfig.heuristic_config(num_rows, num_experts, hidden, inter)
-        changed = {g: dataclasses.replace(getattr(cfg, g), tail_m=0, grouped_mm=True, num_stages=3, block_n=256)
-                   for g in ("up", "down") if getattr(cfg, g).tail_m}
-        if "up" in changed:
-            changed["up"] = dataclasses.replace(changed["up"], num_stages=4, block_n=128)
-        return dataclasses.replace(cfg, **changed)
-
-    run_before = with_env("UNIEP_TUNE", "0")  # and the config above, which step() puts around fwd and bwd
-    run_before.config = before_tails
-    out["uniep_tails_off"] = run_before
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)
     except Exception as exc:  # noqa: BLE001
@@ -233,13 +215,10 @@ def step(fn, experts, x, ids, w, grad_out):
         if env is not None:
             before = os.environ.get(env[0])
             os.environ[env[0]] = env[1]
-        config = getattr(fn, "config", None)  # a MegaKernelConfig by shape, for the forward and the backward
         try:
             torch.compiler.cudagraph_mark_step_begin()  # a new step for the *_graphs providers' CUDA graphs
-            with kconfig.use_config(config(ids.numel(), experts.gate_up_proj.shape[0], x.shape[1],
-                                           experts.down_proj.shape[-1])) if config else contextlib.nullcontext():
-                out = fn(xx, ids, ww)
-                out.backward(grad_out)
+            out = fn(xx, ids, ww)
+            out.backward(grad_out)
         finally:
             if env is not None:  # the value the user set, if any, back
                 if before is None:

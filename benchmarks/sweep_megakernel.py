@@ -47,8 +47,7 @@ def main():
                         help="each tile candidate also with a persistent grid (one program per SM), alone and with "
                              "Triton's flatten and warp_specialize loop options")
     parser.add_argument("--tiles", default="",
-                        help="tile candidates instead of the list: 'BM,BN,BK,WARPS,STAGES[,TAIL_M];...' (TAIL_M: "
-                             "GemmConfig.tail_m, for the row GEMMs)")
+                        help="tile candidates instead of the list: 'BM,BN,BK,WARPS,STAGES;...'")
     parser.add_argument("--balanced", action="store_true",
                         help="also on a routing that gives every expert exactly T*K/E rows (the same GEMMs with no "
                              "partial row tiles and no unevenness), beside the benchmark's routing")
@@ -144,12 +143,9 @@ def main():
             for tma in variants:
                 layer.config = dataclasses.replace(layer.config, tma=tma)
                 rows = []
-                for tile, extra in candidates:
-                    bm, bn, bk, warps, stages = tile[:5]
-                    tail = tile[5] if len(tile) > 5 and not gemm.startswith("wgrad") else 0
-                    cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                                     tail_m=tail, **extra)
-                    label = [bm, bn, bk, warps, stages] + ([tail] if tail else []) + ([extra["num_programs"], int(extra["flatten"]),
+                for (bm, bn, bk, warps, stages), extra in candidates:
+                    cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, **extra)
+                    label = [bm, bn, bk, warps, stages] + ([extra["num_programs"], int(extra["flatten"]),
                                                             int(extra["warp_specialize"])] if extra else [])
                     try:
                         ms = time_cuda(lambda: launch(cfg), iters=10, warmup=2)

@@ -82,7 +82,6 @@ SWEEP = [("block_m", v) for v in (64, 128)] + [("block_n", v) for v in (64, 128)
         [("fuse_gather", v) for v in (True, False)] + [("pack_gate_up", v) for v in (True, False)] + \
         [("tma", v) for v in (True, False)] + [("tma_weight_grad", v) for v in (True, False)] + \
         [("loops", dict(num_programs=132, flatten=f, warp_specialize=w)) for f in (True, False) for w in (True, False)] + \
-        [("tail", dict(block_m=128, tail_m=64))] + \
         [("grouped_mm", True), ("grouped_mm_in_place", True)]
 
 
@@ -101,7 +100,7 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or inner(*a, **k))
     for knob, value in SWEEP:
         run_args = args
-        if knob in ("loops", "tail"):
+        if knob == "loops":
             cfg = base.replace_gemms(**value)
         elif knob in kconfig.LAYER_SCHEDULING_KNOBS:
             cfg = dataclasses.replace(base, **{knob: value})
@@ -118,25 +117,6 @@ def test_scheduling_knobs_are_bitwise_neutral(case, monkeypatch):
             assert len(calls) == (2 if case[7] else 6) - (knob == "grouped_mm_in_place"), knob
         for i, (a, b) in enumerate(zip(got, expected)):
             assert torch.equal(a, b), f"{knob}={value} changed tensor {i}"
-
-
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3]],
-                         ids=["mixtral_like", "qwen_like", "e256_io", "gpt_oss_bias"])
-def test_tail_tiles_are_bitwise_neutral(case):
-    """tail_m (an expert's last row tile of at most 64 rows computed 64 high, in the same launch) gives the bits of
-    128-row tiles, with a program per tile and on a persistent grid, its tensor-descriptor tiles included."""
-    args = cuda_args(*case)
-    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(
-        grouped_mm=False, quack="", per_expert_mm=False, block_m=128)
-    for tma in (False, True):
-        base = dataclasses.replace(base, tma=tma)
-        with kconfig.use_config(base):
-            expected = fwd_bwd(args)
-        for programs in (0, 132):
-            with kconfig.use_config(base.replace_gemms(tail_m=64, num_programs=programs)):
-                got = fwd_bwd(args)
-            for i, (a, b) in enumerate(zip(got, expected)):
-                assert torch.equal(a, b), f"tma={tma} num_programs={programs} changed tensor {i}"
 
 
 QUACK_SWEEP = {"heuristic": kconfig.QUACK_CONFIGS,  # each GEMM its own; the up projection's two gather

@@ -4,7 +4,6 @@ Each case runs the op twice through autograd -- once with UNIEP_KERNELS=triton, 
 reference -- and compares the output and every gradient. The kernel counter proves the fused path ran.
 """
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -237,8 +236,7 @@ def fixed_order_dot(self, a, b, d, input_precision=None, max_num_imprecise_acc=N
     dict(pack_gate_up=False),  # gate and up halves in two accumulators
     dict(num_programs=3, flatten=True, warp_specialize=True),  # Triton's loop options (the interpreter runs
                                                               # the same loop; the GPU test checks the bits)
-    dict(block_m=32, tail_m=16, num_programs=3),  # tail tiles, on a persistent grid
-], ids=["persistent", "group_m1", "fused_gather", "two_accumulators", "loop_options", "tail_tiles"])
+], ids=["persistent", "group_m1", "fused_gather", "two_accumulators", "loop_options"])
 def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
     """Knobs that only schedule work give bitwise identical results (the GPU test sweeps all of them). The
     interpreter's tl.dot is numpy's matmul, whose rounding of one output element depends on the operands' shapes
@@ -261,55 +259,6 @@ def test_scheduling_knobs_do_not_change_results(change, monkeypatch):
         b = run(args, "triton", monkeypatch)
     for x, y in zip(a, b):
         assert (x is None and y is None) or torch.equal(x, y)
-
-
-@pytest.mark.parametrize("fuse_gather", [False, True], ids=["rows", "gathered"])
-def test_tail_tiles_give_the_same_bits(fuse_gather, monkeypatch):
-    """config.tail_m: an expert's last row tile with at most tail_m rows is computed tail_m high. Experts of 0, 5, 16,
-    17, 32, 33, 48 and 49 rows (block_m 32, tail_m 16: no tile, a tail alone, a full tile alone, full tiles with and
-    without a tail) give the bits of 16-row tiles (the dots in one fixed order per element, as on a GPU), and every
-    row GEMM (up, down, grad_act, grad_input) really computed tail tiles: one per expert whose rows leave one."""
-    from triton.runtime import interpreter
-
-    from uniep_dynamo.kernels import triton_gemm
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", fixed_order_dot)
-    counts = [0, 5, 16, 17, 32, 33, 48, 49]
-    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))][:, None]
-    args = make(len(ids), 40, 24, len(counts), 1, SILU_GLU, "oi", False, ids=ids)
-    base = dataclasses.replace(kconfig.heuristic_config(len(ids), len(counts), 40, 24, interpret=True),
-                               fuse_gather=fuse_gather)
-    assert base.up.block_m == 16
-    heights, call = [], interpreter.InterpretedFunction.__call__
-    at = list(inspect.signature(triton_gemm._rows_tile.fn).parameters).index("BLOCK_M")
-
-    def spy(self, *a, **kw):  # the interpreter calls a kernel's jit functions through this
-        if self is triton_gemm._rows_tile:
-            heights.append(getattr(a[at], "value", a[at]))
-        return call(self, *a, **kw)
-
-    monkeypatch.setattr(interpreter.InterpretedFunction, "__call__", spy)
-    with kconfig.use_config(base):
-        expected = run(args, "triton", monkeypatch)
-    assert heights and set(heights) == {16}
-    heights.clear()
-    with kconfig.use_config(base.replace_gemms(block_m=32, tail_m=16)):
-        got = run(args, "triton", monkeypatch)
-    tails = sum(0 < c % 32 <= 16 for c in counts)  # the experts of 5, 16, 33 and 48 rows
-    columns = {"up": 1, "down": 2, "grad_act": 1, "grad_input": 2}  # column tiles of 32: I = 24, H = 40
-    assert heights.count(16) == tails * sum(columns.values()), heights
-    for i, (a, b) in enumerate(zip(got, expected)):
-        assert (a is None and b is None) or torch.equal(a, b), i
-    assert_close(got, run(args, "reference", monkeypatch), torch.float32)
-
-
-def test_tail_tile_config_is_checked():
-    kconfig.GemmConfig(block_m=128, tail_m=64).validate()
-    for bad in (dict(block_m=128, tail_m=128), dict(block_m=128, tail_m=32), dict(block_m=128, tail_m=96)):
-        with pytest.raises(ValueError, match="tail_m"):
-            kconfig.GemmConfig(**bad).validate()
-    kconfig.GemmConfig(block_m=32, tail_m=16).validate(interpret=True)
 
 
 @pytest.mark.parametrize("case, kmajor, nmajor", [

@@ -11,7 +11,7 @@ Numerics contract (what a tuner may change freely):
   tensor core and the kernel adds the chunks in order, so a different ``block_k`` may change the
   rounding. It and ``per_expert_mm`` (below) are the "numerics knobs".
 - Everything else -- ``block_m``, ``block_n``, ``group_m``, ``num_warps``, ``num_stages``,
-  ``num_programs`` (persistent grid size), ``flatten``, ``warp_specialize``, ``tail_m``, ``fuse_gather``,
+  ``num_programs`` (persistent grid size), ``flatten``, ``warp_specialize``, ``fuse_gather``,
   ``pack_gate_up``, ``tma``, ``tma_weight_grad`` -- only schedules the same arithmetic:
   each output element is the same chain of ``block_k``-wide MMAs in the same order, the combine and
   the routing-weight gradient run in fixed-configuration kernels, and no reduction is split across
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 NUMERICS_KNOBS = ("block_k", "per_expert_mm", "late_routing_weight")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
-                    "warp_specialize", "grouped_mm", "quack", "tail_m")
+                    "warp_specialize", "grouped_mm", "quack")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
 GEMMS = ("up", "down", "grad_act", "grad_input", "wgrad_up", "wgrad_down")
 
@@ -92,12 +92,6 @@ class GemmConfig:
     # call QuACK cannot take. Same bits as torch._grouped_mm (see the module docstring). Precedence:
     # per_expert_mm, then quack, then grouped_mm, then Triton.
     quack: str = ""
-    # Tail tiles (the Triton row GEMMs: up, down, grad_act, grad_input): 0, or a power of two below block_m. An
-    # expert's last row tile, where it holds at most tail_m rows, is computed tail_m high instead of block_m high and
-    # mostly masked; it stays in its place in the launch, right after its expert's other tiles (a second launch for
-    # these tiles read the weights again and lost: BENCHMARKS.md, fourteenth session). The same MMA chain per element:
-    # a scheduling knob.
-    tail_m: int = 0
 
     def validate(self, interpret: bool = False) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -106,10 +100,6 @@ class GemmConfig:
                 raise ValueError(f"uniep: {name}={v} must be a power of two >= 16")
         if not interpret and (self.block_m < 64 or self.num_warps < 4):
             raise ValueError("uniep: block_m >= 64 and num_warps >= 4 keep one tensor-core path (see config.py)")
-        low = 16 if interpret else 64
-        if self.tail_m and (self.tail_m & (self.tail_m - 1) or not low <= self.tail_m < self.block_m):
-            raise ValueError(f"uniep: tail_m={self.tail_m} must be 0 or a power of two >= {low} below "
-                             f"block_m={self.block_m}")
         if self.group_m < 1 or self.num_stages < 1 or self.num_programs < 0:
             raise ValueError(f"uniep: bad GEMM config {self}")
         self.validate_quack()
@@ -201,18 +191,9 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # (256 rows, hidden 7168) 48.09 -> 45.40 with every GEMM, 44.69 with its grad_act and grad_input by Triton,
     # which led on those two alone by 14% and 5% (benchmarks/probes/gemm_bits_probe.py).
     triton_row_bwd = num_rows <= 1024 * num_experts and hidden >= 4096
-    # There the forward's row GEMMs run Triton too, with tail tiles (tail_m: an expert's last tile of at most 64
-    # rows computed 64 high): with a few hundred rows an expert a fifth of the 128-row tiles' rows are padding. On an
-    # H200 (DeepSeek-V3's experts, T = 8192; benchmarks/sweep_megakernel.py, BENCHMARKS.md fourteenth session) the up
-    # projection went 444.7 -> 486.5 TF/s with them, the down projection at 128 x 256 tiles 440.4 -> 508.6, where
-    # torch._grouped_mm ran 464 and 413; the backward's two moved -4.6% and +1.5% and keep their tiles.
-    tails = triton_row_bwd and block_m == 128
-    cutlass = {g for g in GEMMS if not (triton_row_bwd and g in ("grad_act", "grad_input"))
-               and not (tails and g in ("up", "down"))}
-    if tails:
-        up = dataclasses.replace(up, tail_m=64)
-    gemms = dict(up=up, down=dataclasses.replace(deep, tail_m=64) if tails else wide, grad_act=deep, grad_input=deep,
-                 wgrad_up=dataclasses.replace(wgrad, num_stages=4), wgrad_down=wgrad)
+    cutlass = {g for g in GEMMS if not (triton_row_bwd and g in ("grad_act", "grad_input"))}
+    gemms = dict(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=dataclasses.replace(wgrad, num_stages=4),
+                 wgrad_down=wgrad)
     # One cuBLAS matmul per expert (per_expert_mm) where the experts are few and large: on an H200 (bf16, the
     # Mixtral-8x7B shape at T=8192, 2048 rows an expert) 1.02-1.21x torch._grouped_mm on each GEMM but the up
     # projection (0.99x), 1.09x over the six, bitwise equal; with 64 experts of 1024 rows (OLMoE) 0.39-0.85x, with

@@ -431,17 +431,14 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
     upper = (_cdiv(layer.num_slots, cfg.block_m) + layer.num_experts) * _cdiv(n, cfg.block_n)
     grid = _grid(upper, cfg)
     d = d if d is not None else c
-    a_desc = b_desc = a_desc_tail = None
+    a_desc = b_desc = None
     b_kmajor, b_expert_rows = False, 0
-    tail_m = cfg.tail_m if 0 < cfg.tail_m < cfg.block_m else 0
     packed = two_halves and epilogue == GLU_FWD and layer.config.pack_gate_up
     if layer.config.tma and k % cfg.block_k == 0 and _tma_device(a.device):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if not gather and _tma_2d(a, a.shape[0], a.stride(0), a.stride(1)):
             a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
-            if tail_m:
-                a_desc_tail = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [tail_m, cfg.block_k])
         e, kb, nb = b.shape
         # The packed gate|up weight tile takes two column blocks of one weight; it keeps pointer loads
         # (measured: two accumulators cost the up projection more than the copies gain).
@@ -472,7 +469,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
         GROUP_M=cfg.group_m, num_programs=grid,
         a_desc=a_desc, b_desc=b_desc, b_expert_rows=b_expert_rows,
         TMA_A=a_desc is not None, TMA_B=b_desc is not None, B_KMAJOR=b_kmajor,
-        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, TAIL_M=tail_m, a_desc_tail=a_desc_tail,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         **({"dst_ptr": scatter[0], "SCATTER": True,
             **{f"q{i}": peers[min(i, len(peers) - 1)] for i in range(MAX_PEERS)}} if scatter is not None else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -155,7 +155,6 @@ def _rows_gemm(
     FLATTEN: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
     dst_ptr=None, q0=None, q1=None, q2=None, q3=None, q4=None, q5=None, q6=None, q7=None,
     SCATTER: tl.constexpr = False,
-    TAIL_M: tl.constexpr = 0, a_desc_tail=None,
 ):
     e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     total_m = tl.sum(tiles)
@@ -173,164 +172,118 @@ def _rows_gemm(
         is_e = e_idx == expert
         row_start = tl.sum(tl.where(is_e, starts + (tm - (tile_end - tiles)) * BLOCK_M, 0))
         row_end = tl.sum(tl.where(is_e, ends, 0))
-        if TAIL_M > 0:
-            if row_end - row_start <= TAIL_M:
-                # the expert's last tile, of at most TAIL_M rows: TAIL_M high, right after the expert's other tiles
-                # (its weight tiles still in L2), instead of BLOCK_M high and mostly masked rows
-                _rows_tile(expert, row_start, row_end, tn, offs_k,
-                    a_ptr, stride_am, stride_ak, row_order_ptr, top_k, b_ptr, stride_be, stride_bk, stride_bn,
-                    bias_ptr, stride_bias_e, N, K, c_ptr, stride_cm, d_ptr, stride_dm, w_ptr,
-                    UP_SHIFT, COL_MULT, act_alpha, act_limit, act_up_add,
-                    GATHER, A_SCALE, EPILOGUE, ACT, TWO_HALVES, TWO_ACC, PACKED, HAS_BIAS, DOT_PRECISION, EVEN_K,
-                    TAIL_M, BLOCK_N, BLOCK_K, a_desc_tail, b_desc, b_expert_rows, TMA_A, TMA_B, B_KMAJOR,
-                    dst_ptr, q0, q1, q2, q3, q4, q5, q6, q7, SCATTER)
-            else:
-                _rows_tile(expert, row_start, row_end, tn, offs_k,
-                    a_ptr, stride_am, stride_ak, row_order_ptr, top_k, b_ptr, stride_be, stride_bk, stride_bn,
-                    bias_ptr, stride_bias_e, N, K, c_ptr, stride_cm, d_ptr, stride_dm, w_ptr,
-                    UP_SHIFT, COL_MULT, act_alpha, act_limit, act_up_add,
-                    GATHER, A_SCALE, EPILOGUE, ACT, TWO_HALVES, TWO_ACC, PACKED, HAS_BIAS, DOT_PRECISION, EVEN_K,
-                    BLOCK_M, BLOCK_N, BLOCK_K, a_desc, b_desc, b_expert_rows, TMA_A, TMA_B, B_KMAJOR,
-                    dst_ptr, q0, q1, q2, q3, q4, q5, q6, q7, SCATTER)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        if GATHER:
+            a_slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
+            a_rows = a_slots // top_k
+            if A_SCALE:
+                a_scale = tl.load(w_ptr + a_slots, mask=row_mask, other=0.0).to(tl.float32)
         else:
-            _rows_tile(expert, row_start, row_end, tn, offs_k,
-                a_ptr, stride_am, stride_ak, row_order_ptr, top_k, b_ptr, stride_be, stride_bk, stride_bn,
-                bias_ptr, stride_bias_e, N, K, c_ptr, stride_cm, d_ptr, stride_dm, w_ptr,
-                UP_SHIFT, COL_MULT, act_alpha, act_limit, act_up_add,
-                GATHER, A_SCALE, EPILOGUE, ACT, TWO_HALVES, TWO_ACC, PACKED, HAS_BIAS, DOT_PRECISION, EVEN_K,
-                BLOCK_M, BLOCK_N, BLOCK_K, a_desc, b_desc, b_expert_rows, TMA_A, TMA_B, B_KMAJOR,
-                dst_ptr, q0, q1, q2, q3, q4, q5, q6, q7, SCATTER)
-
-
-@triton.jit
-def _rows_tile(
-    expert, row_start, row_end, tn, offs_k,
-    a_ptr, stride_am, stride_ak, row_order_ptr, top_k,
-    b_ptr, stride_be, stride_bk, stride_bn,
-    bias_ptr, stride_bias_e, N, K,
-    c_ptr, stride_cm, d_ptr, stride_dm, w_ptr,
-    UP_SHIFT, COL_MULT: tl.constexpr, act_alpha, act_limit, act_up_add,
-    GATHER: tl.constexpr, A_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
-    TWO_HALVES: tl.constexpr, TWO_ACC: tl.constexpr, PACKED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    a_desc, b_desc, b_expert_rows, TMA_A: tl.constexpr, TMA_B: tl.constexpr, B_KMAJOR: tl.constexpr,
-    dst_ptr, q0, q1, q2, q3, q4, q5, q6, q7, SCATTER: tl.constexpr,
-):
-    """One tile of _rows_gemm, its K loop and epilogue: BLOCK_M rows of ``expert`` from row_start (those below row_end
-    computed) x the BLOCK_N columns of column tile tn."""
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    if GATHER:
-        a_slots = tl.load(row_order_ptr + rows, mask=row_mask, other=0)
-        a_rows = a_slots // top_k
-        if A_SCALE:
-            a_scale = tl.load(w_ptr + a_slots, mask=row_mask, other=0.0).to(tl.float32)
-    else:
-        a_rows = rows.to(tl.int64)
-    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
-    if PACKED:
-        # One [BLOCK_K, 2*BLOCK_N] weight tile: the gate columns of this tile, then its up columns.
-        j = tl.arange(0, 2 * BLOCK_N)
-        packed_cols = tn * BLOCK_N + j % BLOCK_N
-        packed_mask = packed_cols < N
-        b_cols = packed_cols * COL_MULT + tl.where(j >= BLOCK_N, UP_SHIFT, 0)
-        b_ptrs = b_base + b_cols[None, :] * stride_bn
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-    else:
-        if EPILOGUE == 1:
-            b_ptrs = b_base + (cols * COL_MULT)[None, :] * stride_bn
-        else:
-            b_ptrs = b_base + cols[None, :] * stride_bn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if TWO_ACC:
-        b2_ptrs = b_base + (cols * COL_MULT + UP_SHIFT)[None, :] * stride_bn
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # TMA_B: the weight's 2-D view stacks the experts' rows (descriptor coordinates are int32)
-    b_row0 = expert.to(tl.int32) * b_expert_rows
-    b_col0 = (tn * BLOCK_N * COL_MULT).to(tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+            a_rows = rows.to(tl.int64)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_base = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
         if PACKED:
-            b_col_mask = packed_mask
+            # One [BLOCK_K, 2*BLOCK_N] weight tile: the gate columns of this tile, then its up columns.
+            j = tl.arange(0, 2 * BLOCK_N)
+            packed_cols = tn * BLOCK_N + j % BLOCK_N
+            packed_mask = packed_cols < N
+            b_cols = packed_cols * COL_MULT + tl.where(j >= BLOCK_N, UP_SHIFT, 0)
+            b_ptrs = b_base + b_cols[None, :] * stride_bn
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         else:
-            b_col_mask = col_mask
-        if TMA_A or TMA_B:
-            # Bulk tensor copies (EVEN_K only). Rows past this expert's end and columns past N come
-            # from the next expert's rows or the tensor's zero fill and land only in masked outputs.
-            if TMA_A:
-                a = a_desc.load([row_start.to(tl.int32), k0])
+            if EPILOGUE == 1:
+                b_ptrs = b_base + (cols * COL_MULT)[None, :] * stride_bn
             else:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            if TMA_B:
-                if B_KMAJOR:
-                    b = tl.trans(b_desc.load([b_row0 + b_col0, k0]))
-                else:
-                    b = b_desc.load([b_row0 + k0, b_col0])
-            else:
-                b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
-        else:
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & b_col_mask[None, :], other=0.0)
-        if A_SCALE:
-            # Gathered output-gradient rows times their routing weight, rounded to the storage
-            # dtype: the same values the unfused path materialises (triton_routing.gather_rows).
-            a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
-        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+                b_ptrs = b_base + cols[None, :] * stride_bn
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if TWO_ACC:
-            if TMA_B:
-                if B_KMAJOR:
-                    b2 = tl.trans(b_desc.load([b_row0 + b_col0 + UP_SHIFT, k0]))
-                else:
-                    b2 = b_desc.load([b_row0 + k0, b_col0 + UP_SHIFT])
-            elif EVEN_K:
-                b2 = tl.load(b2_ptrs, mask=col_mask[None, :], other=0.0)
+            b2_ptrs = b_base + (cols * COL_MULT + UP_SHIFT)[None, :] * stride_bn
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # TMA_B: the weight's 2-D view stacks the experts' rows (descriptor coordinates are int32)
+        b_row0 = expert.to(tl.int32) * b_expert_rows
+        b_col0 = (tn * BLOCK_N * COL_MULT).to(tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            if PACKED:
+                b_col_mask = packed_mask
             else:
-                b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc2 = tl.dot(a.to(b2.dtype), b2, acc2, input_precision=DOT_PRECISION)
-            b2_ptrs += BLOCK_K * stride_bk
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+                b_col_mask = col_mask
+            if TMA_A or TMA_B:
+                # Bulk tensor copies (EVEN_K only). Rows past this expert's end and columns past N come
+                # from the next expert's rows or the tensor's zero fill and land only in masked outputs.
+                if TMA_A:
+                    a = a_desc.load([row_start.to(tl.int32), k0])
+                else:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                if TMA_B:
+                    if B_KMAJOR:
+                        b = tl.trans(b_desc.load([b_row0 + b_col0, k0]))
+                    else:
+                        b = b_desc.load([b_row0 + k0, b_col0])
+                else:
+                    b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=b_col_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & b_col_mask[None, :], other=0.0)
+            if A_SCALE:
+                # Gathered output-gradient rows times their routing weight, rounded to the storage
+                # dtype: the same values the unfused path materialises (triton_routing.gather_rows).
+                a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
+            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            if TWO_ACC:
+                if TMA_B:
+                    if B_KMAJOR:
+                        b2 = tl.trans(b_desc.load([b_row0 + b_col0 + UP_SHIFT, k0]))
+                    else:
+                        b2 = b_desc.load([b_row0 + k0, b_col0 + UP_SHIFT])
+                elif EVEN_K:
+                    b2 = tl.load(b2_ptrs, mask=col_mask[None, :], other=0.0)
+                else:
+                    b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                acc2 = tl.dot(a.to(b2.dtype), b2, acc2, input_precision=DOT_PRECISION)
+                b2_ptrs += BLOCK_K * stride_bk
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)
-    if EPILOGUE == 0:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if SCATTER:
-            # each row to its peer's buffer: dst = (row there) * 8 + peer (the EP layer's push, fused)
-            dst = tl.load(dst_ptr + rows, mask=row_mask, other=0)
-            base = _peer((dst & 7).to(tl.int32), q0, q1, q2, q3, q4, q5, q6, q7)
-            tl.store(base[:, None] + (dst >> 3)[:, None] * stride_cm + cols[None, :],
-                     acc.to(q0.dtype.element_ty), mask=mask)
-        else:
-            tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-                     mask=mask)
-    else:
-        if PACKED:
-            halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1))
-            acc, acc2 = tl.split(halves)
-        gate_cols = cols * COL_MULT
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        h_gate = acc.to(c_ptr.dtype.element_ty)
-        tl.store(c_ptr + rows64[:, None] * stride_cm + gate_cols[None, :], h_gate, mask=mask)
-        if TWO_HALVES:
-            up_cols = gate_cols + UP_SHIFT
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        if EPILOGUE == 0:
             if HAS_BIAS:
-                acc2 += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            h_up = acc2.to(c_ptr.dtype.element_ty)
-            tl.store(c_ptr + rows64[:, None] * stride_cm + up_cols[None, :], h_up, mask=mask)
-            act = _activation(h_gate.to(tl.float32), h_up.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
+                acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if SCATTER:
+                # each row to its peer's buffer: dst = (row there) * 8 + peer (the EP layer's push, fused)
+                dst = tl.load(dst_ptr + rows, mask=row_mask, other=0)
+                base = _peer((dst & 7).to(tl.int32), q0, q1, q2, q3, q4, q5, q6, q7)
+                tl.store(base[:, None] + (dst >> 3)[:, None] * stride_cm + cols[None, :],
+                         acc.to(q0.dtype.element_ty), mask=mask)
+            else:
+                tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                         mask=mask)
         else:
-            act = _activation(h_gate.to(tl.float32), h_gate.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
-        tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
+            if PACKED:
+                halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1))
+                acc, acc2 = tl.split(halves)
+            gate_cols = cols * COL_MULT
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            h_gate = acc.to(c_ptr.dtype.element_ty)
+            tl.store(c_ptr + rows64[:, None] * stride_cm + gate_cols[None, :], h_gate, mask=mask)
+            if TWO_HALVES:
+                up_cols = gate_cols + UP_SHIFT
+                if HAS_BIAS:
+                    acc2 += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                h_up = acc2.to(c_ptr.dtype.element_ty)
+                tl.store(c_ptr + rows64[:, None] * stride_cm + up_cols[None, :], h_up, mask=mask)
+                act = _activation(h_gate.to(tl.float32), h_up.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
+            else:
+                act = _activation(h_gate.to(tl.float32), h_gate.to(tl.float32), ACT, act_alpha, act_limit, act_up_add)
+            tl.store(d_ptr + rows64[:, None] * stride_dm + cols[None, :], act.to(d_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
