@@ -183,6 +183,25 @@ def test_autocast_disabled_inside_runs_fp32():
     assert _input_dtype(router) == torch.float32
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_graph_run_eagerly_under_autocast_keeps_the_ops_dtypes(implementation):
+    """A rewritten graph run eagerly (inner_backend="eager") under a live fp16 autocast: the graph casts the ops'
+    inputs where eager's autocast would, and the ops compute in those dtypes, so the matmuls inside an op are not
+    recast (before, the reference op's fp32 expert GEMMs of grouped_mm experts ran fp16: 5e-4 off eager). Output and
+    every gradient within fp32's tolerance of eager's."""
+    block = _moe_block("qwen3_moe", implementation)
+    compiled = torch.compile(block, backend="uniep", options={"inner_backend": "eager"})
+    with torch.autocast("cpu", dtype=FP16):
+        out, grads = _run(block, block, _tokens(5))
+        c_out, c_grads = _run(compiled, block, _tokens(5))
+    assert counters["uniep"]["moe_experts"] == 1 and counters["uniep"]["moe_router"] == 1
+    assert c_out.dtype == out.dtype and c_grads.keys() == grads.keys()
+    tolerance = TOLERANCE[torch.float32] if implementation == "grouped_mm" else TOLERANCE[FP16]
+    assert max_rel_err(c_out, out) <= tolerance
+    for name in grads:
+        assert max_rel_err(c_grads[name], grads[name]) <= tolerance, name
+
+
 def test_whole_model_loss_under_bf16_autocast():
     """The reported recipe: a tiny fp32 Qwen3-MoE with batched_mm experts trained under CPU bf16 autocast.
     Loss, logits and every parameter gradient match eager under the same autocast."""

@@ -101,6 +101,35 @@ def test_reuse_saved_buffers_option_picks_the_backward_op(reuse):
         assert torch.equal(x.grad, 2 * first)
 
 
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_block_run_twice_on_one_input_takes_one_backward(inner):
+    """The same experts run twice on the same input in one compiled step, their outputs used differently (a
+    consistency loss over two passes of one batch), then one backward: two experts ops, each with its own saved
+    buffers (ExpertsSpec.site). Before, the graph's common-subexpression elimination merged the two identical
+    forward calls, and the second in-place backward refused the buffers the first had overwritten, as if it were a
+    second backward. Output and gradients are eager's."""
+    from test_patterns import HandWrittenExperts, routed
+
+    torch.manual_seed(0)
+    module = HandWrittenExperts()
+    x, ids, w = routed()
+
+    def step(x):
+        return module(x, ids, w) * module(x, ids, w).tanh()
+
+    results = []
+    for fn in (step, torch.compile(step, backend="uniep", options={"inner_backend": inner})):
+        module.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_()
+        with uniep_dynamo.recording() as report:
+            out = fn(xi)
+        out.square().sum().backward()
+        results.append([out.detach(), xi.grad] + [p.grad for p in module.parameters()])
+    assert report.totals()["moe_experts"] == 2
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_late_routing_weight_compiled_keeps_no_down_rows(monkeypatch):
     """Compiled with the late_routing_weight knob on (UNIEP_LATE_ROUTING_WEIGHT=1, the fused kernels in Triton's
     interpreter), the backward graph receives no [rows, H] down rows from the forward, in place (the default) and not;

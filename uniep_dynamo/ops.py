@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import megakernel, reference, router_reference
-from .spec import SECOND_BACKWARD_ERROR, decode_router_spec, decode_spec
+from .spec import SECOND_BACKWARD_ERROR, autocast_off, decode_router_spec, decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
                "Tensor? b_up, Tensor? b_down, Tensor[] post_operands, str spec, Tensor? plan_row_order=None, "
@@ -35,6 +35,7 @@ _BWD_SCHEMA = ("(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_we
 
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=(), schema=_FWD_SCHEMA)
+@autocast_off
 def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec,
                 plan_row_order=None, plan_slot_row=None, plan_offsets=None):
     s = decode_spec(spec)
@@ -103,6 +104,7 @@ def _backward_impl(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up,
 
 
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=(), schema=_BWD_SCHEMA)
+@autocast_off
 def moe_experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                          row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True,
                          down_saved=True):
@@ -164,6 +166,7 @@ def _input_rows_buffer(hidden, topk_ids, w_up, down, down_saved: bool, new_empty
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_", mutates_args=(), schema=_BWD_INPLACE_SCHEMA)
+@autocast_off
 def moe_experts_backward_(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands,
                           row_order, slot_row, expert_offsets, up, down, spec, weights_grad=True, param_grads=True,
                           down_saved=True):
@@ -195,6 +198,7 @@ _BWD_COMBINE_SCHEMA = ("(Tensor input_rows, Tensor after, Tensor hidden, Tensor 
 
 
 @torch.library.custom_op("uniep::moe_experts_backward_combine", mutates_args=(), schema=_BWD_COMBINE_SCHEMA)
+@autocast_off
 def moe_experts_backward_combine(input_rows, after, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                                  slot_row, expert_offsets, spec):
     """d_hidden from the input-gradient rows moe_experts_backward_ left in ``down``: each token's K rows summed
@@ -281,6 +285,7 @@ _ROUTER_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bi
 
 
 @torch.library.custom_op("uniep::moe_router", mutates_args=(), schema=_ROUTER_SCHEMA)
+@autocast_off
 def moe_router(hidden, weight, bias, score_bias, spec):
     s = decode_router_spec(spec)
     if megakernel.use_fused_router(hidden, weight, bias, s):
@@ -312,6 +317,7 @@ _ROUTER_BWD_SCHEMA = ("(Tensor? grad_logits, Tensor? grad_weights, Tensor hidden
 
 
 @torch.library.custom_op("uniep::moe_router_backward", mutates_args=(), schema=_ROUTER_BWD_SCHEMA)
+@autocast_off
 def moe_router_backward(grad_logits, grad_weights, hidden, weight, bias, logits, ids, spec):
     s = decode_router_spec(spec)
     if megakernel.use_fused_router(hidden, weight, bias, s):

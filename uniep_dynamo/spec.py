@@ -28,6 +28,22 @@ SECOND_BACKWARD_ERROR = (
     "options={\"reuse_saved_buffers\": False}) to keep them intact for another backward.")
 
 
+def autocast_off(op):
+    """``op``'s body with autocast off on its first argument's device. The uniep ops compute in the dtypes their inputs
+    and spec name: where eager's autocast casts, the rewritten graph casts the op's inputs itself. A graph that runs
+    eagerly under a live autocast (inner_backend="eager", or autocast entered around the call) would otherwise
+    recast the matmuls inside the op: the reference's fp32 expert GEMMs ran fp16 under CPU fp16 autocast."""
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        device = args[0].device.type
+        if torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return op(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    return run
+
+
 @dataclass(frozen=True)
 class ExpertsSpec:
     up_layout: str  # "oi": weight stored [E, out, in] (HF default); "io": [E, in, out] (is_transposed)
@@ -44,11 +60,19 @@ class ExpertsSpec:
     # Backward may reuse the forward's saved buffers as scratch (the in-place backward op): lower peak
     # memory, but a second backward through the same graph (retain_graph=True) then raises.
     reuse_saved: bool = False
+    # Which rewritten experts call of its graph this is (1, 2, ... in the order the backend lowers them; 0: not
+    # numbered), read by nothing: it keeps two calls on the same inputs (a block run twice on one batch) two ops. A
+    # graph's common-subexpression elimination would otherwise merge them into one, whose saved buffers the two
+    # in-place backwards (reuse_saved, whose writes the schema does not declare) would then both overwrite.
+    site: int = 0
 
     def encode(self) -> str:
-        return json.dumps({"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
-                           "out_dtype": str(self.out_dtype).replace("torch.", ""), "out_of_range": self.out_of_range,
-                           "post": self.post, "reuse_saved": self.reuse_saved}, sort_keys=True, separators=(",", ":"))
+        data = {"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
+                "out_dtype": str(self.out_dtype).replace("torch.", ""), "out_of_range": self.out_of_range,
+                "post": self.post, "reuse_saved": self.reuse_saved}
+        if self.site:
+            data["site"] = self.site
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def describe(self) -> str:
         post = f", post={gate_program.describe(self.post)}" if self.post else ""
@@ -70,7 +94,7 @@ def decode_spec(text: str) -> ExpertsSpec:
     if post is not None and gate_program.decode(post)[0] != "post":
         raise ValueError("uniep: malformed post program")
     return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range, post,
-                       bool(data.get("reuse_saved", False)))
+                       bool(data.get("reuse_saved", False)), int(data.get("site", 0)))
 
 
 @dataclass(frozen=True)

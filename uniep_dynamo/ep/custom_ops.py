@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import reference
-from ..spec import CUDAGRAPH_UNSAFE, decode_spec
+from ..spec import CUDAGRAPH_UNSAFE, autocast_off, decode_spec
 from .exchange import exchange_backward, exchange_backward_send, exchange_forward, schema_param_grads
 from .config import knobs_from_json
 from .plan import address_key, fused, plan_and_exchange, plan_and_gather
@@ -209,6 +209,7 @@ _EXCHANGE_SCHEMA = ("(Tensor send, Tensor recv_counts, Tensor w_up, Tensor w_dow
 
 
 @torch.library.custom_op("uniep::ep_exchange", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_EXCHANGE_SCHEMA)
+@autocast_off
 def ep_exchange(send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, knobs="",
                 sequential=False):
     """``back = all_to_all(experts(all_to_all(send)))``: this rank's rows [S, H] (in the order the dispatch sorted
@@ -261,6 +262,7 @@ def _ep_exchange_backward_send_fake(grad_back, table, group_name, send_sizes, re
                                 "Tensor w_down, Tensor? b_up, Tensor? b_down, str spec, str group_name, "
                                 "SymInt[] send_sizes, SymInt[] recv_sizes, str knobs, bool sent=False, "
                                 "bool param_grads=True) -> (Tensor, Tensor, Tensor, Tensor[])")
+@autocast_off
 def ep_exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, b_down, spec, group_name,
                          send_sizes, recv_sizes, knobs, sent=False, param_grads=True):
     """(d_send, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]). ``sent``: ``grad_back`` is

@@ -27,7 +27,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..spec import CUDAGRAPH_UNSAFE, SECOND_BACKWARD_ERROR, decode_spec
+from ..spec import CUDAGRAPH_UNSAFE, SECOND_BACKWARD_ERROR, autocast_off, decode_spec
 from .config import OverlapConfig, knobs_from_json
 from .exchange import KeptByTable, exchange_backward, exchange_forward, schema_param_grads
 from . import device_choice, device_plan as device_plan_path
@@ -75,6 +75,7 @@ def _out_dtype(spec, weights):
 
 
 @torch.library.custom_op("uniep::ep_layer", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_LAYER_SCHEMA)
+@autocast_off
 def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, overlap=False,
              knobs="", device_plan=0):
     """The EP layer over the `world` ranks of `group_name`, each owning E / W consecutive experts (w_up, w_down,
@@ -179,6 +180,7 @@ _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor topk_weights, Tensor row_order, Te
 
 
 @torch.library.custom_op("uniep::ep_layer_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE, schema=_BACKWARD_SCHEMA)
+@autocast_off
 def ep_layer_backward(grad_out, topk_weights, row_order, slot_row, expert_offsets, recv_counts, table, sizes,
                       hidden_like, w_up, w_down, b_up, b_down, spec, group_name, overlap, knobs, param_grads=True):
     """(d_hidden, d_topk_weights, d_w_up, d_w_down, [d_b_up, d_b_down for the biases given]) of ep_layer.

@@ -48,7 +48,9 @@ def cast_to(graph: torch.fx.Graph, node, dtype):
 
 def lower_experts(gm: GraphModule, match: ExpertsMatch, reuse_saved: bool = True) -> torch.fx.Node:
     graph = gm.graph
-    spec_text = dataclasses.replace(match.spec, reuse_saved=reuse_saved).encode()
+    # numbered within the graph (ExpertsSpec.site): two calls on the same inputs stay two ops, each with its buffers
+    site = 1 + sum(n.target is torch.ops.uniep.moe_experts.default for n in graph.nodes)
+    spec_text = dataclasses.replace(match.spec, reuse_saved=reuse_saved, site=site if reuse_saved else 0).encode()
     root = match.root
     with graph.inserting_before(root):
         hidden, w_up, w_down, b_up, b_down = (cast_to(graph, node, match.compute_dtype) for node in
