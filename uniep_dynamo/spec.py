@@ -29,13 +29,13 @@ SECOND_BACKWARD_ERROR = (
 
 
 def autocast_off(op):
-    """``op``'s body with autocast off on its first argument's device. The uniep ops compute in the dtypes their inputs
-    and spec name: where eager's autocast casts, the rewritten graph casts the op's inputs itself. A graph that runs
-    eagerly under a live autocast (inner_backend="eager", or autocast entered around the call) would otherwise
-    recast the matmuls inside the op: the reference's fp32 expert GEMMs ran fp16 under CPU fp16 autocast."""
+    """``op``'s body with autocast off on the device of its first tensor argument. The uniep ops compute in the dtypes
+    their inputs and spec name: where eager's autocast casts, the rewritten graph casts the op's inputs itself. A graph
+    that runs eagerly under a live autocast (inner_backend="eager", or autocast entered around the call) would
+    otherwise recast the matmuls inside the op: the reference's fp32 expert GEMMs ran fp16 under CPU fp16 autocast."""
     @functools.wraps(op)
     def run(*args, **kwargs):
-        device = args[0].device.type
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
         if torch.is_autocast_enabled(device):
             with torch.autocast(device, enabled=False):
                 return op(*args, **kwargs)
