@@ -404,7 +404,7 @@ def _one_graph_worker(rank, world, port, out_dir):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
     """examples/ep_moe.py with capture_scalar_outputs: one uniep.ep_layer per compile, which by default keeps its plan
     on the device: a step makes no host synchronization, and the output and every gradient are bitwise those of
