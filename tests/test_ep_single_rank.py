@@ -296,6 +296,38 @@ def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monke
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_an_ep_layer_run_twice_on_one_input_takes_one_backward(tmp_path):
+    """The EP layer as HF's substitution traces it (an ep_layer call in the traced code, its spec under
+    reuse_saved_buffers) run twice on the same input in one compiled step, then one backward: the backend numbers
+    the calls (ExpertsSpec.site), so common-subexpression elimination no longer merges them into one op whose kept
+    rows the second backward would find taken (it raised the second-backward error). Output and gradients equal
+    eager's."""
+    import dataclasses
+
+    import uniep_dynamo
+    from uniep_dynamo.spec import decode_spec
+
+    hidden, ids, weights, w_up, w_down, _, spec = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    spec = dataclasses.replace(decode_spec(spec), reuse_saved=True).encode()
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        def step(x, w, a, b):
+            def layer():
+                return torch.ops.uniep.ep_layer(x, ids, w, a, b, None, None, spec, group.group_name, 1, False, "")[0]
+            return layer() * layer().tanh()
+
+        results = []
+        for fn in (step, torch.compile(step, backend="uniep")):
+            leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
+            with uniep_dynamo.recording() as report:
+                out = fn(*leaves)
+            out.square().sum().backward()
+            results.append([out.detach()] + [t.grad for t in leaves])
+    assert report.totals()["ep_layer"] == 2, report.totals()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 @pytest.mark.parametrize("kernels,dtype,overlap", CPU_CASES,
                          ids=["reference-bf16", "interpreter-overlapped", "interpreter-sequential"])
 def test_ep_layer_with_frozen_experts(kernels, dtype, overlap, tmp_path, monkeypatch):

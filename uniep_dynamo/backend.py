@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import ddp, hf_ep, report
+from .spec import decode_spec
 from .lowering import (lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_layer, lower_router,
                        share_routing_plan)
 from .patterns import find_ep_regions, find_experts_regions, find_layers, find_router_regions
@@ -143,6 +144,20 @@ def commit_rewrites(gm: torch.fx.GraphModule) -> None:
         report.publish(record)
 
 
+def _number_site(node: torch.fx.Node, index: int, site: int, taken: list) -> None:
+    """Give an op traced with an unnumbered spec under reuse_saved (HF's EP layer, substituted while Dynamo traced)
+    the site number ``site`` (ExpertsSpec.site), as lower_experts numbers the experts ops it makes: two such calls on
+    the same inputs then stay two ops, each with the buffers its in-place backward reads (``taken``: the numbers in
+    use, appended to)."""
+    spec = node.args[index]
+    if not isinstance(spec, str):
+        return
+    s = decode_spec(spec)
+    if s.reuse_saved and not s.site:
+        node.args = node.args[:index] + (dataclasses.replace(s, site=site).encode(),) + node.args[index + 1:]
+        taken.append(site)
+
+
 def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind: str, lowered: list, found: list,
                  near_misses: list, counts: collections.Counter) -> None:
     """Rewrite the regions of one graph (the Dynamo graph, or a body `where` of the given kind), appending
@@ -193,9 +208,12 @@ def _rewrite_one(gm: torch.fx.GraphModule, opts: UniepOptions, where: str, kind:
         log.info("uniep: rewrote %s (%d nodes)%s into uniep.%s [%s]", match.module, len(match.nodes), inside,
                  match.op, match.spec.describe())
     made = _lower_layers(gm, opts, where, ep_matches, lowered, counts) if ep_matches else set()
-    for node in gm.graph.nodes:  # HF's EP layers, traced as one op (hf_ep.py): counted and logged here
-        if node.op == "call_function" and node.target in (torch.ops.uniep.ep_layer, torch.ops.uniep.ep_layer.default) \
-                and node not in made:
+    layers = [n for n in gm.graph.nodes if n.op == "call_function"
+              and n.target in (torch.ops.uniep.ep_layer, torch.ops.uniep.ep_layer.default)]
+    sites = [decode_spec(n.args[7]).site for n in layers if isinstance(n.args[7], str)]
+    for node in layers:  # HF's EP layers, traced as one op (hf_ep.py): numbered, counted and logged here
+        if node not in made:
+            _number_site(node, 7, 1 + max(sites, default=0), sites)
             counts["ep_layer"] += 1
             log.info("uniep: %s%s is one uniep.ep_layer (HF's AllToAllEP, substituted while Dynamo traced)",
                      module_path(node), inside)
