@@ -20,6 +20,9 @@ it. Providers, on the same module and inputs:
              all-to-alls through the process group, the received rows' plan in one launch)
   uniep_apart  the same with options={"rewrite_ep_exchange": False}: the token all-to-alls stay NCCL
              all_to_all_single as written around uniep.moe_experts
+  uniep_default  torch.compile(layer, backend="uniep"), no option and no setting: uniep has Dynamo capture the
+             split sizes (capture_ep_sizes), so the layer is one uniep.ep_layer (the rows above and below run with
+             capture_ep_sizes=False, the layer in two graphs, where they are not one-graph rows)
   inductor_one_graph, uniep_one_graph, uniep_one_graph_sync  inductor and uniep's default compile with
              torch._dynamo.config.capture_scalar_outputs = True: Dynamo traces the split sizes' .tolist() and keeps
              the layer in one graph, which uniep runs as one uniep.ep_layer, its plan on the device by default
@@ -103,7 +106,8 @@ SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), 
 # name: (attention heads, key/value heads, head dim) of the models these MoE shapes come from (the hf_layer_* rows)
 ATTENTION = {"mixtral": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "tiny": (4, 2, 16)}
 PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks", "uniep_sequential", "uniep_apart",
-             "inductor_one_graph", "uniep_one_graph", "uniep_one_graph_sync", "uniep_one_graph_graphs",
+             "uniep_default", "inductor_one_graph", "uniep_one_graph", "uniep_one_graph_sync",
+             "uniep_one_graph_graphs",
              "uniep_overlap",
              "uniep_overlap_sm", "uniep_overlap_kernel", "uniep_overlap_kernel_wgrad_chunks",
              "uniep_overlap_kernel_pushes", "uniep_overlap_off",
@@ -539,8 +543,12 @@ def _worker(rank, world, port, args, out_path):
                     def run(x, compiled=compiled):  # the config as Dynamo traces, and for its guards
                         with torch._dynamo.config.patch(capture_scalar_outputs=True):
                             return compiled(x)
+                elif provider == "uniep_default":
+                    run = torch.compile(module, backend="uniep")
                 elif provider.startswith("uniep"):
-                    options = {"overlap_ep": provider not in ("uniep_sequential", "uniep_apart")}
+                    # the exchange's rows: the layer in the two graphs Dynamo makes at the split sizes' host read
+                    options = {"overlap_ep": provider not in ("uniep_sequential", "uniep_apart"),
+                               "capture_ep_sizes": False}
                     if provider == "uniep_apart":
                         options["rewrite_ep_exchange"] = False
                     if provider == "uniep_kernel":

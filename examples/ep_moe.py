@@ -1,19 +1,20 @@
 """Expert parallelism written in plain PyTorch, compiled with backend="uniep" -- no uniep import in the model.
 
     torchrun --nproc-per-node 2 examples/ep_moe.py      # gloo on CPU, or one GPU per rank (nccl) when there are
-    torchrun --nproc-per-node 2 examples/ep_moe.py --one-graph   # the split sizes traced: one uniep.ep_layer
+    torchrun --nproc-per-node 2 examples/ep_moe.py --two-graphs  # capture_ep_sizes=False: the layer in two graphs
 
 Each rank holds its own tokens and E / world experts. The MoE layer routes (softmax, top-k, renormalize),
 sorts its (token, expert) pairs by expert, exchanges per-expert counts, then the token rows, with
 all-to-alls; runs its experts on what it received; sends the results back; and combines them per
-token. That is the usual way to write it (HF transformers' AllToAllEP and torchtitan do the same), and
-uniep rewrites each part: the router (uniep.moe_router), the dispatch plan with its count exchange
-(uniep.ep_dispatch), the token all-to-all with the experts and the all-to-all back (one uniep.ep_exchange,
-which takes its split sizes from the dispatch's count table), and the combine (uniep.ep_combine). The split
-sizes go to the host (`.tolist()`), so Dynamo makes two graphs of the layer. With
-`torch._dynamo.config.capture_scalar_outputs = True` (`--one-graph`) Dynamo traces that `.tolist()` and keeps
-the layer in one graph, which uniep runs as one uniep.ep_layer: on CUDA by default its routing plan stays on
-the device, and the layer makes no host synchronization.
+token. That is the usual way to write it (HF transformers' AllToAllEP and torchtitan do the same). The split
+sizes go to the host (`.tolist()`), where Dynamo breaks the graph. uniep's backend, handed the graph that ends
+there, has Dynamo trace the frame again with the sizes captured (`capture_scalar_outputs`, for that compile
+only), so the layer is one graph, which uniep runs as one uniep.ep_layer (the router is one uniep.moe_router):
+on CUDA by default its routing plan stays on the device, and the layer makes no host synchronization. With the
+option `capture_ep_sizes=False` (`--two-graphs`) the layer stays in two graphs, and uniep rewrites each part:
+the dispatch plan with its count exchange (uniep.ep_dispatch), the token all-to-all with the experts and the
+all-to-all back (one uniep.ep_exchange, which takes its split sizes from the dispatch's count table), and the
+combine (uniep.ep_combine).
 
 The script compares one forward and backward with eager and prints what uniep rewrote.
 """
@@ -85,8 +86,9 @@ class ExpertParallelMoE(nn.Module):
         return self.combine(back, order, weights).to(x.dtype)
 
 
-def run(tokens=64, hidden=64, intermediate=96, num_experts=8, top_k=2, inner_backend="inductor"):
-    """One forward and backward in eager and compiled with uniep on this rank; returns both and uniep's report."""
+def run(tokens=64, hidden=64, intermediate=96, num_experts=8, top_k=2, inner_backend="inductor", options=None):
+    """One forward and backward in eager and compiled with uniep (and these further options) on this rank; returns
+    both and uniep's report."""
     import uniep_dynamo
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -105,7 +107,8 @@ def run(tokens=64, hidden=64, intermediate=96, num_experts=8, top_k=2, inner_bac
         if name == "eager":
             out = model(xi)
         else:
-            compiled = torch.compile(model, backend="uniep", options={"inner_backend": inner_backend})
+            compiled = torch.compile(model, backend="uniep",
+                                     options={"inner_backend": inner_backend, **(options or {})})
             with uniep_dynamo.recording() as report:
                 out = compiled(xi)
         out.square().mean().backward()
@@ -119,10 +122,9 @@ def main():
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
-    if "--one-graph" in sys.argv[1:]:
-        torch._dynamo.config.capture_scalar_outputs = True
+    options = {"capture_ep_sizes": False} if "--two-graphs" in sys.argv[1:] else {}
     try:
-        results, report = run(inner_backend="inductor" if backend == "nccl" else "aot_eager")
+        results, report = run(inner_backend="inductor" if backend == "nccl" else "aot_eager", options=options)
         eager, fused = results["eager"], results["uniep"]
         worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(fused, eager))
         if dist.get_rank() == 0:

@@ -264,8 +264,10 @@ class _Double(torch.autograd.Function):
 
 
 # the compile options of each mode: the overlapped exchange, the default (the exchange's steps one after another in
-# one op), and the all-to-alls left apart around uniep.moe_experts
-MODES = {"overlap": {"overlap_ep": True}, "default": {}, "apart": {"rewrite_ep_exchange": False}}
+# one op), and the all-to-alls left apart around uniep.moe_experts; each with the layer in two graphs as Dynamo makes
+# them (capture_ep_sizes=False: the graph after the split sizes' host read holds the exchange)
+MODES = {"overlap": {"overlap_ep": True, "capture_ep_sizes": False}, "default": {"capture_ep_sizes": False},
+         "apart": {"rewrite_ep_exchange": False, "capture_ep_sizes": False}}
 
 
 def _model_worker(rank, world, port, device, spelling, out_dir):

@@ -352,25 +352,35 @@ def _example_worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from ep_moe import run
-        results, report = run(tokens=24, hidden=16, intermediate=24, num_experts=2 * world, top_k=2,
-                              inner_backend="aot_eager")
-        torch.save({"results": results, "totals": report.totals()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        saved = {}
+        for name, options in (("default", {}), ("two_graphs", {"capture_ep_sizes": False})):
+            torch._dynamo.reset()
+            results, report = run(tokens=24, hidden=16, intermediate=24, num_experts=2 * world, top_k=2,
+                                  inner_backend="aot_eager", options=options)
+            saved[name] = {"results": results, "totals": report.totals()}
+        torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_example_plain_pytorch_ep_model(world, tmp_path):
-    """examples/ep_moe.py: router, dispatch, experts, exchange and combine each rewritten, output and every gradient
-    equal to eager within fp32 tolerance."""
+    """examples/ep_moe.py, no setting of the user's: the layer is one uniep.ep_layer (uniep has Dynamo capture the
+    split sizes: capture_ep_sizes), beside the router; with capture_ep_sizes=False the two graphs' router, dispatch,
+    experts, exchange and combine are each rewritten. Output and every gradient equal to eager within fp32
+    tolerance either way."""
     for r in run_workers(_example_worker, world, (), tmp_path):
-        t = r["totals"]
+        t = r["default"]["totals"]
+        assert (t["moe_router"], t["ep_layer"], t["moe_experts"], t["ep_dispatch"], t["ep_exchange"], t["ep_combine"],
+                t["unfused"], t.get("ep_unfused", 0)) == (1, 1, 1, 0, 0, 0, 0, 0), t
+        t = r["two_graphs"]["totals"]
         # the experts are rewritten, then taken into the exchange with the all-to-alls around them
         assert (t["moe_router"], t["ep_dispatch"], t["moe_experts"], t["ep_exchange"], t["ep_combine"], t["unfused"],
                 t.get("ep_unfused", 0)) == (1, 1, 1, 1, 1, 0, 0), t
-        eager, fused = r["results"]["eager"], r["results"]["uniep"]
-        for name, a, b in zip(["out", "d_x", "d_gate_up_proj", "d_down_proj", "d_gate"], fused, eager):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+        for path in ("default", "two_graphs"):
+            eager, fused = r[path]["results"]["eager"], r[path]["results"]["uniep"]
+            for name, a, b in zip(["out", "d_x", "d_gate_up_proj", "d_down_proj", "d_gate"], fused, eager):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{path}: {name}")
 
 
 def _zero_rows_worker(rank, world, port, out_dir):
@@ -392,33 +402,40 @@ def _zero_rows_worker(rank, world, port, out_dir):
             model.gate.weight[2:, 0] = -5.0
         x = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank))
         x[:, 0] = 10.0
-        results = {}
-        for name in ("eager", "uniep"):
+        results, totals = {}, {}
+        for name, options in (("eager", None), ("uniep", {}), ("two_graphs", {"capture_ep_sizes": False})):
+            torch._dynamo.reset()
             model.zero_grad()
             xi = x.clone().requires_grad_()
-            run = model if name == "eager" else torch.compile(model, backend="uniep",
-                                                             options={"inner_backend": "aot_eager"})
+            run = model if options is None else torch.compile(model, backend="uniep",
+                                                              options={"inner_backend": "aot_eager", **options})
             with uniep_dynamo.recording() as report:
                 out = run(xi)
             out.square().mean().backward()
             results[name] = {"out": out.detach(), "d_x": xi.grad,
                              **{f"d_{n}": p.grad.clone() for n, p in model.named_parameters()}}
-        torch.save({"results": results, "totals": report.totals()}, os.path.join(out_dir, f"rank{rank}.pt"))
+            totals[name] = report.totals()
+        torch.save({"results": results, "totals": totals}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_example_with_a_rank_that_receives_no_row(tmp_path):
     """examples/ep_moe.py where one rank's experts get no token: eager runs (its experts see 0 rows), and uniep's
-    rewrite gives eager's output and gradients (rank 1's expert gradients are zeros)."""
+    rewrite, one ep_layer by default and three ops in two graphs with capture_ep_sizes=False, gives eager's output
+    and gradients (rank 1's expert gradients are zeros)."""
     for rank, r in enumerate(run_workers(_zero_rows_worker, 2, (), tmp_path)):
-        t = r["totals"]
+        t = r["totals"]["uniep"]
+        assert (t["ep_layer"], t["moe_experts"], t["ep_dispatch"], t["unfused"]) == (1, 1, 0, 0), t
+        t = r["totals"]["two_graphs"]
         assert (t["ep_dispatch"], t["moe_experts"], t["ep_exchange"], t["ep_combine"], t["unfused"]) == \
             (1, 1, 1, 1, 0), t
-        eager, fused = r["results"]["eager"], r["results"]["uniep"]
+        eager = r["results"]["eager"]
         assert sorted(eager) == ["d_down_proj", "d_gate.weight", "d_gate_up_proj", "d_x", "out"]
-        for name in eager:
-            torch.testing.assert_close(fused[name], eager[name], atol=1e-5, rtol=1e-5, msg=name)
+        for path in ("uniep", "two_graphs"):
+            for name in eager:
+                torch.testing.assert_close(r["results"][path][name], eager[name], atol=1e-5, rtol=1e-5,
+                                           msg=f"{path}: {name}")
         assert eager["d_gate_up_proj"].any() == (rank == 0) and eager["d_down_proj"].any() == (rank == 0)
 
 
@@ -504,13 +521,15 @@ def _one_graph_worker(rank, world, port, out_dir):
                 with torch._dynamo.config.patch(capture_scalar_outputs=capture), uniep_dynamo.recording() as report, \
                         torch.set_grad_enabled(not name.endswith("no_grad")):
                     out = torch.compile(model, backend="uniep", options={"inner_backend": inner, **options})(xi)
+                    setting_after = torch._dynamo.config.capture_scalar_outputs  # as it was: the compile put it back
             if name.endswith("no_grad"):  # inference (generate() and the like): the forward only
                 results[name] = {"values": [out]}
             else:
                 out.square().mean().backward()
                 results[name] = {"values": [out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()]}
             if report is not None:
-                results[name].update(totals=report.totals(), graphs=list(graphs), gaps=[g.coverage_gaps()
+                results[name].update(setting_after=setting_after,
+                                     totals=report.totals(), graphs=list(graphs), gaps=[g.coverage_gaps()
                                                                                       for g in report.graphs],
                                      device_plan_runs={k: device_plan.RUNS[k] - runs[k] for k in runs})
         # another token count: Dynamo compiles the graph again with the count symbolic, and the layer is one op there too
@@ -522,17 +541,28 @@ def _one_graph_worker(rank, world, port, out_dir):
                 xi = torch.randn(tokens + rank, 16, generator=torch.Generator().manual_seed(tokens + rank))
                 dynamic.append((compiled(xi), plain(xi)))
         results["dynamic"] = {"outs": dynamic, "totals": report.totals()}
+        torch._dynamo.reset()
+        compiled = torch.compile(plain, backend="uniep", options={"inner_backend": inner})
+        dynamic = []
+        with uniep_dynamo.recording() as report:  # the setting off: uniep captures the sizes in each compile
+            for tokens in (24, 17):
+                xi = torch.randn(tokens + rank, 16, generator=torch.Generator().manual_seed(tokens + rank))
+                dynamic.append((compiled(xi), plain(xi)))
+        results["dynamic_default"] = {"outs": dynamic, "totals": report.totals(),
+                                      "setting_after": torch._dynamo.config.capture_scalar_outputs}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 # (name, capture_scalar_outputs, the compile's options)
-_ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {}), ("one_graph", True, {}),
+_ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {"capture_ep_sizes": False}), ("one_graph", True, {}),
+              ("default", False, {}),
               ("one_graph_device_plan", True, {"ep_device_plan": True}),
               ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {}),
               ("one_graph_no_grad", True, {}), ("one_graph_device_plan_no_grad", True, {"ep_device_plan": True}),
-              ("stacked_two_graphs", False, {}), ("stacked_one_graph", True, {}), ("sizes_checked", True, {}),
+              ("stacked_two_graphs", False, {"capture_ep_sizes": False}), ("stacked_one_graph", True, {}),
+              ("stacked_default", False, {"ep_device_plan": True}), ("sizes_checked", True, {}),
               ("sizes_asserted", True, {})]
 
 
@@ -547,13 +577,15 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
     (before, the backend raised: a node used before its definition). A layer that reads a split size outside the
     exchange, or checks one (torch._check, or a Python assert: the one op would drop the check), stays three ops.
     Under no_grad (inference) the layer is the same one op, with the same output; two stacked layers in one graph are
-    two."""
+    two. The default compile, with the setting off, gets the same: uniep has Dynamo trace the frame again with the
+    sizes captured (capture_ep_sizes), and puts the setting back; capture_ep_sizes=False leaves two graphs."""
     ranks = run_workers(_one_graph_worker, world, (), tmp_path)
     host_reads = {"item", "_local_scalar_dense", "_assert_scalar", "tolist"}
     for r in ranks:
         two, eager = r["two_graphs"], r["eager"]
         assert (two["totals"]["ep_dispatch"], two["totals"]["ep_exchange"], two["totals"]["ep_layer"]) == (1, 1, 0)
-        for name in ("one_graph", "one_graph_device_plan", "one_graph_no_grad", "one_graph_device_plan_no_grad"):
+        for name in ("one_graph", "default", "one_graph_device_plan", "one_graph_no_grad",
+                     "one_graph_device_plan_no_grad"):
             got = r[name]
             t = got["totals"]
             assert (t["moe_router"], t["moe_experts"], t["ep_layer"], t["ep_dispatch"], t["ep_exchange"],
@@ -576,10 +608,19 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
         assert len(stacked["graphs"]) == 1 and stacked["graphs"][0].count("ep_layer") == 2
         assert apart_stacked["totals"]["ep_exchange"] == 2 and len(apart_stacked["graphs"]) >= 3
         assert all(torch.equal(a, b) for a, b in zip(stacked["values"], apart_stacked["values"]))
-        dynamic = r["dynamic"]  # the second token count compiled again, symbolic: one op in both graphs
-        assert dynamic["totals"]["ep_layer"] == 2 and dynamic["totals"]["ep_dispatch"] == 0, dynamic["totals"]
-        for got, want in dynamic["outs"]:
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # by default (capture_scalar_outputs off, capture_ep_sizes on) each stacked layer is one op too: Dynamo
+        # compiles the layer's forward as a frame of its own (the graph break inside the inlined call), captured, and
+        # the second layer runs that frame's compiled code (one compile, two runs of the op)
+        t = r["stacked_default"]["totals"]
+        assert (t["ep_layer"], t["ep_dispatch"], t["ep_exchange"], t["ep_combine"]) == (1, 0, 0, 0), t
+        assert r["stacked_default"]["device_plan_runs"] == {"forward": 2}
+        assert all(torch.equal(a, b) for a, b in zip(r["stacked_default"]["values"], apart_stacked["values"]))
+        # the setting is back as it was after each compile: uniep turned it on for the default's compiles only
+        assert all(r[name]["setting_after"] == capture for name, capture, _ in _ONE_GRAPH if name != "eager")
+        for dynamic in (r["dynamic"], r["dynamic_default"]):  # the second token count compiled again, symbolic
+            assert dynamic["totals"]["ep_layer"] == 2 and dynamic["totals"]["ep_dispatch"] == 0, dynamic["totals"]
+            for got, want in dynamic["outs"]:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # a split size read outside the exchange, or checked by the model: three ops, the host read (and the check)
         # kept
         for read in (r["sizes_read"], r["sizes_checked"], r["sizes_asserted"]):

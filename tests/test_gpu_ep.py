@@ -378,7 +378,8 @@ def _one_graph_worker(rank, world, port, out_dir):
         from torch._inductor import list_mode_options
 
         graphs = {"inductor": dict(list_mode_options("reduce-overhead"))}
-        for name, capture, options in (("two_graphs", False, {"ep_device_plan": False}), ("one_graph", True, {}),
+        for name, capture, options in (("two_graphs", False, {"ep_device_plan": False, "capture_ep_sizes": False}),
+                                       ("one_graph", True, {}), ("default", False, {}),
                                        ("one_graph_sync", True, {"ep_device_plan": False}),
                                        ("one_graph_cuda_graphs", True, graphs)):
             torch._dynamo.reset()
@@ -406,7 +407,8 @@ def _one_graph_worker(rank, world, port, out_dir):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
-    """examples/ep_moe.py with capture_scalar_outputs: one uniep.ep_layer per compile, which by default keeps its plan
+    """examples/ep_moe.py with capture_scalar_outputs, and by default without it (uniep captures the sizes:
+    capture_ep_sizes): one uniep.ep_layer per compile, which by default keeps its plan
     on the device: a step makes no host synchronization, and the output and every gradient are bitwise those of
     the two-graph compile (which reads the counts on the host), of ep_device_plan=False, and of the default under
     mode="reduce-overhead" (inductor's CUDA graphs around the op: the graph has no data-dependent shape left)."""
@@ -417,15 +419,16 @@ def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
         two = r["two_graphs"]
         assert two["totals"]["ep_exchange"] == 2 and two["totals"]["ep_layer"] == 0, two["totals"]
         assert two["syncs"], "the two-graph compile reads the split sizes on the host"
-        for name in ("one_graph", "one_graph_sync", "one_graph_cuda_graphs"):
+        for name in ("one_graph", "default", "one_graph_sync", "one_graph_cuda_graphs"):
             got = r[name]
             # the first step's compile and the second's (dynamic token count); the third runs the second's
             assert got["totals"]["ep_layer"] == 2 and got["totals"]["ep_exchange"] == 0, (name, got["totals"])
             assert all(g == [] for g in got["gaps"]), got["gaps"]
             assert all(torch.equal(a, b) for a, b in zip(got["tensors"], two["tensors"])), name
         assert r["one_graph"]["device_plan_runs"] == r["one_graph_cuda_graphs"]["device_plan_runs"] == 3
+        assert r["default"]["device_plan_runs"] == 3
         assert r["one_graph_sync"]["device_plan_runs"] == 0
-        assert r["one_graph"]["syncs"] == [], r["one_graph"]["syncs"]
+        assert r["one_graph"]["syncs"] == r["default"]["syncs"] == [], (r["one_graph"]["syncs"], r["default"]["syncs"])
 
 
 def _device_plan_worker(rank, world, port, case, out_dir):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch._dynamo.utils import counters
 
-from . import ddp, hf_ep, report
+from . import capture, ddp, hf_ep, report
 from .spec import decode_spec
 from .lowering import (lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_layer, lower_router,
                        share_routing_plan)
@@ -66,6 +66,11 @@ class UniepOptions:
     # The experts backward reuses the forward's saved buffers (lower peak memory); a second backward
     # through the same graph (retain_graph=True) then raises. False keeps them intact.
     reuse_saved_buffers: bool = True
+    # Where a graph ends with an EP dispatch whose split sizes go to the host (plain PyTorch EP code's `.tolist()` of
+    # them: Dynamo breaks the graph there, and the layer lands in two graphs, three ops and a host synchronization),
+    # Dynamo traces that frame again with torch._dynamo.config.capture_scalar_outputs on for that frame's compile only
+    # (capture.py), so that the layer is one graph and one uniep.ep_layer. False: the two graphs as Dynamo made them
+    capture_ep_sizes: bool = True
 
     @classmethod
     def from_options(cls, options: dict | None) -> "UniepOptions":
@@ -131,6 +136,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None, co
     return matches, [miss for _, miss in misses]
 
 
+_SIZES_ON_HOST = "uniep_sizes_on_host"  # gm.meta: a graph of it ends with an EP dispatch whose split sizes leave it
 _UNCOMMITTED = "uniep_uncommitted"  # gm.meta: (counts, GraphRecord or None) of a rewrite not yet counted
 
 
@@ -255,12 +261,15 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
                  module_path(dispatch), reason)
     if opts.rewrite_ep_exchange and not layers and any(m.op == "ep_dispatch" for m in ep_matches) \
             and not any(m.op == "ep_exchange" for m in ep_matches):
-        from .kernels.megakernel import warn_once
+        gm.meta[_SIZES_ON_HOST] = True  # uniep_backend may have Dynamo trace the frame again (capture_ep_sizes)
+        if not opts.capture_ep_sizes:
+            from .kernels.megakernel import warn_once
 
-        warn_once("ep_dispatch", "split sizes read between two graphs",
-                  "uniep: an EP dispatch's %s (a synchronization each layer); in plain PyTorch EP code like "
-                  "examples/ep_moe.py, torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one "
-                  "graph, which uniep runs as one uniep.ep_layer with its plan on the device", logging.INFO)
+            warn_once("ep_dispatch", "split sizes read between two graphs",
+                      "uniep: an EP dispatch's %s (a synchronization each layer); in plain PyTorch EP code like "
+                      "examples/ep_moe.py, capture_ep_sizes=True (the default) or "
+                      "torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one graph, which uniep "
+                      "runs as one uniep.ep_layer with its plan on the device", logging.INFO)
     made = set()
     for match in layers:
         names = {c.name for c in match.calls}
@@ -391,6 +400,8 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     hf_ep.note_compile()
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
+        if opts.capture_ep_sizes and any(m.meta.get(_SIZES_ON_HOST) for m, _, _ in walk(gm)):
+            capture.trace_again_capturing_scalars()  # raises Dynamo's restart where it can; the graph is dropped
     compiled = _inner_compile(gm, example_inputs, opts, mode)
     # Counted only now: Dynamo discards a graph whose compile raises and traces the frame again, e.g. under
     # dynamic=True, where AOTAutograd's pass that turns float scalars into tensors raises
