@@ -239,6 +239,9 @@ def _family(provider: str) -> str:
 
 
 _GRADS: dict = {}
+# each round's cudaMalloc calls of the caching allocator in each timed back-to-back step (this rank's): a
+# step that grows the allocator's pool pays for them, and for the synchronization a freeing of cached blocks makes
+DEVICE_ALLOCS: list = []
 STEP_TIMES: list = []  # each round's back-to-back step times on this rank (ms); a row keeps its first round's
 
 
@@ -299,12 +302,16 @@ def _time_back_to_back(step, iters, device):
         times = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     else:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        # the caching allocator's cudaMalloc calls so far: before the first timed step, then after each one's launch
+        mallocs = [torch.cuda.memory_stats(device).get("num_device_alloc", -1)]
         events[0].record()
         for event in events[1:]:
             step()
             event.record()
+            mallocs.append(torch.cuda.memory_stats(device).get("num_device_alloc", -1))
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        DEVICE_ALLOCS.append([b - a for a, b in zip(mallocs, mallocs[1:])])
     median = statistics.median(times)
     distances = sorted(abs(t - median) / median for t in times)
     return sum(times) / len(times), distances[-1], distances[min(len(distances) - 1, int(0.9 * len(distances)))], times
@@ -610,6 +617,7 @@ def _worker(rank, world, port, args, out_path):
                              "ms": worst, "rank_ms": ms, "ms_back_to_back": flowing,
                              "back_to_back_spread": spread, "back_to_back_spread_p90": spread90,
                              "back_to_back_steps_rank0": [round(t, 4) for t in STEP_TIMES[-1]],
+                             "back_to_back_device_allocs_rank0": DEVICE_ALLOCS[-1] if DEVICE_ALLOCS else None,
                              "peak_gib": peak,
                              "traced_steps": traced,
                              "max_rel_vs_eager": diff,
