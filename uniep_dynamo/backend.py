@@ -68,8 +68,9 @@ class UniepOptions:
     reuse_saved_buffers: bool = True
     # Where a graph ends with an EP dispatch whose split sizes go to the host (plain PyTorch EP code's `.tolist()` of
     # them: Dynamo breaks the graph there, and the layer lands in two graphs, three ops and a host synchronization),
-    # Dynamo traces that frame again with torch._dynamo.config.capture_scalar_outputs on for that frame's compile only
-    # (capture.py), so that the layer is one graph and one uniep.ep_layer. False: the two graphs as Dynamo made them
+    # Dynamo traces that frame again with that one read traced as unbacked ints (capture_scalar_outputs for that call
+    # site only, in uniep's compiles: capture.py), so that the layer is one graph and one uniep.ep_layer. False: the
+    # two graphs as Dynamo made them
     capture_ep_sizes: bool = True
 
     @classmethod
@@ -137,6 +138,12 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None, co
 
 
 _SIZES_ON_HOST = "uniep_sizes_on_host"  # gm.meta: a graph of it ends with an EP dispatch whose split sizes leave it
+
+
+def sizes_on_host(gm) -> bool:
+    """Whether the rewrite of ``gm`` (or of a body in it) found an EP dispatch whose split sizes leave the graph."""
+    return any(module.meta.get(_SIZES_ON_HOST) for module, _, _ in walk(gm))
+
 _UNCOMMITTED = "uniep_uncommitted"  # gm.meta: (counts, GraphRecord or None) of a rewrite not yet counted
 
 
@@ -400,9 +407,10 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     hf_ep.note_compile()
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
-        if opts.capture_ep_sizes and any(m.meta.get(_SIZES_ON_HOST) for m, _, _ in walk(gm)):
-            capture.trace_again_capturing_scalars()  # raises Dynamo's restart where it can; the graph is dropped
-    compiled = _inner_compile(gm, example_inputs, opts, mode)
+        if opts.capture_ep_sizes and sizes_on_host(gm):
+            capture.trace_again_capturing_sizes(gm)  # raises Dynamo's restart where it can; the graph is dropped
+    with capture.compiling(example_inputs):
+        compiled = _inner_compile(gm, example_inputs, opts, mode)
     # Counted only now: Dynamo discards a graph whose compile raises and traces the frame again, e.g. under
     # dynamic=True, where AOTAutograd's pass that turns float scalars into tensors raises
     # TensorifyScalarRestartAnalysis to specialize one; the second trace's graph is the one that runs.
