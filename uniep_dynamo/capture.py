@@ -21,8 +21,10 @@ without a graph break). So uniep turns it on for one call site only, the one whe
    raises it the same way). Dynamo drops the graph (uniep counts a graph's rewrites only once it compiled:
    backend.commit_rewrites) and traces the frame from its start again;
 3. Dynamo's ``Tensor.tolist()`` and ``Tensor.item()`` handlers, wrapped once (``_install``), trace the call with the
-   setting on where the call is at a capture site and the compile is uniep's with ``capture_ep_sizes`` on; every
-   other call, and every call of another backend's compile, sees the setting as it is.
+   setting on where the call is at a capture site and the compile is uniep's with ``capture_ep_sizes`` on (the
+   trace's fake mode then allows scalar outputs); every other call, and every call of another backend's compile,
+   sees the setting as it is;
+4. the inner compile of a graph whose trace captured runs with the setting on (``compiling``).
 
 A site stays a capture site for the process, so a recompile of the frame (another token count) captures it at once.
 A site whose graph still broke after it was captured restarts nothing again.
@@ -123,9 +125,9 @@ def _install() -> bool:
 def trace_again_capturing_sizes(gm) -> None:
     """Have Dynamo trace the frame being compiled again with the host read where ``gm``'s graph broke captured (the
     module docstring). Returns without doing anything where the setting is on already (the trace captured
-    everything), where the graph broke at something other than a host read of a tensor's value, where that site was captured already and the graph still broke there, where no Dynamo trace is
-    running (the backend called directly), or where this torch lacks what it needs; the graph then compiles as it
-    is, two graphs as before."""
+    everything), where the graph broke at something other than a host read of a tensor's value, where that site was
+    captured already and the graph still broke there, where no Dynamo trace is running (the backend called
+    directly), or where this torch lacks what it needs; the graph then compiles as it is, two graphs as before."""
     if torch._dynamo.config.capture_scalar_outputs:
         return
     reason = getattr(gm, "compile_subgraph_reason", None)
