@@ -634,13 +634,18 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=str(i))
 
 
+def _host_list(t):
+    return t.tolist()
+
+
 def test_default_compile_captures_only_the_split_sizes_read(one_rank_group):
     """The default compile (capture_ep_sizes) of the example's layer followed, in the same frame, by a Python branch on
     an unrelated `.item()` (the truth value of a captured int is a hard error in Dynamo, where it was a graph break):
     only the split sizes' host read is captured, so the layer is one uniep.ep_layer and the `.item()` still breaks the
-    graph; the same under DDP (whose wrapper rewrites the graph before uniep's backend sees it). Output and gradients
-    equal eager's; the process-wide setting is never changed, and another backend's compile still breaks the graph
-    at an `.item()` on that line."""
+    graph, as does the split sizes' line (a helper function) reached with a tensor no all-to-all exchanged; the same
+    under DDP (whose wrapper rewrites the graph before uniep's backend sees it). Output and gradients equal eager's;
+    the process-wide setting is never changed, and another backend's compile still breaks the graph at the read uniep
+    captured."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
@@ -653,7 +658,7 @@ def test_default_compile_captures_only_the_split_sizes_read(one_rank_group):
         def forward(self, x):  # the example's forward, then a count read on the host in the same frame
             weights, ids = self.route(x)
             send, order, recv_counts, sizes = self.dispatch(x, ids)
-            send_sizes, recv_sizes = sizes.tolist()
+            send_sizes, recv_sizes = _host_list(sizes)
             recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
             local_ids = torch.arange(self.local_experts).repeat(self.world)
             local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
@@ -663,6 +668,9 @@ def test_default_compile_captures_only_the_split_sizes_read(one_rank_group):
             n = (ids == 0).sum().item()  # tokens routed to expert 0
             if n:
                 out = out * 2
+            per_expert = _host_list(torch.bincount(ids.reshape(-1), minlength=4))  # the split sizes' line, other data
+            if per_expert[1]:
+                out = out * 3
             return out
 
     torch.manual_seed(0)

@@ -21,7 +21,9 @@ without a graph break). So uniep turns it on for one call site only, the one whe
    raises it the same way). Dynamo drops the graph (uniep counts a graph's rewrites only once it compiled:
    backend.commit_rewrites) and traces the frame from its start again;
 3. Dynamo's ``Tensor.tolist()`` and ``Tensor.item()`` handlers, wrapped once (``_install``), trace the call with the
-   setting on where the call is at a capture site and the compile is uniep's with ``capture_ep_sizes`` on (the
+   setting on where the call is at a capture site, of a tensor computed from counts an all-to-all exchanged (a line
+   that other code reaches with other tensors, a helper function say, stays a host read for them), and the compile
+   is uniep's with ``capture_ep_sizes`` on (the
    trace's fake mode then allows scalar outputs); every other call, and every call of another backend's compile,
    sees the setting as it is;
 4. the inner compile of a graph whose trace captured runs with the setting on (``compiling``).
@@ -59,11 +61,38 @@ def _current_tx():
         return None
 
 
-def _capturing(tx) -> bool:
-    """Whether the call the trace ``tx`` is at is a capture site of a uniep compile with capture_ep_sizes on."""
+def _is_all_to_all(node) -> bool:
+    return node.op == "call_function" and "all_to_all" in str(getattr(node.target, "__name__", node.target))
+
+
+def _from_an_all_to_all(node, limit: int = 256) -> bool:
+    """Whether the graph node ``node`` is computed from counts an all-to-all exchanged: one of the nodes it is computed
+    from is an all-to-all, is handed to one (the counts sent), or is written in place from what one returned
+    (``dist.all_to_all_single(recv, send)`` traces as the functional collective copied into ``recv``). Bounded."""
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _is_all_to_all(n):
+            return True
+        for user in n.users:
+            if _is_all_to_all(user):
+                return True
+            if str(getattr(user.target, "__name__", user.target)).removesuffix(".default").endswith("_"):
+                todo.extend(user.all_input_nodes)  # an in-place write into n: what it wrote is n's value
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _capturing(tx, tensor) -> bool:
+    """Whether the read of ``tensor`` the trace ``tx`` is at is at a capture site, of counts an all-to-all exchanged
+    (a site is a source line, which other code may reach with other tensors: those stay host reads), in a uniep
+    compile with capture_ep_sizes on."""
     try:
         site = (tx.f_code.co_filename, tx.lineno)
-        if site not in _SITES:
+        if site not in _SITES or not _from_an_all_to_all(tensor.as_proxy().node):
             return False
         from .backend import UniepOptions
         from .hf_ep import _uniep_options
@@ -104,7 +133,7 @@ def _install() -> bool:
         @functools.wraps(original)
         def method(self, tx, *args, **kwargs):
             fake_mode = getattr(getattr(tx, "output", None), "fake_mode", None)
-            if torch._dynamo.config.capture_scalar_outputs or fake_mode is None or not _capturing(tx):
+            if torch._dynamo.config.capture_scalar_outputs or fake_mode is None or not _capturing(tx, self):
                 return original(self, tx, *args, **kwargs)
             # the setting as Dynamo reads it here, and as the trace's fake mode reads it (its shape environment took
             # the setting when the trace began): the item() reads of this call become unbacked ints. The fake mode
