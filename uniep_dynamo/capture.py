@@ -80,7 +80,8 @@ def _from_an_all_to_all(node, limit: int = 256) -> bool:
         for user in n.users:
             if _is_all_to_all(user):
                 return True
-            if str(getattr(user.target, "__name__", user.target)).removesuffix(".default").endswith("_"):
+            in_place = str(getattr(user.target, "__name__", user.target)).removesuffix(".default").endswith("_")
+            if in_place and user.args and user.args[0] is n:
                 todo.extend(user.all_input_nodes)  # an in-place write into n: what it wrote is n's value
         todo.extend(n.all_input_nodes)
     return False
