@@ -144,6 +144,24 @@ def sizes_on_host(gm) -> bool:
     """Whether the rewrite of ``gm`` (or of a body in it) found an EP dispatch whose split sizes leave the graph."""
     return any(module.meta.get(_SIZES_ON_HOST) for module, _, _ in walk(gm))
 
+
+def keep_layers_whole(gm, opts: UniepOptions) -> None:
+    """Where a graph of ``gm`` ends with an EP dispatch whose split sizes go to the host: have Dynamo trace the frame
+    again with that read captured (capture.py; raises Dynamo's restart, and the graph is dropped) where
+    capture_ep_sizes is on and that can be done, else say once, at info level, that the layer stays in two graphs."""
+    if not sizes_on_host(gm):
+        return
+    if opts.capture_ep_sizes:
+        capture.trace_again_capturing_sizes(gm)
+    from .kernels.megakernel import warn_once
+
+    warn_once("ep_dispatch", "split sizes read between two graphs",
+              "uniep: an EP dispatch's %s (a synchronization each layer); in plain PyTorch EP code like "
+              "examples/ep_moe.py, capture_ep_sizes=True (the default, where Dynamo's trace can be restarted) or "
+              "torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one graph, which uniep runs as "
+              "one uniep.ep_layer with its plan on the device", logging.INFO)
+
+
 _UNCOMMITTED = "uniep_uncommitted"  # gm.meta: (counts, GraphRecord or None) of a rewrite not yet counted
 
 
@@ -269,14 +287,6 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
     if opts.rewrite_ep_exchange and not layers and any(m.op == "ep_dispatch" for m in ep_matches) \
             and not any(m.op == "ep_exchange" for m in ep_matches):
         gm.meta[_SIZES_ON_HOST] = True  # uniep_backend may have Dynamo trace the frame again (capture_ep_sizes)
-        if not opts.capture_ep_sizes:
-            from .kernels.megakernel import warn_once
-
-            warn_once("ep_dispatch", "split sizes read between two graphs",
-                      "uniep: an EP dispatch's %s (a synchronization each layer); in plain PyTorch EP code like "
-                      "examples/ep_moe.py, capture_ep_sizes=True (the default) or "
-                      "torch._dynamo.config.capture_scalar_outputs = True keeps the layer in one graph, which uniep "
-                      "runs as one uniep.ep_layer with its plan on the device", logging.INFO)
     made = set()
     for match in layers:
         names = {c.name for c in match.calls}
@@ -407,8 +417,7 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     hf_ep.note_compile()
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
-        if opts.capture_ep_sizes and sizes_on_host(gm):
-            capture.trace_again_capturing_sizes(gm)  # raises Dynamo's restart where it can; the graph is dropped
+        keep_layers_whole(gm, opts)
     with capture.compiling(example_inputs):
         compiled = _inner_compile(gm, example_inputs, opts, mode)
     # Counted only now: Dynamo discards a graph whose compile raises and traces the frame again, e.g. under

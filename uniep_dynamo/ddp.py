@@ -77,14 +77,11 @@ def _wrap(original_compile_fn):
         call = _uniep_call(backend_compile_fn)
         if call is None:
             return original_compile_fn(self, gm, example_inputs, *args, **kwargs)
-        from .backend import UniepOptions, commit_rewrites, rewrite_graph, sizes_on_host
+        from .backend import UniepOptions, commit_rewrites, keep_layers_whole, rewrite_graph
 
         opts = UniepOptions.from_options(call[1])
         rewrite_graph(gm, opts, commit=False)
-        if opts.capture_ep_sizes and sizes_on_host(gm):  # as uniep_backend does (capture.py)
-            from .capture import trace_again_capturing_sizes
-
-            trace_again_capturing_sizes(gm)
+        keep_layers_whole(gm, opts)  # as uniep_backend does
         self.backend_compile_fn = _mark_pieces(backend_compile_fn)
         try:
             compiled = original_compile_fn(self, gm, example_inputs, *args, **kwargs)
