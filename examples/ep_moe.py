@@ -8,7 +8,7 @@ sorts its (token, expert) pairs by expert, exchanges per-expert counts, then the
 all-to-alls; runs its experts on what it received; sends the results back; and combines them per
 token. That is the usual way to write it (HF transformers' AllToAllEP and torchtitan do the same). The split
 sizes go to the host (`.tolist()`), where Dynamo breaks the graph. uniep's backend, handed the graph that ends
-there, has Dynamo trace the frame again with the sizes captured (`capture_scalar_outputs`, for that compile
+there, has Dynamo trace the frame again with that one read captured (`capture_scalar_outputs` for that call
 only), so the layer is one graph, which uniep runs as one uniep.ep_layer (the router is one uniep.moe_router):
 on CUDA by default its routing plan stays on the device, and the layer makes no host synchronization. With the
 option `capture_ep_sizes=False` (`--two-graphs`) the layer stays in two graphs, and uniep rewrites each part:

@@ -23,9 +23,8 @@ without a graph break). So uniep turns it on for one call site only, the one whe
 3. Dynamo's ``Tensor.tolist()`` and ``Tensor.item()`` handlers, wrapped once (``_install``), trace the call with the
    setting on where the call is at a capture site, of a tensor computed from counts an all-to-all exchanged (a line
    that other code reaches with other tensors, a helper function say, stays a host read for them), and the compile
-   is uniep's with ``capture_ep_sizes`` on (the
-   trace's fake mode then allows scalar outputs); every other call, and every call of another backend's compile,
-   sees the setting as it is;
+   is uniep's with ``capture_ep_sizes`` on (the trace's fake mode then allows scalar outputs); every other call, and
+   every call of another backend's compile, sees the setting as it is;
 4. the inner compile of a graph whose trace captured runs with the setting on (``compiling``).
 
 A site stays a capture site for the process, so a recompile of the frame (another token count) captures it at once.
