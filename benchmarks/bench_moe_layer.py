@@ -7,7 +7,11 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
                            under inductor
   liger_fused_moe          Liger-Kernel's Triton fused MoE (if liger_kernel is installed)
   sonicmoe                 SonicMoE's CuTe-DSL MoE (if sonicmoe is installed; see sonicmoe_experts), run only after
-                           its output and gradients matched the reference provider's
+                           its output and gradients matched the reference provider's; its GEMMs autotuned over QuACK's
+                           whole Hopper space per shape, or at QuACK's default config (--sonicmoe-default-configs)
+  sonicmoe_small           the same, its GEMMs autotuned per shape over SONICMOE_SMALL_SPACE (QuACK's default config
+                           and the configs that won uniep's GEMMs): a tuned SonicMoE at a fraction of the full
+                           space's compile time
   sort_grouped_mm_graphs   sort_grouped_mm_inductor under mode="reduce-overhead" (inductor's CUDA graphs)
   uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
   uniep_graphs             the same under mode="reduce-overhead": the step replayed as CUDA graphs, so a
@@ -37,6 +41,7 @@ A shape may carry its own token count after "@"; --tokens sets the others.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -112,7 +117,40 @@ def sort_grouped_mm(x, ids, w, w13, w2):
     return (y.float() * w.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def sonicmoe_experts(experts, autotune=True):
+# QuACK's Hopper tile configs that sonicmoe_small tunes over, as (tile_m, tile_n, pingpong, cluster_m, cluster_n):
+# QuACK's default (128x192 pingpong, 2x1), the five of uniep's QUACK_SPACE (each won one of uniep's GEMMs on the
+# Qwen3-30B-A3B shape: quack_probe.py), and three wide tiles for few large experts. Each GEMM keeps those its
+# pruning allows (gathered rows: cluster 1 across N, no 208 columns; the gated epilogues: 32-column multiples).
+SONICMOE_SMALL_SPACE = ((128, 192, True, 2, 1), (128, 256, False, 2, 1), (128, 208, True, 1, 2),
+                        (192, 128, True, 1, 2), (256, 128, False, 2, 1), (128, 160, True, 2, 1),
+                        (256, 192, False, 2, 1), (256, 160, False, 2, 1), (128, 256, False, 1, 2))
+SONICMOE_TUNED = ("gemm_tuned", "gemm_act_tuned", "gemm_dact_tuned", "gemm_gated_tuned", "gemm_dgated_tuned")
+
+
+def sonicmoe_space(space: str) -> dict:
+    """{QuACK tuned GEMM name: its candidate configs} for SonicMoE's ``space``: "full" (QuACK's whole list),
+    "default" (QuACK's default config alone: no tuning) or "small" (SONICMOE_SMALL_SPACE)."""
+    from quack import gemm_interface
+    from quack.autotuner import AutotuneConfig
+
+    def key(c):
+        return (c.tile_m, c.tile_n, c.pingpong, c.cluster_m, c.cluster_n)
+
+    out = {}
+    for name in SONICMOE_TUNED:
+        configs = list(getattr(gemm_interface, name).configs)
+        if space == "default":
+            configs = [AutotuneConfig(config=None)]  # one config: no tuning (what QuACK's tuned=False selects)
+        elif space == "small":
+            configs = [a for a in configs if a.kwargs["config"] is not None and not a.kwargs["config"].swap_ab
+                       and key(a.kwargs["config"]) in SONICMOE_SMALL_SPACE]
+        elif space != "full":
+            raise ValueError(f"sonicmoe space {space!r}: full, default or small")
+        out[name] = configs
+    return out
+
+
+def sonicmoe_experts(experts, space="full"):
     """SonicMoE (sonic-moe 0.1.2, its grouped GEMMs from QuACK's CuTe-DSL kernels) on the HF module's weights and the
     benchmark's routing, through ``sonicmoe.functional.moe_general_routing_inputs``.
 
@@ -125,20 +163,31 @@ def sonicmoe_experts(experts, autotune=True):
     indices are sorted ascending as the function requires; it casts the weights to fp32 itself, and their gradient
     flows back to the bf16 routing weights. (Its fixed-top-k path is reachable only through its own router, which
     would time a different router, so the general-routing path is the one timed.) Its first call JIT-compiles and
-    autotunes its GEMMs per shape (QUACK_COMPILE_WORKERS sets the compile processes); with ``autotune=False``
-    every QuACK GEMM runs its default config instead (what QuACK's ``tuned=False`` selects), which compiles one
-    kernel per GEMM rather than every candidate.
+    autotunes its GEMMs per shape (QUACK_COMPILE_WORKERS sets the compile processes) over ``space``'s configs
+    (sonicmoe_space); "default" runs QuACK's default config for every GEMM, one kernel each.
+
+    The returned function carries ``around``: step() enters it around the forward and the backward, so that the
+    QuACK GEMMs SonicMoE calls see this provider's candidate configs and tuning results (each provider keeps its
+    own, so two SonicMoE providers share a run).
     Raises ImportError (the caller prints it) where sonicmoe or its CuTe-DSL stack does not import.
     """
+    from quack import gemm_interface
     from sonicmoe import moe_general_routing_inputs
     from sonicmoe.enums import ActivationType
 
-    if not autotune:
-        from quack import gemm_interface
-        from quack.autotuner import AutotuneConfig
+    state = {name: (configs, {}) for name, configs in sonicmoe_space(space).items()}
 
-        for tuned in ("gemm_tuned", "gemm_act_tuned", "gemm_dact_tuned", "gemm_gated_tuned", "gemm_dgated_tuned"):
-            getattr(gemm_interface, tuned).configs = [AutotuneConfig(config=None)]  # one config: no tuning
+    @contextlib.contextmanager
+    def around():
+        tuned = {name: getattr(gemm_interface, name) for name in state}
+        before = {name: (t.configs, t.cache) for name, t in tuned.items()}
+        for name, t in tuned.items():
+            t.configs, t.cache = state[name]
+        try:
+            yield
+        finally:
+            for name, t in tuned.items():
+                t.configs, t.cache = before[name]
 
     w1 = lambda: experts.gate_up_proj.permute(1, 2, 0)  # noqa: E731 (a view, taken per call so autograd sees it)
     w2 = lambda: experts.down_proj.permute(1, 2, 0)  # noqa: E731
@@ -154,10 +203,11 @@ def sonicmoe_experts(experts, autotune=True):
             concat_layout=True)
         return out
 
+    sonicmoe.around = around
     return sonicmoe
 
 
-VERIFY_BEFORE_TIMING = ("sonicmoe",)
+VERIFY_BEFORE_TIMING = ("sonicmoe", "sonicmoe_small")
 VERIFY_REL_ERR = 2e-2  # ||diff|| / ||ref|| per output and gradient; bf16 operands land between 1e-3 and 1e-2
 
 
@@ -199,7 +249,8 @@ def providers(experts, sonicmoe_autotune=True):
     out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0", torch.compile(experts_again, backend="uniep"))
     out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
     try:
-        out["sonicmoe"] = sonicmoe_experts(experts, sonicmoe_autotune)
+        out["sonicmoe"] = sonicmoe_experts(experts, "full" if sonicmoe_autotune else "default")
+        out["sonicmoe_small"] = sonicmoe_experts(experts, "small")
     except Exception as exc:  # noqa: BLE001
         print(f"# sonicmoe unavailable: {exc!r}", file=sys.stderr)
     return out
@@ -215,10 +266,12 @@ def step(fn, experts, x, ids, w, grad_out):
         if env is not None:
             before = os.environ.get(env[0])
             os.environ[env[0]] = env[1]
+        around = getattr(fn, "around", contextlib.nullcontext)  # a context for the forward and the backward
         try:
             torch.compiler.cudagraph_mark_step_begin()  # a new step for the *_graphs providers' CUDA graphs
-            out = fn(xx, ids, ww)
-            out.backward(grad_out)
+            with around():
+                out = fn(xx, ids, ww)
+                out.backward(grad_out)
         finally:
             if env is not None:  # the value the user set, if any, back
                 if before is None:

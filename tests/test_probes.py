@@ -78,3 +78,83 @@ def test_breakdown_probe_labels_keyword_calls_as_positional_ones(probe_path):
         by_position = call_label(signature, label_of, args, required)
         by_name = call_label(signature, label_of, (), {**{p.name: a for p, a in zip(params, args)}, **required})
         assert by_position == by_name == label, (name, by_position, by_name)
+
+
+def test_sonicmoe_spaces_and_their_configs_around_each_provider(probe_path, monkeypatch):
+    """bench_moe_layer's SonicMoE providers: "small" keeps only SONICMOE_SMALL_SPACE's configs (no swap_ab) of each
+    QuACK GEMM's own list, "default" one config (QuACK's default: no tuning), "full" the whole list; each provider's
+    ``around`` installs its own candidate configs and tuning results for its forward and backward and puts the
+    previous ones back (two SonicMoE providers in one run neither share nor clobber their tuning). QuACK and
+    SonicMoE are stood in for by fakes: neither runs on CPU."""
+    import types
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Cfg:
+        tile_m: int
+        tile_n: int
+        pingpong: bool
+        cluster_m: int
+        cluster_n: int
+        swap_ab: bool = False
+
+    class AutotuneConfig:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    class Tuned:
+        def __init__(self, configs):
+            self.configs, self.cache = configs, {}
+
+    every = [AutotuneConfig(config=Cfg(m, n, p, cm, cn, s)) for m in (128, 192, 256) for n in (128, 160, 192, 208, 256)
+             for p in (False, True) for cm, cn in ((1, 2), (2, 1)) for s in (False, True)]
+    gemm_interface = types.SimpleNamespace()
+    from_quack = {}
+    seen = []  # (name, its configs, its cache) as the fake SonicMoE's GEMM saw them
+
+    def moe_general_routing_inputs(x, *args, **kwargs):
+        for name in ("gemm_tuned", "gemm_gated_tuned"):
+            t = getattr(gemm_interface, name)
+            seen.append((name, t.configs, t.cache))
+            t.cache["key"] = len(seen)  # a tuning result of this provider
+        return x * 2, None
+
+    for name in ("gemm_tuned", "gemm_act_tuned", "gemm_dact_tuned", "gemm_gated_tuned", "gemm_dgated_tuned"):
+        setattr(gemm_interface, name, Tuned(list(every)))
+        from_quack[name] = getattr(gemm_interface, name).configs
+    quack = types.ModuleType("quack")
+    quack.gemm_interface = gemm_interface
+    autotuner = types.ModuleType("quack.autotuner")
+    autotuner.AutotuneConfig = AutotuneConfig
+    sonicmoe = types.ModuleType("sonicmoe")
+    sonicmoe.moe_general_routing_inputs = moe_general_routing_inputs
+    enums = types.ModuleType("sonicmoe.enums")
+    enums.ActivationType = types.SimpleNamespace(SWIGLU="swiglu")
+    for mod, name in ((quack, "quack"), (gemm_interface, "quack.gemm_interface"), (autotuner, "quack.autotuner"),
+                      (sonicmoe, "sonicmoe"), (enums, "sonicmoe.enums")):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    from bench_moe_layer import SONICMOE_SMALL_SPACE, sonicmoe_experts, sonicmoe_space
+
+    small = sonicmoe_space("small")["gemm_tuned"]
+    keys = {(c.kwargs["config"].tile_m, c.kwargs["config"].tile_n, c.kwargs["config"].pingpong,
+             c.kwargs["config"].cluster_m, c.kwargs["config"].cluster_n) for c in small}
+    assert keys and keys <= set(SONICMOE_SMALL_SPACE) and not any(c.kwargs["config"].swap_ab for c in small)
+    assert keys == {k for k in SONICMOE_SMALL_SPACE if k[0] in (128, 192, 256) and k[1] in (128, 160, 192, 208, 256)}
+    default = sonicmoe_space("default")["gemm_dgated_tuned"]
+    assert len(default) == 1 and default[0].kwargs["config"] is None
+    assert sonicmoe_space("full")["gemm_gated_tuned"] == every
+    with pytest.raises(ValueError, match="space"):
+        sonicmoe_space("tuned")
+
+    experts = types.SimpleNamespace(gate_up_proj=torch.zeros(4, 6, 3), down_proj=torch.zeros(4, 3, 3))
+    fast, tuned = sonicmoe_experts(experts, "default"), sonicmoe_experts(experts, "small")
+    x, ids, w = torch.ones(2, 3), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)
+    for fn in (fast, tuned, fast):
+        with fn.around():
+            assert torch.equal(fn(x, ids, w), x * 2)
+    (_, c0, k0), (_, c1, _), (_, c2, k2), (_, c3, _), (_, c4, k4), _ = seen
+    assert len(c0) == len(c1) == 1 and c2 == small and len(c3) < len(every) and c4 is c0
+    assert k0 is k4 and k0 is not k2 and k2 == {"key": 3}  # each provider's tuning results are its own
+    for name, configs in from_quack.items():  # QuACK's own lists and caches are back after each provider
+        assert getattr(gemm_interface, name).configs is configs and getattr(gemm_interface, name).cache == {}

@@ -313,7 +313,7 @@ def main():
                     c = torch.compile(experts)
                     fns[p] = lambda x, ids, w, c=c: c(x, ids, w)
                 elif p == "sonicmoe":
-                    fns[p] = sonicmoe_experts(experts, autotune=False)
+                    fns[p] = sonicmoe_experts(experts, "default")
             except Exception as exc:  # noqa: BLE001
                 print(f"# {p} unavailable: {exc!r}", flush=True)
         for p, fn in fns.items():
