@@ -168,7 +168,7 @@ def sonicmoe_experts(experts, space="full"):
 
     The returned function carries ``around``: step() enters it around the forward and the backward, so that the
     QuACK GEMMs SonicMoE calls see this provider's candidate configs and tuning results (each provider keeps its
-    own, so two SonicMoE providers share a run).
+    own, so two SonicMoE providers share a run); and ``tuned()``: {QuACK GEMM name: {tuning key: chosen config}}.
     Raises ImportError (the caller prints it) where sonicmoe or its CuTe-DSL stack does not import.
     """
     from quack import gemm_interface
@@ -204,6 +204,7 @@ def sonicmoe_experts(experts, space="full"):
         return out
 
     sonicmoe.around = around
+    sonicmoe.tuned = lambda: {name: dict(cache) for name, (_, cache) in state.items() if cache}  # what it chose
     return sonicmoe
 
 

@@ -156,5 +156,6 @@ def test_sonicmoe_spaces_and_their_configs_around_each_provider(probe_path, monk
     (_, c0, k0), (_, c1, _), (_, c2, k2), (_, c3, _), (_, c4, k4), _ = seen
     assert len(c0) == len(c1) == 1 and c2 == small and len(c3) < len(every) and c4 is c0
     assert k0 is k4 and k0 is not k2 and k2 == {"key": 3}  # each provider's tuning results are its own
+    assert tuned.tuned() == {"gemm_tuned": {"key": 3}, "gemm_gated_tuned": {"key": 4}}
     for name, configs in from_quack.items():  # QuACK's own lists and caches are back after each provider
         assert getattr(gemm_interface, name).configs is configs and getattr(gemm_interface, name).cache == {}

@@ -314,6 +314,8 @@ def main():
                     fns[p] = lambda x, ids, w, c=c: c(x, ids, w)
                 elif p == "sonicmoe":
                     fns[p] = sonicmoe_experts(experts, "default")
+                elif p == "sonicmoe_small":  # its GEMMs tuned per shape over bench_moe_layer.SONICMOE_SMALL_SPACE
+                    fns[p] = sonicmoe_experts(experts, "small")
             except Exception as exc:  # noqa: BLE001
                 print(f"# {p} unavailable: {exc!r}", flush=True)
         for p, fn in fns.items():
@@ -330,6 +332,11 @@ def main():
                       f"kernels {total:.3f} ms of {wall:.3f} ms profiled", flush=True)
                 for kname, kms in kernels:
                     print(f"   {kms:8.4f}  {kname}")
+                if hasattr(fn, "tuned"):  # the QuACK configs a tuned SonicMoE chose, GEMM by GEMM
+                    entry["tuned_configs"] = [[name, str(key[:3]), str(cfg)] for name, chosen in fn.tuned().items()
+                                              for key, cfg in chosen.items()]
+                    for name, key, cfg in entry["tuned_configs"]:
+                        print(f"   tuned {name} {key}: {cfg}", flush=True)
                 if args.busy:
                     busy, wall = busy_back_to_back(run)
                     entry["back_to_back_busy_ms"], entry["back_to_back_wall_ms"] = round(busy, 4), round(wall, 4)
