@@ -706,6 +706,55 @@ def test_default_compile_captures_only_the_split_sizes_read(one_rank_group):
     assert len(graphs) == 2, "another backend's compile captured the split sizes"
 
 
+def test_one_rank_recompile_for_a_new_token_count_is_one_op(one_rank_group):
+    """At one rank the sent size is all T*K rows: in the compile for a second token count (T symbolic) Dynamo replaces
+    the read size by 2*T and keeps its check ``u0 >= 4`` as ``2*T >= 4``, which every input of the graph satisfies
+    (a dynamic size is at least 2, which Dynamo guards). The layer is then one uniep.ep_layer in that compile too
+    (before, uniep took the check for the model's own and left three ops), with eager's output and gradients. The
+    model's own ``torch._check`` on a size it read still keeps the layer three ops, in both compiles."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+    import uniep_dynamo
+    from ep_moe import ExpertParallelMoE
+
+    class AtLeast80(ExpertParallelMoE):
+        def forward(self, x):
+            weights, ids = self.route(x)
+            send, order, recv_counts, sizes = self.dispatch(x, ids)
+            send_sizes, recv_sizes = sizes.tolist()
+            torch._check(sum(recv_sizes) >= 80)  # the model's own check, on sizes it read
+            recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
+            local_ids = torch.arange(self.local_experts).repeat(self.world)
+            local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
+            y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
+            back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
+            return self.combine(back, order, weights)
+
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    for cls, layers in ((ExpertParallelMoE, (1, 1)), (AtLeast80, (0, 0))):
+        torch.manual_seed(0)
+        model = cls(16, 24, 4, 2)
+        torch._dynamo.reset()
+        run = torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})
+        for tokens, want in zip((40, 56), layers):
+            x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(tokens))
+            got = []
+            for fn in (model, run):
+                model.zero_grad()
+                xi = x.clone().requires_grad_()
+                with uniep_dynamo.recording() as report:
+                    out = fn(xi)
+                out.square().mean().backward()
+                got.append([out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
+            t = report.totals()
+            assert (t["ep_layer"], t["ep_dispatch"], t["ep_combine"]) == (want, 1 - want, 1 - want), \
+                (cls.__name__, tokens, t)
+            for a, b in zip(*got):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_dispatch_op_refuses_a_group_of_another_size(one_rank_group):
     """The rank count is an argument of the op (so a compiled-graph cache keyed on the graph cannot hand a
     graph proven for 4 ranks to a run on 2); a group of another size is an error, not a wrong split."""

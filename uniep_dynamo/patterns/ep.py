@@ -583,8 +583,28 @@ def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, row
         if node.target in (torch._check_is_size, torch.ops.aten.sym_constrain_range_for_size.default):
             expr = sympy.Ge(expr, 0) if expr is not None else None  # size-like: >= 0
         ok = expr is not None and (expr in held or getattr(expr, "reversed", None) in held  # 48 >= u0 is u0 <= 48
-                                   or _multiple_of(expr, received))
+                                   or _multiple_of(expr, received)
+                                   or _implied_by_input_shapes(gu.example(node.args[0])))
         _require(ok, f"the model checks its split sizes ({node.name}: {expr}): that check would be dropped with them")
+
+
+def _implied_by_input_shapes(value) -> bool:
+    """Whether a check (a SymBool), with the sizes read replaced as Dynamo replaced them, is a statement about the
+    graph's input shapes alone (no unbacked symbol left) that the shape environment proves from their ranges, which
+    Dynamo's guards hold (a dynamic size is at least 2). At one rank, say, the sent size is the T*K rows (Dynamo
+    replaced it by 2*s77, from the check that they are equal, which the op holds), and its check ``u0 >= 4`` becomes
+    ``2*s77 >= 4``: true of every input the graph takes."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    node = getattr(value, "node", None)
+    env, expr = getattr(node, "shape_env", None), getattr(node, "expr", None)
+    if env is None or expr is None or free_unbacked_symbols(expr):
+        return False
+    try:
+        return env._maybe_evaluate_static(expr) == sympy.true
+    except Exception:  # noqa: BLE001  (a private ShapeEnv method: anything it raises means not proven)
+        return False
 
 
 def _sym_expr(value):
