@@ -706,12 +706,14 @@ def test_default_compile_captures_only_the_split_sizes_read(one_rank_group):
     assert len(graphs) == 2, "another backend's compile captured the split sizes"
 
 
-def test_one_rank_recompile_for_a_new_token_count_is_one_op(one_rank_group):
+def test_one_rank_recompile_and_host_copies_of_the_sizes_are_one_op(one_rank_group):
     """At one rank the sent size is all T*K rows: in the compile for a second token count (T symbolic) Dynamo replaces
     the read size by 2*T and keeps its check ``u0 >= 4`` as ``2*T >= 4``, which every input of the graph satisfies
     (a dynamic size is at least 2, which Dynamo guards). The layer is then one uniep.ep_layer in that compile too
     (before, uniep took the check for the model's own and left three ops), with eager's output and gradients. The
-    model's own ``torch._check`` on a size it read still keeps the layer three ops, in both compiles."""
+    model's own ``torch._check`` on a size it read still keeps the layer three ops, in both compiles. Sizes copied to
+    the host before they are listed (torchtitan's ``.to(torch.device("cpu"), non_blocking=True).tolist()``, or
+    ``.cpu()``) make one op too (before, three: the copy was not followed)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
@@ -731,9 +733,22 @@ def test_one_rank_recompile_for_a_new_token_count_is_one_op(one_rank_group):
             back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
             return self.combine(back, order, weights)
 
+    class CopiedToHost(ExpertParallelMoE):  # torchtitan's spelling: the sizes copied to the host, then listed
+        def forward(self, x):
+            weights, ids = self.route(x)
+            send, order, recv_counts, sizes = self.dispatch(x, ids)
+            send_sizes = sizes[0].to(torch.device("cpu"), non_blocking=True).tolist()
+            recv_sizes = sizes.cpu()[1].tolist()
+            recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
+            local_ids = torch.arange(self.local_experts).repeat(self.world)
+            local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
+            y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
+            back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
+            return self.combine(back, order, weights)
+
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    for cls, layers in ((ExpertParallelMoE, (1, 1)), (AtLeast80, (0, 0))):
+    for cls, layers in ((ExpertParallelMoE, (1, 1)), (AtLeast80, (0, 0)), (CopiedToHost, (1, 1))):
         torch.manual_seed(0)
         model = cls(16, 24, 4, 2)
         torch._dynamo.reset()

@@ -640,7 +640,29 @@ def _last_line(trace) -> str:
     return lines[-1] if lines else "no source line"
 
 
+def _is_device_move(node) -> bool:
+    """A copy of the counts to another device that keeps their values: ``.cpu()``, or ``.to(device)`` (torchtitan's
+    ``.to(torch.device("cpu"), non_blocking=True)`` before its ``.tolist()``), with no dtype change but to int64."""
+    if not (isinstance(node, Node) and node.op == "call_method" and node.target in ("cpu", "to") and node.args):
+        return False
+    if node.target == "cpu":
+        return len(node.args) == 1 and set(node.kwargs) <= {"memory_format"}
+    rest = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k in ("device", "dtype")]
+    if set(node.kwargs) - {"device", "dtype", "non_blocking", "copy"}:
+        return False
+    return all(isinstance(a, (torch.device, str)) or a is torch.int64 for a in rest)
+
+
+def _unmoved(node):
+    """The counts ``node`` copies, through any device moves (_is_device_move)."""
+    while _is_device_move(node):
+        node = node.args[0]
+    return node
+
+
 def _is_size_step(node: Node) -> bool:
+    if _is_device_move(node):
+        return True
     if node.op == "call_method":
         return node.target in _SIZE_METHODS
     if node.op != "call_function":
@@ -662,20 +684,21 @@ def _outputs(call: Node) -> dict:
 
 def _summed_counts(size, counts: dict):
     """(which, rank) for a split size that is ``counts[which][rank]`` summed over the local experts and read on the
-    host -- ``c.sum(dim=1).tolist()[rank]``, or through ``stack([send.sum(1), recv.sum(1)]).tolist()`` -- where
+    host -- ``c.sum(dim=1).tolist()[rank]``, or through ``stack([send.sum(1), recv.sum(1)]).tolist()``, with any
+    copies to another device on the way (``.to("cpu", non_blocking=True)``: _is_device_move) -- where
     ``counts`` maps the dispatch's send and received count outputs to "send" and "recv"; Mismatch otherwise."""
     _require(isinstance(size, Node) and gu.op_name(size) in ("item", "_local_scalar_dense"),
              "a split size is not a count read on the host")
     element = size.args[0]
     _require(_is_op(element, "getitem") and isinstance(element.args[1], int), "a split size is not one element")
-    rank, source = element.args[1], element.args[0]
-    if _is_op(source, "getitem") and _is_op(source.args[0], "stack"):
-        stack, row = source.args[0], source.args[1]
+    rank, source = element.args[1], _unmoved(element.args[0])
+    if _is_op(source, "getitem") and _is_op(_unmoved(source.args[0]), "stack"):
+        stack, row = _unmoved(source.args[0]), source.args[1]
         parts = gu.bind(stack, "stack").get("input")
         dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
         _require(isinstance(row, int) and isinstance(parts, (list, tuple)) and 0 <= row < len(parts) and dim == 0,
                  "the split sizes' stack is not read by row")
-        source = parts[row]
+        source = _unmoved(parts[row])
     _require(_is_op(source, "sum"), "a split size is not a sum of the per-expert counts")
     s = gu.bind(source, "sum")
     _require(s["input"] in counts and gu.is_dim(gu.constant(s["dim"]), 1, 2) and not s["keepdim"]
