@@ -711,7 +711,9 @@ def test_one_rank_recompile_and_host_copies_of_the_sizes_are_one_op(one_rank_gro
     the read size by 2*T and keeps its check ``u0 >= 4`` as ``2*T >= 4``, which every input of the graph satisfies
     (a dynamic size is at least 2, which Dynamo guards). The layer is then one uniep.ep_layer in that compile too
     (before, uniep took the check for the model's own and left three ops), with eager's output and gradients. The
-    model's own ``torch._check`` on a size it read still keeps the layer three ops, in both compiles. Sizes copied to
+    model's own ``torch._check`` on a size it read still keeps the layer three ops, in both compiles, and so does a
+    Python ``assert`` of a size's value (Dynamo substitutes the value into the size, after which its check's condition
+    reads True in the graph: uniep judges the check as Dynamo stated it; before, the assert was dropped). Sizes copied to
     the host before they are listed (torchtitan's ``.to(torch.device("cpu"), non_blocking=True).tolist()``, or
     ``.cpu()``) make one op too (before, three: the copy was not followed)."""
     import sys
@@ -719,6 +721,7 @@ def test_one_rank_recompile_and_host_copies_of_the_sizes_are_one_op(one_rank_gro
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
     import uniep_dynamo
     from ep_moe import ExpertParallelMoE
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
     class AtLeast80(ExpertParallelMoE):
         def forward(self, x):
@@ -733,6 +736,29 @@ def test_one_rank_recompile_and_host_copies_of_the_sizes_are_one_op(one_rank_gro
             back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
             return self.combine(back, order, weights)
 
+    # a Python assert, which Dynamo substitutes into the size (u1 = 80); compiled from a string, since pytest
+    # rewrites the asserts of a test module into branches of its own
+    source = """
+def forward(self, x):
+    weights, ids = self.route(x)
+    send, order, recv_counts, sizes = self.dispatch(x, ids)
+    send_sizes, recv_sizes = sizes.tolist()
+    assert sum(recv_sizes) == 80, "the model's own check"
+    recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
+    local_ids = torch.arange(self.local_experts).repeat(self.world)
+    local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
+    y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
+    back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
+    return self.combine(back, order, weights)
+"""
+    import linecache
+
+    filename = "<uniep test: a model's assert>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    scope = {"torch": torch, "wait_tensor": wait_tensor, "all_to_all_single_autograd": all_to_all_single_autograd}
+    exec(compile(source, filename, "exec"), scope)
+    AssertsEqual = type("AssertsEqual", (ExpertParallelMoE,), {"forward": scope["forward"]})
+
     class CopiedToHost(ExpertParallelMoE):  # torchtitan's spelling: the sizes copied to the host, then listed
         def forward(self, x):
             weights, ids = self.route(x)
@@ -746,9 +772,7 @@ def test_one_rank_recompile_and_host_copies_of_the_sizes_are_one_op(one_rank_gro
             back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
             return self.combine(back, order, weights)
 
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-    for cls, layers in ((ExpertParallelMoE, (1, 1)), (AtLeast80, (0, 0)), (CopiedToHost, (1, 1))):
+    for cls, layers in ((AssertsEqual, (0,)), (ExpertParallelMoE, (1, 1)), (AtLeast80, (0, 0)), (CopiedToHost, (1, 1))):
         torch.manual_seed(0)
         model = cls(16, 24, 4, 2)
         torch._dynamo.reset()

@@ -559,19 +559,28 @@ def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, row
     """Every size check among ``steps`` must go with the layer without changing what the model does: one Dynamo put
     on the host reads when it traced them (it carries the read's source line; a ``torch._check`` the model calls
     carries its own), stating what the replaced ops hold (a size >= 0, a sent size <= the T*K rows, the sent sizes
-    summing to them) or what tracing the experts' views assumed of the received rows (their sum not 0, a multiple
-    of it), which the one op does not need: it takes a rank that receives nothing. Any other check, say a Python
-    ``assert`` on a size, which Dynamo turns into a check of that kind on the read, is the model's own and would be
-    dropped with the sizes: the layer then stays three ops."""
+    summing to them), what tracing the experts' views assumed of the received rows (their sum not 0, a multiple
+    of it), which the one op does not need: it takes a rank that receives nothing, or what follows from the sent
+    sizes summing to the T*K rows and the input shapes' guarded ranges (at one rank, ``u0 >= 4`` with u0 = 2*T).
+    Any other check, say a Python ``assert`` on a size, which Dynamo turns into a check of that kind on the read, is
+    the model's own and would be dropped with the sizes: the layer then stays three ops.
+
+    A runtime assert is judged by the expression Dynamo stated when it made it (its message: ``Eq(u1, 80)``), over
+    the reads' own symbols, not by its condition's value in the graph: Dynamo substitutes what a check asserts into
+    the symbols (a Python ``assert recv_sizes[0] == 80`` makes u1 = 80), after which that condition reads True."""
     import sympy
 
     reads = {n.meta.get("stack_trace") for n in steps if gu.op_name(n) in ("item", "_local_scalar_dense", "tolist")}
-    send, recv = (_symbols(sizes) for sizes in (send_sizes, recv_sizes))
+    env = _shape_env(rows, steps)
+    send, recv = (_read_symbols(sizes) for sizes in (send_sizes, recv_sizes))
     total = _sym_expr(gu.tensor_meta(rows).shape[0] if gu.tensor_meta(rows) is not None else None)
     _require(None not in send and None not in recv and total is not None, "the split sizes are not traced symbols")
     sent, received = sympy.Add(*send), sympy.Add(*recv)
     held = {sympy.Eq(sent, total), sympy.Ne(received, 0)} | {sympy.Ge(u, 0) for u in send + recv} | \
         {sympy.Le(u, total) for u in send}
+    held -= {sympy.true, sympy.false}  # never a check's stand-in: a condition Dynamo substituted reads True
+    names = {str(u): u for u in send + recv}
+    equal = {send[0]: total} if len(send) == 1 else {}  # one rank: its one sent size is the T*K rows
     for node in steps:
         if not (node.op == "call_function" and node.target in _SIZE_CHECKS):
             continue
@@ -579,27 +588,79 @@ def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, row
         _require(trace is not None and trace in reads,
                  f"the model checks its split sizes ({node.name}, {_last_line(trace)}): that check would be dropped "
                  "with them")
-        expr = _sym_expr(gu.example(node.args[0]) if node.args else None)
-        if node.target in (torch._check_is_size, torch.ops.aten.sym_constrain_range_for_size.default):
-            expr = sympy.Ge(expr, 0) if expr is not None else None  # size-like: >= 0
-        ok = expr is not None and (expr in held or getattr(expr, "reversed", None) in held  # 48 >= u0 is u0 <= 48
+        if node.target is torch.ops.aten._assert_scalar.default:
+            expr = _stated_check(node, names, env)
+        else:
+            expr = _sym_expr(gu.example(node.args[0]) if node.args else None)
+            if node.target in (torch._check_is_size, torch.ops.aten.sym_constrain_range_for_size.default):
+                expr = sympy.Ge(expr, 0) if expr is not None else None  # size-like: >= 0
+            elif node.target is torch._check:  # the model's own: never the op's to drop (its trace is the read's
+                expr = None                    # only where the model wrote it on that line)
+        ok = expr is not None and (expr == sympy.true or expr in held
+                                   or getattr(expr, "reversed", None) in held  # 48 >= u0 is u0 <= 48
                                    or _multiple_of(expr, received)
-                                   or _implied_by_input_shapes(gu.example(node.args[0])))
+                                   or _implied_by_input_shapes(expr, equal, env))
         _require(ok, f"the model checks its split sizes ({node.name}: {expr}): that check would be dropped with them")
 
 
-def _implied_by_input_shapes(value) -> bool:
-    """Whether a check (a SymBool), with the sizes read replaced as Dynamo replaced them, is a statement about the
-    graph's input shapes alone (no unbacked symbol left) that the shape environment proves from their ranges, which
-    Dynamo's guards hold (a dynamic size is at least 2). At one rank, say, the sent size is the T*K rows (Dynamo
-    replaced it by 2*s77, from the check that they are equal, which the op holds), and its check ``u0 >= 4`` becomes
-    ``2*s77 >= 4``: true of every input the graph takes."""
+def _shape_env(rows, steps):
+    """The ShapeEnv of the graph's symbols (from the rows' fake tensor, or any symbolic step), or None."""
+    fake = gu.example(rows)
+    env = getattr(getattr(fake, "fake_mode", None), "shape_env", None)
+    for node in steps:
+        if env is not None:
+            break
+        env = getattr(getattr(gu.example(node), "node", None), "shape_env", None)
+    return env
+
+
+def _read_symbols(sizes: list) -> list:
+    """The unbacked symbol each host read of a size made (its node's ``unbacked_bindings``), or None."""
+    out = []
+    for size in sizes:
+        bindings = size.meta.get("unbacked_bindings") if isinstance(size, Node) else None
+        out.append(next(iter(bindings)) if bindings and len(bindings) == 1 else None)
+    return out
+
+
+def _stated_check(node: Node, names: dict, env):
+    """The sympy expression an ``_assert_scalar`` checks as Dynamo stated it (its message), over the reads' symbols
+    (``names``) and the shape environment's; None where the message cannot be read."""
+    import re
+
+    import sympy
+    from torch.utils._sympy import functions
+
+    message = node.args[1] if len(node.args) > 1 else node.kwargs.get("assert_msg")
+    stated = re.match(r"Runtime assertion failed for expression (.+) on node '[^']*'$", message or "", re.S)
+    if stated is None:
+        return None
+    local = {name: getattr(functions, name) for name in ("Mod", "PythonMod", "FloorDiv", "CeilDiv", "CleanDiv",
+                                                          "Max", "Min", "IntTrueDiv", "FloorToInt", "CeilToInt",
+                                                          "TruncToInt") if hasattr(functions, name)}
+    if env is not None:
+        backed = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # renamed in 2.11+
+        local.update({str(sym): sym for sym in backed})
+    local.update(names)
+    try:
+        return sympy.sympify(stated.group(1), locals=local)
+    except Exception:  # noqa: BLE001  (anything sympy cannot read: not proven)
+        return None
+
+
+def _implied_by_input_shapes(expr, equal: dict, env) -> bool:
+    """Whether a check, with the sizes that the op holds equal to an expression of the input shapes replaced by it
+    (``equal``: at one rank the sent size is the T*K rows), is a statement about the graph's input shapes alone (no
+    unbacked symbol left) that the shape environment proves from their ranges, which Dynamo's guards hold (a dynamic
+    size is at least 2). At one rank, say, Dynamo checks the sent size u0 >= 4 in the compile for a second token
+    count: 2*T >= 4, true of every input the graph takes."""
     import sympy
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    node = getattr(value, "node", None)
-    env, expr = getattr(node, "shape_env", None), getattr(node, "expr", None)
-    if env is None or expr is None or free_unbacked_symbols(expr):
+    if env is None or not isinstance(expr, sympy.Basic):
+        return False
+    expr = expr.xreplace(equal)
+    if free_unbacked_symbols(expr):
         return False
     try:
         return env._maybe_evaluate_static(expr) == sympy.true
