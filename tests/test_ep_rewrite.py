@@ -723,27 +723,13 @@ def test_one_rank_recompile_and_host_copies_of_the_sizes_are_one_op(one_rank_gro
     from ep_moe import ExpertParallelMoE
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    class AtLeast80(ExpertParallelMoE):
-        def forward(self, x):
-            weights, ids = self.route(x)
-            send, order, recv_counts, sizes = self.dispatch(x, ids)
-            send_sizes, recv_sizes = sizes.tolist()
-            torch._check(sum(recv_sizes) >= 80)  # the model's own check, on sizes it read
-            recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
-            local_ids = torch.arange(self.local_experts).repeat(self.world)
-            local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
-            y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
-            back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
-            return self.combine(back, order, weights)
-
-    # a Python assert, which Dynamo substitutes into the size (u1 = 80); compiled from a string, since pytest
+    # the example's forward with its split sizes read (and checked) otherwise, compiled from a string, since pytest
     # rewrites the asserts of a test module into branches of its own
-    source = """
+    template = """
 def forward(self, x):
     weights, ids = self.route(x)
     send, order, recv_counts, sizes = self.dispatch(x, ids)
-    send_sizes, recv_sizes = sizes.tolist()
-    assert sum(recv_sizes) == 80, "the model's own check"
+    {read}
     recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
     local_ids = torch.arange(self.local_experts).repeat(self.world)
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
@@ -751,26 +737,22 @@ def forward(self, x):
     back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
     return self.combine(back, order, weights)
 """
+    reads = {  # the model's own torch._check; a Python assert, which Dynamo substitutes into the size (u1 = 80);
+               # torchtitan's spelling: the sizes copied to the host, then listed
+        "AtLeast80": "send_sizes, recv_sizes = sizes.tolist()\n    torch._check(sum(recv_sizes) >= 80)",
+        "AssertsEqual": "send_sizes, recv_sizes = sizes.tolist()\n    assert sum(recv_sizes) == 80, 'the model check'",
+        "CopiedToHost": "send_sizes = sizes[0].to(torch.device('cpu'), non_blocking=True).tolist()\n"
+                        "    recv_sizes = sizes.cpu()[1].tolist()"}
     import linecache
 
-    filename = "<uniep test: a model's assert>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    scope = {"torch": torch, "wait_tensor": wait_tensor, "all_to_all_single_autograd": all_to_all_single_autograd}
-    exec(compile(source, filename, "exec"), scope)
-    AssertsEqual = type("AssertsEqual", (ExpertParallelMoE,), {"forward": scope["forward"]})
-
-    class CopiedToHost(ExpertParallelMoE):  # torchtitan's spelling: the sizes copied to the host, then listed
-        def forward(self, x):
-            weights, ids = self.route(x)
-            send, order, recv_counts, sizes = self.dispatch(x, ids)
-            send_sizes = sizes[0].to(torch.device("cpu"), non_blocking=True).tolist()
-            recv_sizes = sizes.cpu()[1].tolist()
-            recv = wait_tensor(all_to_all_single_autograd(send, recv_sizes, send_sizes, self.group))
-            local_ids = torch.arange(self.local_experts).repeat(self.world)
-            local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
-            y = self.experts(recv, local_ids, torch.ones_like(local_ids, dtype=recv.dtype))
-            back = wait_tensor(all_to_all_single_autograd(y, send_sizes, recv_sizes, self.group))
-            return self.combine(back, order, weights)
+    variants = {}
+    for name, read in reads.items():
+        source, filename = template.format(read=read), f"<uniep test: {name}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        scope = {"torch": torch, "wait_tensor": wait_tensor, "all_to_all_single_autograd": all_to_all_single_autograd}
+        exec(compile(source, filename, "exec"), scope)
+        variants[name] = type(name, (ExpertParallelMoE,), {"forward": scope["forward"]})
+    AtLeast80, AssertsEqual, CopiedToHost = (variants[name] for name in reads)
 
     for cls, layers in ((AssertsEqual, (0,)), (ExpertParallelMoE, (1, 1)), (AtLeast80, (0, 0)), (CopiedToHost, (1, 1))):
         torch.manual_seed(0)
