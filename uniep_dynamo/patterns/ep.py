@@ -579,7 +579,7 @@ def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, row
     held = {sympy.Eq(sent, total), sympy.Ne(received, 0)} | {sympy.Ge(u, 0) for u in send + recv} | \
         {sympy.Le(u, total) for u in send}
     held -= {sympy.true, sympy.false}  # never a check's stand-in: a condition Dynamo substituted reads True
-    names = {str(u): u for u in send + recv}
+    names = _check_names(send + recv, env)
     equal = {send[0]: total} if len(send) == 1 else {}  # one rank: its one sent size is the T*K rows
     for node in steps:
         if not (node.op == "call_function" and node.target in _SIZE_CHECKS):
@@ -589,7 +589,7 @@ def _require_no_model_checks(steps: set, send_sizes: list, recv_sizes: list, row
                  f"the model checks its split sizes ({node.name}, {_last_line(trace)}): that check would be dropped "
                  "with them")
         if node.target is torch.ops.aten._assert_scalar.default:
-            expr = _stated_check(node, names, env)
+            expr = _stated_check(node, names)
         else:
             expr = _sym_expr(gu.example(node.args[0]) if node.args else None)
             if node.target in (torch._check_is_size, torch.ops.aten.sym_constrain_range_for_size.default):
@@ -623,27 +623,34 @@ def _read_symbols(sizes: list) -> list:
     return out
 
 
-def _stated_check(node: Node, names: dict, env):
-    """The sympy expression an ``_assert_scalar`` checks as Dynamo stated it (its message), over the reads' symbols
-    (``names``) and the shape environment's; None where the message cannot be read."""
+def _check_names(reads: list, env) -> dict:
+    """The names an ``_assert_scalar``'s message may use (_stated_check): torch's sympy functions, the shape
+    environment's backed symbols, and the reads' own unbacked ones."""
+    from torch.utils._sympy import functions
+
+    names = {name: getattr(functions, name) for name in ("Mod", "PythonMod", "FloorDiv", "CeilDiv", "CleanDiv",
+                                                          "Max", "Min", "IntTrueDiv", "FloorToInt", "CeilToInt",
+                                                          "TruncToInt") if hasattr(functions, name)}
+    if env is not None:
+        backed = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # renamed in 2.11+
+        names.update({str(sym): sym for sym in backed})
+    names.update({str(u): u for u in reads})
+    return names
+
+
+def _stated_check(node: Node, names: dict):
+    """The sympy expression an ``_assert_scalar`` checks as Dynamo stated it (its message), over ``names``
+    (_check_names); None where the message cannot be read."""
     import re
 
     import sympy
-    from torch.utils._sympy import functions
 
     message = node.args[1] if len(node.args) > 1 else node.kwargs.get("assert_msg")
     stated = re.match(r"Runtime assertion failed for expression (.+) on node '[^']*'$", message or "", re.S)
     if stated is None:
         return None
-    local = {name: getattr(functions, name) for name in ("Mod", "PythonMod", "FloorDiv", "CeilDiv", "CleanDiv",
-                                                          "Max", "Min", "IntTrueDiv", "FloorToInt", "CeilToInt",
-                                                          "TruncToInt") if hasattr(functions, name)}
-    if env is not None:
-        backed = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # renamed in 2.11+
-        local.update({str(sym): sym for sym in backed})
-    local.update(names)
     try:
-        return sympy.sympify(stated.group(1), locals=local)
+        return sympy.sympify(stated.group(1), locals=names)
     except Exception:  # noqa: BLE001  (anything sympy cannot read: not proven)
         return None
 
@@ -678,10 +685,6 @@ def _sym_expr(value):
         return sympy.Integer(value)
     node = getattr(value, "node", None)
     return getattr(node, "expr", None)
-
-
-def _symbols(sizes: list) -> list:
-    return [_sym_expr(gu.example(size)) for size in sizes]
 
 
 def _multiple_of(expr, received) -> bool:
