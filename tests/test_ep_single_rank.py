@@ -296,6 +296,33 @@ def test_ep_layer_world1_bitwise_on_cpu(kernels, dtype, overlap, tmp_path, monke
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_ep_layer_world1_keeps_the_gated_epilogue_layout(overlap, tmp_path, monkeypatch):
+    """config.gated_epilogue's interleaved h in the EP layer's chunks (their forward, activation backward, input
+    gradient and weight gradients): at world size 1 the same bits as the single-GPU op with the knob, here in the
+    interpreter with the layout forced (its stand-in GEMMs give the knob-off bits on both sides)."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
+    monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "1")
+    interleaved = []
+    monkeypatch.setattr(megakernel, "_interleave", lambda *a, _f=megakernel._interleave: interleaved.append(1)
+                        or _f(*a))
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        got, _ = run_layer(ep_layer_fn(case[-1], group, overlap), case)
+    assert interleaved, "the EP layer's up projections did not store h interleaved"
+    want, _ = run_layer(single_op_fn(case[-1]), case)
+    assert_bitwise(got, want, "ep_layer at world size 1 with config.gated_epilogue's layout")
+    monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "0")
+    assert_bitwise(run_layer(single_op_fn(case[-1]), case)[0], want, "the knob-off op (the interpreter's stand-in)")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_an_ep_layer_run_twice_on_one_input_takes_one_backward(tmp_path):
     """The EP layer as HF's substitution traces it (an ep_layer call in the traced code, its spec under
     reuse_saved_buffers) run twice on the same input in one compiled step, then one backward: the backend numbers

@@ -582,6 +582,99 @@ def test_late_routing_weight_config_entries(monkeypatch):
         assert not kconfig.late_routing_weight_on(True)
 
 
+def _gated(args, on: bool = True):
+    """The interpreter's heuristic config for ``args`` with gated_epilogue ``on``."""
+    hidden, ids, _, w_up, w_down = args[:5]
+    width = w_down.shape[1] if args[7].down_layout == "io" else w_down.shape[2]
+    base = kconfig.heuristic_config(ids.numel(), w_up.shape[0], hidden.shape[1], width, interpret=True)
+    return dataclasses.replace(base, gated_epilogue=on)
+
+
+@pytest.mark.parametrize("late, reuse_saved, gemm", [(False, False, "triton"), (True, True, "triton"),
+                                                     (True, False, "per_expert_mm")],
+                         ids=["weighted_rows", "late_weight_in_place", "per_expert_mm"])
+def test_gated_epilogue_layout_keeps_the_knob_off_bits_where_quack_does_not_run(late, reuse_saved, gemm, monkeypatch):
+    """config.gated_epilogue stores h with gate and up interleaved; where QuACK's gated GEMM does not run (here: the
+    interpreter, the layout forced) the forward computes h and the activation as with the knob off and interleaves h,
+    and the backward reads that layout (the activation passes) or a copy in halves (the input-gradient GEMM, the up
+    weight's gradient): every output and gradient is the knob-off one, bit for bit, and the saved h is the knob-off
+    h interleaved."""
+    from uniep_dynamo.kernels import megakernel
+
+    args = make(29, 32, 24, 6, 2, SILU_GLU, "oi", False)
+    spec = dataclasses.replace(args[7], reuse_saved=reuse_saved)
+    off = dataclasses.replace(_gated(args, False), late_routing_weight=late)
+    if gemm == "per_expert_mm":
+        monkeypatch.setattr(megakernel, "PER_EXPERT_MM_INTERPRETED", True)
+        off = off.replace_gemms(per_expert_mm=True)
+    on = dataclasses.replace(off, gated_epilogue=True)
+    with kconfig.use_config(off):
+        want = run(args, "triton", monkeypatch, spec=spec)
+    monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
+    copies = []
+    for name in ("_interleave", "_deinterleave"):
+        monkeypatch.setattr(megakernel, name, lambda *a, _n=name, _f=getattr(megakernel, name): copies.append(_n)
+                            or _f(*a))
+    with kconfig.use_config(on):
+        got = run(args, "triton", monkeypatch, spec=spec)
+    # forward: h interleaved once; backward: the input-gradient GEMM's and the up-weight gradient's copies in halves
+    assert copies == ["_interleave", "_deinterleave", "_deinterleave"], copies
+    for name, a, b in zip(("out", "d_hidden", "d_weights", "d_w_up", "d_w_down"), got, want):
+        assert torch.equal(a, b), name
+    hidden, ids, weights, w_up, w_down = (t.contiguous() for t in args[:5])
+    plan = None
+    with kconfig.use_config(on):
+        got_up = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, None, None, spec)[4]
+    monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", False)
+    with kconfig.use_config(on):  # the interpreter's default: the knob leaves the layout as it is
+        want_up = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, None, None, spec, plan)[4]
+    inter = w_down.shape[2]
+    assert torch.equal(got_up[:, 0::2], want_up[:, :inter]) and torch.equal(got_up[:, 1::2], want_up[:, inter:])
+
+
+@pytest.mark.parametrize("case, why", [
+    ((13, 16, 8, 4, 2, RELU2, "oi", False), "no gate"),
+    ((13, 16, 8, 4, 2, SILU_INTERLEAVED, "oi", False), "the weight interleaves gate and up already"),
+    ((13, 16, 8, 4, 2, GELU_GLU, "oi", False), "not SwiGLU"),
+    ((11, 8, 4, 4, 2, SILU_GLU, "oi", True), "an up bias"),
+    ((11, 8, 4, 4, 2, GPT_OSS, "io", True), "a clamped SwiGLU"),
+], ids=["relu2", "interleaved_weight", "gelu", "up_bias", "gpt_oss"])
+def test_gated_epilogue_layout_only_for_plain_swiglu_over_halves(case, why, monkeypatch):
+    """The gated layout is decided per layer from what forward and backward both see: a SwiGLU (no clamp) over the
+    weight's [gate; up] halves with no up bias; elsewhere the knob leaves h as it is."""
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
+    hidden, ids, _, w_up, w_down, b_up, _, spec = make(*case)
+    cfg = _gated((hidden, ids, None, w_up, w_down, b_up, None, spec))
+    layer = megakernel.Layer(hidden, ids, w_up, w_down, spec, cfg, up_bias=b_up is not None)
+    assert not layer.h_interleaved, why
+    plain = make(13, 16, 8, 4, 2, SILU_GLU, "oi", False)
+    assert megakernel.Layer(plain[0], plain[1], plain[3], plain[4], plain[7], cfg).h_interleaved
+    assert not megakernel.Layer(plain[0], plain[1], plain[3], plain[4], plain[7], _gated(plain, False)).h_interleaved
+
+
+def test_gated_epilogue_config(monkeypatch):
+    """A numerics knob: in the numerics key; on in the GPU heuristics exactly where they run the up projection by
+    QuACK, off in the interpreter's; a tuning-cache entry written before it existed takes the heuristics' value;
+    UNIEP_GATED_EPILOGUE sets it both ways."""
+    qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
+    mixtral = kconfig.heuristic_config(16384, 8, 4096, 14336)
+    assert "gated_epilogue" in kconfig.NUMERICS_KNOBS
+    assert qwen.gated_epilogue and qwen.up.quack and not mixtral.gated_epilogue and not mixtral.up.quack
+    assert not kconfig.heuristic_config(65536, 128, 2048, 768, interpret=True).gated_epilogue
+    off = dataclasses.replace(qwen, gated_epilogue=False)
+    assert off.numerics_key() != qwen.numerics_key()
+    entry = {k: v for k, v in kconfig.config_to_dict(off).items() if k != "gated_epilogue"}
+    assert kconfig.config_from_dict(entry, qwen) == qwen
+    assert kconfig.config_from_dict(kconfig.config_to_dict(off), qwen) == off
+    for value in ("0", "1"):
+        monkeypatch.setenv("UNIEP_GATED_EPILOGUE", value)
+        assert kconfig.current_config(65536, 128, 2048, 768, False) == \
+            dataclasses.replace(qwen, gated_epilogue=value == "1")
+        assert kconfig.current_config(4096, 64, 256, 128, True).gated_epilogue == (value == "1")
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 def test_every_top_k_from_1_to_8(top_k, monkeypatch):
     """K = 1..8 over 8 experts (K = 8: every token visits every expert), T = 13 (no tile multiple)."""

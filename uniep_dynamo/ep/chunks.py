@@ -45,7 +45,7 @@ class Chunks:
         if c not in self._layers:
             e0, e1, lo, hi = self.layout.chunks[c]
             layer = megakernel.Layer(probe, (hi - lo, 1), self.w_up[e0:e1], self.w_down[e0:e1], self.spec,
-                                     self.config)
+                                     self.config, up_bias=self.b_up is not None)
             offs = self.offsets[e0:e1]
             # the per_expert_mm GEMMs' row bounds from the host's layout (no host synchronization)
             layer.set_host_bounds(offs, self.layout.chunk_ends(c))
@@ -70,7 +70,7 @@ class Chunks:
         megakernel.rows_gemm(layer, cfg.up, a=x[rows], gather=False, row_order=offs, b=layer.up_eff, n=layer.inter,
                              k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
                              two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
-                             up_shift=layer.up_shift)
+                             up_shift=layer.up_shift, interleaved=layer.h_interleaved)
         return megakernel.rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
                                     scatter=_chunk_scatter(scatter, rows))
@@ -95,13 +95,12 @@ class Chunks:
                                      b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size,
                                      epilogue=STORE, offsets=offs)
         megakernel.act_backward(layer, d_act=d_act, up=up[rows], d_up=d_up[rows], act=act[rows], offsets=offs,
-                                two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
-                                up_shift=layer.up_shift)
+                                **layer.h_halves())
         del d_act
         d_x = megakernel.rows_gemm(layer, cfg.grad_input, a=d_up[rows], gather=False, row_order=offs,
                                    b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width,
                                    epilogue=STORE, offsets=offs,
-                                   scatter=_chunk_scatter(scatter, rows))
+                                   scatter=_chunk_scatter(scatter, rows), interleaved=layer.h_interleaved)
         if weight_grads:
             self._weight_grads(layer, offs, rows, experts, x, dy, act, d_up, grads)
         return d_x
@@ -121,7 +120,8 @@ class Chunks:
             grads[0], grads[1] = torch.zeros_like(self.w_up), torch.zeros_like(self.w_down)
             zero_grads(grads[2:])  # the bias gradients' buffers
             return
-        layer = megakernel.Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config)
+        layer = megakernel.Layer(x, (self.layout.rows, 1), self.w_up, self.w_down, self.spec, self.config,
+                                 up_bias=self.b_up is not None)
         ends = self.layout.ends(x.device)
         layer.set_host_bounds(ends, self.layout.expert_end)
         self._weight_grads(layer, ends, rows, experts, x, dy, act, d_up, grads)
@@ -145,7 +145,8 @@ class Chunks:
         d_w_up = megakernel.weight_grad(
             layer, cfg.wgrad_up, p=x[rows], p_gather=False, q=d_up[rows], q_gather=False, q_scale=False,
             row_order=offs, w=None, offsets=offs, grad=d_w_up[experts] if d_w_up is not None else self.w_up.shape,
-            m_dim=up_dims[0], n_dim=up_dims[1], bias_grad=d_b_up[experts] if d_b_up is not None else None)
+            m_dim=up_dims[0], n_dim=up_dims[1], bias_grad=d_b_up[experts] if d_b_up is not None else None,
+            q_interleaved=layer.h_interleaved)
         if grads[0] is None:
             grads[0] = d_w_up
 

@@ -48,6 +48,16 @@ Numerics contract (what a tuner may change freely):
   backward (after the activation-gradient GEMM, in fp32, instead of before it, rounded into the rows that GEMM reads),
   and whether the routing weight's gradient is <dY W_down^T, act> over the intermediate size or <dY, down> over the
   hidden size. Within each setting every scheduling knob keeps the bits.
+- ``gated_epilogue`` (layer-wide) is a numerics knob: the up projection of a SwiGLU layer (silu(gate) * up, HF's
+  [gate; up] halves, no up bias) by QuACK's gated GEMM (``gemm_gated``), which computes the activation in its epilogue
+  from the fp32 accumulator (the knob off: from the rounded h, as eager does) with QuACK's silu, and stores h with
+  each gate column next to its up column (interleaved) for the backward. The backward's activation pass reads that
+  layout; the two GEMMs that read d_h against the [gate; up] weight (the input gradient and the up weight's gradient)
+  run by QuACK with the weight's halves read interleaved (its ``concat_layout``), or, where QuACK cannot take them,
+  from a copy of d_h in halves. Where QuACK's gated GEMM cannot run (not installed, not a Hopper GPU, a CUDA graph
+  capturing a kernel not launched before) the forward computes h and the activation as with the knob off and stores
+  h interleaved: the layout holds, the bits are the knob-off ones. Each row is computed alone, so the EP layers'
+  chunks, which run the same calls over their rows, keep the single-GPU op's bits. UNIEP_GATED_EPILOGUE=0 / 1 sets it.
 """
 from __future__ import annotations
 
@@ -57,7 +67,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-NUMERICS_KNOBS = ("block_k", "per_expert_mm", "late_routing_weight")
+NUMERICS_KNOBS = ("block_k", "per_expert_mm", "late_routing_weight", "gated_epilogue")
 SCHEDULING_KNOBS = ("block_m", "block_n", "group_m", "num_warps", "num_stages", "num_programs", "flatten",
                     "warp_specialize", "grouped_mm", "quack")
 LAYER_SCHEDULING_KNOBS = ("fuse_gather", "pack_gate_up", "tma", "tma_weight_grad")
@@ -147,6 +157,10 @@ class MegaKernelConfig:
     # gradient sums the weighted rows): False's path runs there. On in the GPU heuristics (heuristic_config says
     # why), off in the interpreter's; UNIEP_LATE_ROUTING_WEIGHT=0 / 1 sets it.
     late_routing_weight: bool = False
+    # A numerics knob (see the module docstring): the SwiGLU up projection by QuACK's gated GEMM, the activation
+    # from the fp32 accumulator in its epilogue, h stored with gate and up columns interleaved. It needs ``up.quack``
+    # set; on in the GPU heuristics where QuACK runs the layer (heuristic_config says why), off in the interpreter's.
+    gated_epilogue: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
         """The same config with ``changes`` (GemmConfig fields) applied to every GEMM."""
@@ -155,7 +169,7 @@ class MegaKernelConfig:
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
         return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS) + \
-            (self.late_routing_weight,)
+            (self.late_routing_weight, self.gated_epilogue)
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments; the configs are frozen
@@ -219,9 +233,14 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # two GEMMs that read them, those GEMMs took 0.16 ms more than the glue the knob saved: they read a copy.
     late = True
     quack = QUACK_CONFIGS if num_experts >= 64 and num_rows >= 512 * num_experts and not per_expert else {}
+    # gated_epilogue (a numerics knob: the SwiGLU in the QuACK up projection's epilogue, from the fp32 accumulator)
+    # wherever QuACK runs the layer: the up projection and its activation pass become one GEMM, as in SonicMoE,
+    # whose gated GEMM ran the Qwen3-30B-A3B up projection in 0.82 ms against uniep's 0.86 + 0.08 for the GEMM and
+    # the pass (BENCHMARKS.md, 2026-11-28 sixteenth session).
+    gated = bool(quack)
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
-                               for g, c in gemms.items()}, tma=tma, late_routing_weight=late)
+                               for g, c in gemms.items()}, tma=tma, late_routing_weight=late, gated_epilogue=gated)
 
 
 QUACK_CONFIGS = {"up": "128x256/coop/2x1", "down": "128x208/pingpong/1x2", "grad_act": "192x128/pingpong/1x2",
@@ -251,7 +270,7 @@ def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, int
     config whose numerics knobs differ from the heuristics' is not used: tuning may only change the schedule."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    return _late_from_env(_current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device))
+    return _numerics_from_env(_current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device))
 
 
 def late_routing_weight_on(interpret: bool) -> bool:
@@ -273,11 +292,19 @@ def _late_env() -> bool | None:
     return value == "1" if value in ("0", "1") else None
 
 
-def _late_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
-    value = _late_env()
-    if value is None or cfg.late_routing_weight == value:
-        return cfg
-    return dataclasses.replace(cfg, late_routing_weight=value)
+def _gated_env() -> bool | None:
+    """``UNIEP_GATED_EPILOGUE=0`` / ``=1`` sets the gated_epilogue numerics knob over the heuristics' and the tuning
+    cache's choice; None where it is not set. Read when a call's config is picked (forward and backward alike)."""
+    value = os.environ.get("UNIEP_GATED_EPILOGUE", "")
+    return value == "1" if value in ("0", "1") else None
+
+
+def _numerics_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
+    """``cfg`` with the numerics knobs that UNIEP_LATE_ROUTING_WEIGHT and UNIEP_GATED_EPILOGUE set."""
+    changes = {name: value for name, value in (("late_routing_weight", _late_env()),
+                                               ("gated_epilogue", _gated_env()))
+               if value is not None and getattr(cfg, name) != value}
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device) -> MegaKernelConfig:
@@ -309,8 +336,9 @@ def config_to_dict(cfg: MegaKernelConfig) -> dict:
 
 def config_from_dict(data: dict, heuristic: MegaKernelConfig | None = None) -> MegaKernelConfig:
     """config_to_dict's inverse (entries written before the tma knobs existed read them as off, and before
-    late_routing_weight existed as ``heuristic``'s value, since the tuner keeps the heuristics' numerics; entries that
-    still name the removed act_grad_in_epilogue knob are read where it was off, as the tuner always left it)."""
+    late_routing_weight or gated_epilogue existed as ``heuristic``'s value, since the tuner keeps the heuristics'
+    numerics; entries that still name the removed act_grad_in_epilogue knob are read where it was off, as the tuner
+    always left it)."""
     if data.get("act_grad_in_epilogue", False):
         raise ValueError("act_grad_in_epilogue=True: a numerics knob this uniep no longer has")
     gemms = {g: GemmConfig(**data[g]) for g in GEMMS}
@@ -319,8 +347,8 @@ def config_from_dict(data: dict, heuristic: MegaKernelConfig | None = None) -> M
     layer = {k: data[k] for k in ("fuse_gather", "pack_gate_up")}
     for knob in ("tma", "tma_weight_grad"):  # entries written before these knobs existed
         layer[knob] = bool(data.get(knob, False))
-    layer["late_routing_weight"] = bool(data.get("late_routing_weight",
-                                                 heuristic.late_routing_weight if heuristic is not None else False))
+    for knob in ("late_routing_weight", "gated_epilogue"):  # entries written before these numerics knobs existed
+        layer[knob] = bool(data.get(knob, getattr(heuristic, knob) if heuristic is not None else False))
     return MegaKernelConfig(**gemms, **layer)
 
 

@@ -202,9 +202,9 @@ class Layer:
     """Shapes, weight views and launch constants of one call: what rows_gemm, act_backward and weight_grad take.
     The EP pipeline makes one per chunk of local experts (ep/chunks.py), over the chunk's rows."""
 
-    def __init__(self, hidden, topk_ids, w_up, w_down, spec, config=None):
+    def __init__(self, hidden, topk_ids, w_up, w_down, spec, config=None, up_bias: bool = False):
         """``topk_ids``: the [T, K] ids, or just their shape (a tuple); ``config``: run with this config
-        instead of the one current_config picks for these shapes."""
+        instead of the one current_config picks for these shapes; ``up_bias``: the up projection has a bias."""
         from . import reference
         from .triton_gemm import ACTIVATIONS, GATED
 
@@ -217,7 +217,7 @@ class Layer:
         self.up_width = self.up_eff.shape[2]
         self.inter = self.down_eff.shape[1]
         kind, self.act_params, split = _gate_plan(spec.gate)
-        self.act = ACTIVATIONS[kind]
+        self.act, self.act_kind = ACTIVATIONS[kind], kind
         self.gated = kind in GATED
         # Column j of the activation reads gate column j*COL_MULT and up column j*COL_MULT + UP_SHIFT.
         self.col_mult, self.up_shift = (2, 1) if split == "interleave" else (1, self.inter)
@@ -227,9 +227,18 @@ class Layer:
             self.num_slots, self.num_experts, self.hidden_size, self.inter, self.interpret, dtype=hidden.dtype,
             device=hidden.device)
         self.block_e = max(16, config_mod.next_pow2(self.num_experts))
+        # config.gated_epilogue: the saved up projection h holds gate column j at 2j and up column j at 2j + 1
+        self.h_interleaved = _interleaves_h(self, hidden, spec, up_bias)
         self._offsets_i32 = None
         self._host_bounds = None  # (offsets, [0, each expert's end row]) for the per_expert_mm GEMMs
         self._cu_seqlens = self._token_rows = None  # QuACK's group bounds and gather index, by cu_seqlens/token_rows
+
+    def h_halves(self) -> dict:
+        """How the saved up projection h pairs its columns, as the activation passes take it: the weight's split,
+        or gate and up interleaved under config.gated_epilogue."""
+        if self.h_interleaved:
+            return dict(two_halves=True, col_mult=2, up_shift=1)
+        return dict(two_halves=self.gated, col_mult=self.col_mult if self.gated else 1, up_shift=self.up_shift)
 
     def host_bounds(self, offsets):
         """[0, expert 0's end row, ..., expert E-1's end row] of ``offsets`` on the host, for the GEMMs that run one
@@ -267,6 +276,48 @@ class Layer:
         if self._offsets_i32 is None or self._offsets_i32[0] is not offsets:
             self._offsets_i32 = (offsets, offsets.to(torch.int32))
         return self._offsets_i32[1]
+
+
+# Triton's interpreter (CPU tests) stores h in the weight's split unless a test asks for config.gated_epilogue's
+# interleaved layout: QuACK's gated GEMM does not run there, and its stand-in (the knob-off GEMM and activation, h
+# interleaved after) gives the knob-off bits, which is what such a test checks.
+INTERLEAVED_H_INTERPRETED = False
+
+
+def _interleaves_h(layer: Layer, hidden, spec, up_bias: bool) -> bool:
+    """config.gated_epilogue's layout of h applies: the knob and a QuACK up config on, SwiGLU (silu(gate) * up, no
+    clamp) over [gate; up] halves, no up bias, a K-contiguous up weight ([E, 2I, H], as HF stores it) and a QuACK
+    installed that can run the gated GEMM here (bf16, Hopper) -- or, in the interpreter, a test asking for it.
+    Decided from what a forward and its backward see alike (not from a QuACK failure in between), so both read one
+    layout."""
+    cfg = layer.config
+    if not cfg.gated_epilogue or up_bias or not layer.gated or layer.col_mult != 1 \
+            or layer.act_kind != "silu_glu" or any(layer.act_params):
+        return False
+    if layer.interpret:
+        return INTERLEAVED_H_INTERPRETED
+    from . import quack_gemm
+
+    return (bool(cfg.up.quack) and quack_gemm.gates(cfg.up.quack) and hidden.dtype == torch.bfloat16
+            and layer.up_eff.stride(1) == 1 and quack_gemm.installed_reason(hidden.device) is None)
+
+
+def _interleave(h, out):
+    """out [rows, 2I] (gate j at 2j, up j at 2j + 1) from h [rows, 2I] in [gate; up] halves."""
+    rows, width = h.shape
+    out.view(rows, width // 2, 2).copy_(h.view(rows, 2, width // 2).transpose(1, 2))
+    return out
+
+
+def _deinterleave(h):
+    """h [rows, 2I] with gate and up interleaved, as a new tensor in [gate; up] halves."""
+    rows, width = h.shape
+    return h.view(rows, width // 2, 2).transpose(1, 2).reshape(rows, width)
+
+
+def _warn_interleaved_fallback(what: str) -> None:
+    warn_once("interleaved_h", what, "uniep: config.gated_epilogue: %s; it runs on a copy in the weight's [gate; up] "
+              "halves (the knob-off GEMM's bits)", level=logging.INFO)
 
 
 def _grid(upper: int, cfg) -> int:
@@ -362,7 +413,8 @@ def quack_gathers_rows(layer: Layer, cfg, hidden, b, bias=None) -> bool:
 
 
 def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, w=None,
-              a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None):
+              a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None,
+              interleaved: bool = False):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
     a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
     ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
@@ -373,9 +425,18 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
     included.
 
     ``scatter`` (a STORE epilogue only): (dst, peers), the EP layer's push fused into the GEMM: row r goes to row
-    dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most MAX_PEERS), by Triton; returns None."""
+    dst[r] >> 3 of peers[dst[r] & 7] ([*, n] buffers of one dtype, at most MAX_PEERS), by Triton; returns None.
+
+    ``interleaved`` (config.gated_epilogue's layout, Layer.h_interleaved): with the GLU_FWD epilogue, h is stored
+    with gate and up columns interleaved (``c`` [rows, 2I]) and the activation comes from QuACK's gated GEMM; with
+    STORE, ``a``'s K columns are interleaved against ``b``'s [gate; up] K rows (the input gradient from d_h)."""
     from .triton_gemm import GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
+
+    if interleaved:
+        return _rows_gemm_interleaved(layer, cfg, a=a, gather=gather, row_order=row_order, b=b, n=n, k=k,
+                                      epilogue=epilogue, c=c, d=d, w=w, a_scale=a_scale, bias=bias, offsets=offsets,
+                                      two_halves=two_halves, col_mult=col_mult, up_shift=up_shift, scatter=scatter)
 
     width = b.shape[2] if epilogue == GLU_FWD else n
     peers = []
@@ -474,6 +535,44 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
             **{f"q{i}": peers[min(i, len(peers) - 1)] for i in range(MAX_PEERS)}} if scatter is not None else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return c if scatter is None else None
+
+
+def _rows_gemm_interleaved(layer: Layer, cfg, *, a, gather, row_order, b, epilogue, c, d, offsets, scatter, **rest):
+    """rows_gemm with ``interleaved``: by QuACK where it runs (the gated GEMM, or the GEMM reading b's halves
+    interleaved), else the same GEMM over the weight's halves and a copy between the layouts."""
+    from . import quack_gemm
+    from .triton_gemm import GLU_FWD
+
+    width = b.shape[2] if epilogue == GLU_FWD else rest["n"]
+    if epilogue == GLU_FWD:
+        out = c if c is not None else torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
+        if scatter is None and d is not None and rest["bias"] is None and not rest["a_scale"] \
+                and d.is_contiguous() and _use_quack(layer, cfg, a, b, out, gather):
+            try:
+                quack_gemm.gated(a, b, out, d, layer.cu_seqlens(offsets), cfg.quack,
+                                 a_idx=layer.token_rows(row_order) if gather else None)
+            except Exception as exc:  # noqa: BLE001 -- the knob-off GEMM and activation, h interleaved after
+                quack_gemm.failed(exc)
+            else:
+                counters["uniep_kernels"]["quack_gemms"] += 1
+                return out
+        _warn_interleaved_fallback("QuACK's gated GEMM does not run this up projection")
+        h = rows_gemm(layer, cfg, a=a, gather=gather, row_order=row_order, b=b, epilogue=epilogue, d=d,
+                      offsets=offsets, scatter=scatter, **rest)
+        return _interleave(h, out)
+    if scatter is None and not gather and not rest["a_scale"] and rest["bias"] is None and b.stride(2) == 1 \
+            and _use_quack(layer, cfg, a, b, c, False):
+        out = c if c is not None else torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
+        try:
+            quack_gemm.rows(a, b, out, layer.cu_seqlens(offsets), cfg.quack, concat=True)
+        except Exception as exc:  # noqa: BLE001 -- the copy in halves below
+            quack_gemm.failed(exc)
+        else:
+            counters["uniep_kernels"]["quack_gemms"] += 1
+            return out
+    _warn_interleaved_fallback("a GEMM reading interleaved rows does not run by QuACK")
+    return rows_gemm(layer, cfg, a=_deinterleave(a), gather=gather, row_order=row_order, b=b, epilogue=epilogue,
+                     c=c, d=d, offsets=offsets, scatter=scatter, **rest)
 
 
 # Weight tiles stored K-major ([E, out, in] up projection, for one) are loaded [block_n, block_k] and
@@ -587,11 +686,23 @@ def quack_gathers_weight_rows(layer: Layer, cfg, hidden, d_up, m_dim: int, bias_
 
 
 def weight_grad(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, w, offsets, grad, m_dim,
-                n_dim, bias_grad=None):
+                n_dim, bias_grad=None, q_interleaved: bool = False):
     """grad[e] (a weight-shaped tensor, indexed through dims m_dim, n_dim) = P_e^T @ Q_e; returns grad. ``grad``
     may be a shape: the gradient is then a new contiguous tensor of P's dtype, computed by torch._grouped_mm
-    where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient)."""
+    where ``cfg.grouped_mm`` asks and the operands allow (materialized, unscaled rows, no bias gradient).
+    ``q_interleaved``: Q's columns are config.gated_epilogue's interleaved d_h, the gradient's n_dim the weight's
+    [gate; up] halves: QuACK writes them in place where it runs, else the GEMM reads a copy of Q in halves (the
+    same products summed in the same order: the same bits)."""
     from .triton_gemm import _weight_grad_gemm as kernel
+
+    if q_interleaved:
+        done = _weight_grad_interleaved(layer, cfg, p=p, p_gather=p_gather, q=q, q_gather=q_gather, q_scale=q_scale,
+                                        row_order=row_order, offsets=offsets, grad=grad, m_dim=m_dim,
+                                        bias_grad=bias_grad)
+        if done is not None:
+            return done
+        _warn_interleaved_fallback("a weight gradient of interleaved rows does not run by QuACK")
+        q = _deinterleave(q)
 
     # [E, M, N] = per expert P^T Q over its rows, or [E, N, M] = Q^T P: the same products summed over the
     # same rows in the same order
@@ -698,7 +809,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     from .triton_routing import combine, gather_rows, routing_plan
 
     counters["uniep_kernels"]["triton_forward"] += 1
-    layer = Layer(hidden, topk_ids, w_up, w_down, spec)
+    layer = Layer(hidden, topk_ids, w_up, w_down, spec, up_bias=b_up is not None)
     cfg = layer.config
     row_order, slot_row, offsets = plan if plan is not None else \
         routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")
@@ -709,7 +820,8 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, offsets=offsets)
         up = rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
-                       two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+                       two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift,
+                       interleaved=layer.h_interleaved)
         del x
         down = rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff,
                          n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offsets)
@@ -747,7 +859,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     from .triton_routing import gather_rows, routing_weight_grad
 
     counters["uniep_kernels"]["triton_backward"] += 1
-    layer = Layer(hidden, topk_ids, w_up, w_down, spec)
+    layer = Layer(hidden, topk_ids, w_up, w_down, spec, up_bias=b_up is not None)
     cfg = layer.config
     device = hidden.device
     grad_out = (grad_out.pop() if isinstance(grad_out, list) else grad_out).contiguous()
@@ -774,7 +886,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     scratch = down if reuse_saved and down.dtype == grad_out.dtype and down.is_contiguous() and \
         down.shape[0] == layer.num_slots else None
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
-    halves = dict(two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift)
+    halves = layer.h_halves()  # how the saved h (and so d_up) pairs gate and up columns
     d_w_down = d_w_up = None
     if late:
         b_act = layer.down_eff.transpose(1, 2)
@@ -817,7 +929,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         x = hidden if x_gather else gather_rows(hidden, row_order, layer.top_k, out=scratch, offsets=offsets)
         d_w_up = weight_grad(layer, cfg.wgrad_up, p=x, p_gather=x_gather, q=d_up, q_gather=False, q_scale=False,
                              row_order=row_order, w=None, offsets=offsets, grad=w_up.shape, m_dim=up_dims[0],
-                             n_dim=up_dims[1], bias_grad=d_b_up)
+                             n_dim=up_dims[1], bias_grad=d_b_up, q_interleaved=layer.h_interleaved)
         del x
     # With the saved buffers as scratch the input-gradient rows go there, by the Triton GEMM (torch._grouped_mm
     # would need a [rows, H] buffer of its own).
@@ -826,11 +938,37 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         input_rows = scratch
     d_x_rows = rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=None,
                          b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
-                         c=input_rows, offsets=offsets)
+                         c=input_rows, offsets=offsets, interleaved=layer.h_interleaved)
     del d_up
     d_hidden = combine_input_rows(d_x_rows, slot_row, offsets, layer.num_tokens, layer.top_k, hidden.dtype) \
         if combine_here else None
     return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, []
+
+
+def _weight_grad_interleaved(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, offsets, grad,
+                             m_dim, bias_grad):
+    """weight_grad of an interleaved Q by QuACK, the gradient's [gate; up] dimension written through its
+    ``concat`` (that dimension must be the strided one of the output QuACK writes); None where it cannot."""
+    from . import quack_gemm
+
+    if isinstance(grad, torch.Tensor) or q_gather or q_scale or bias_grad is not None:
+        return None
+    quack = _quack_wgrad_operands(layer, cfg, p, q, p_gather, m_dim)
+    if quack is None:
+        return None
+    a_t, b_rows, transposed = quack
+    out = torch.empty(tuple(grad), dtype=p.dtype, device=p.device)
+    target = out.transpose(1, 2) if transposed else out
+    if target.stride(2 if b_rows is q else 1) == 1:  # the halves are the contiguous dimension: not by concat
+        return None
+    try:
+        quack_gemm.wgrad(a_t, b_rows, target, layer.cu_seqlens(offsets), cfg.quack,
+                         a_idx=layer.token_rows(row_order) if p_gather else None, concat=True)
+    except Exception as exc:  # noqa: BLE001 -- the copy in halves
+        quack_gemm.failed(exc)
+        return None
+    counters["uniep_kernels"]["quack_gemms"] += 1
+    return out
 
 
 def combine_input_rows(rows, slot_row, offsets, num_tokens: int, top_k: int, dtype):

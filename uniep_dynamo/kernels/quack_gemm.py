@@ -15,6 +15,14 @@ Two shapes of call:
 ``wgrad``  out[e] = A_e @ B_e, K = expert e's rows (``varlen_k``): A given as [M, rows] (a transposed row-major
            tensor), B as [rows, N]; with ``a_idx``, A's column k is column a_idx[k] of A.
 
+``gated``  h[r], act[r] = A[a_row(r)] @ B[e(r)] and silu(gate) * up of it, by QuACK's gated GEMM (``gemm_gated``):
+           the activation from the fp32 accumulator in the epilogue, B's [gate; up] column halves read interleaved,
+           h stored interleaved (column 2j gate j, 2j + 1 up j). config.gated_epilogue's up projection.
+
+``concat`` on ``rows`` / ``wgrad``: B's K rows (``rows``) or the output's strided dimension (``wgrad``) are a [gate; up]
+pair of halves that the other operand holds interleaved (QuACK's ``concat_layout``): the GEMMs of the gated layout's
+backward, against the weight as the model stores it.
+
 The config string names QuACK's tile: ``"<tile_m>x<tile_n>/<pingpong|coop>/<cluster_m>x<cluster_n>"``. Where QuACK
 cannot run the GEMM (not installed, not a Hopper GPU, not bf16, operands it does not take) ``usable`` says so and the
 caller takes its other path; ``UNIEP_QUACK=0`` turns the knob off everywhere.
@@ -96,10 +104,16 @@ def failure() -> str | None:
 
 def unavailable_reason(device) -> str | None:
     """None where QuACK's GEMMs can run on ``device``, else why not."""
-    if os.environ.get("UNIEP_QUACK", "1") == "0":
-        return "UNIEP_QUACK=0"
     if _FAILED:
         return _FAILED[0]
+    return installed_reason(device)
+
+
+def installed_reason(device) -> str | None:
+    """unavailable_reason without a failure earlier in this process: what does not change between a forward and its
+    backward (config.gated_epilogue's layout is decided by it)."""
+    if os.environ.get("UNIEP_QUACK", "1") == "0":
+        return "UNIEP_QUACK=0"
     if device.type != "cuda":
         return "not a CUDA device"
     if not _device_ok(device):
@@ -169,11 +183,12 @@ def _direct_parts():
 _LAUNCHERS: dict = {}
 
 
-def _launcher(config: str, varlen_m: bool, gather: bool, a_major: str, b_major: str, d_major: str, dtypes, capacity):
+def _launcher(config: str, varlen_m: bool, gather: bool, a_major: str, b_major: str, d_major: str, dtypes, capacity,
+              concat: tuple = ()):
     """(compiled kernel, epilogue arguments, scheduler arguments) of one kind of call: what QuACK's ``gemm`` works out
     on every call (its compile cache's 30-part key, the cluster count, the argument tuples), worked out once. The
     compile key is the one its ``gemm`` uses, so both paths share one compiled kernel."""
-    key = (config, varlen_m, gather, a_major, b_major, d_major, dtypes, capacity)
+    key = (config, varlen_m, gather, a_major, b_major, d_major, dtypes, capacity, concat)
     hit = _LAUNCHERS.get(key)
     if hit is not None:
         return hit
@@ -181,7 +196,7 @@ def _launcher(config: str, varlen_m: bool, gather: bool, a_major: str, b_major: 
     tile_m, tile_n, pingpong, cluster_m, cluster_n = parse_config(config)
     a_dtype, b_dtype, d_dtype = (dtype_map[d] for d in dtypes)
     kernel = compile_gemm(a_dtype, b_dtype, d_dtype, None, a_major, b_major, d_major, None, (tile_m, tile_n),
-                          (cluster_m, cluster_n, 1), pingpong, True, False, None, None, 0, 0, 0, False, (), varlen_m,
+                          (cluster_m, cluster_n, 1), pingpong, True, False, None, None, 0, 0, 0, False, concat, varlen_m,
                           not varlen_m, gather, False, False, capacity, rounding.RN, 0, False, None)
     epi = epilogue.EpilogueArguments(alpha=None, beta=None, mRowVecBroadcast=None, mColVecBroadcast=None,
                                      add_to_output=None, rounding_mode=None, sr_seed=None)
@@ -203,7 +218,7 @@ def _direct_serves(device) -> bool:
     return parts is not None and not parts[8].COMPILE_ONLY
 
 
-def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=None) -> bool:
+def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=None, concat: tuple = ()) -> bool:
     """QuACK's GEMM launched as its ``gemm`` launches it (gemm_tuned -> gemm -> the compiled kernel, same arguments),
     without the Python it repeats on every call (on an H100's host, quack_launch_probe.py: 16-27 µs a launch against
     34-51 through the entry point; a synchronized step waits for the host wherever the GPU's queue runs dry). False
@@ -220,7 +235,7 @@ def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=
         b_p, d_p = b_t, out.permute(1, 2, 0)
     majors = (_major(a, "m", "k"), _major(b_p, "n", "k"), _major(d_p, "m", "n"))
     capacity = parts[7](a.device)
-    key = (config, varlen_m, a_idx is not None, *majors, (a.dtype, b.dtype, out.dtype), capacity)
+    key = (config, varlen_m, a_idx is not None, *majors, (a.dtype, b.dtype, out.dtype), capacity, concat)
     if key not in _LAUNCHERS and _capturing(a.device):
         raise NotCompiledBeforeCapture(f"QuACK GEMM {config} was not launched before this CUDA graph capture")
     kernel, epi, sched = _launcher(*key)
@@ -229,20 +244,72 @@ def _direct(a, b, out, config: str, cu_seqlens_m=None, cu_seqlens_k=None, a_idx=
     return True
 
 
-def rows(a, b, out, cu_seqlens, config: str, a_idx=None):
-    """out [rows, N] = a[a_idx or rows] @ b[e] per expert group of ``cu_seqlens`` ([E + 1] int32, from 0)."""
+def _concat_kwargs(concat: tuple) -> dict:
+    return {"concat_layout": concat} if concat else {}
+
+
+def rows(a, b, out, cu_seqlens, config: str, a_idx=None, concat: bool = False):
+    """out [rows, N] = a[a_idx or rows] @ b[e] per expert group of ``cu_seqlens`` ([E + 1] int32, from 0); with
+    ``concat``, b's K rows are [gate; up] halves that a's K columns hold interleaved (b must be N-contiguous)."""
+    names = ("B",) if concat else ()
     with _on(a.device):
-        if not _direct(a, b, out, config, cu_seqlens_m=cu_seqlens, a_idx=a_idx):
-            _module()[0][0](a, b, out, cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config))
+        if not _direct(a, b, out, config, cu_seqlens_m=cu_seqlens, a_idx=a_idx, concat=names):
+            _module()[0][0](a, b, out, cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config),
+                            **_concat_kwargs(names))
     return out
 
 
-def wgrad(a_t, b, out, cu_seqlens, config: str, a_idx=None):
-    """out [E, M, N] = a_t[:, group] @ b[group] per expert group of rows; ``a_t`` [M, rows or tokens], m-major."""
+def wgrad(a_t, b, out, cu_seqlens, config: str, a_idx=None, concat: bool = False):
+    """out [E, M, N] = a_t[:, group] @ b[group] per expert group of rows; ``a_t`` [M, rows or tokens], m-major. With
+    ``concat``, out's strided dimension (M where out is N-contiguous, else N) is [gate; up] halves that the operand
+    along it holds interleaved."""
+    names = ("out",) if concat else ()
     with _on(a_t.device):
-        if not _direct(a_t, b, out, config, cu_seqlens_k=cu_seqlens, a_idx=a_idx):
-            _module()[0][0](a_t, b, out, cu_seqlens_k=cu_seqlens, A_idx=a_idx, config=_config(config))
+        if not _direct(a_t, b, out, config, cu_seqlens_k=cu_seqlens, a_idx=a_idx, concat=names):
+            _module()[0][0](a_t, b, out, cu_seqlens_k=cu_seqlens, A_idx=a_idx, config=_config(config),
+                            **_concat_kwargs(names))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _gated_entry():
+    """QuACK's gated GEMM (gemm_gated_tuned's function), or None where this QuACK has none taking the arguments."""
+    try:
+        import inspect
+
+        from quack.gemm_interface import gemm_gated_tuned
+    except Exception:  # noqa: BLE001 -- not importable, or another release without it
+        return None
+    params = inspect.signature(gemm_gated_tuned.fn).parameters
+    if not {"preact_out", "postact_out", "cu_seqlens_m", "A_idx", "config", "concat_layout", "activation"} <= set(params):
+        return None
+    return gemm_gated_tuned.fn
+
+
+def gates(config: str) -> bool:
+    """QuACK's gated GEMM takes the config on a Hopper GPU (its epilogue needs tile_n a multiple of 32)."""
+    return parse_config(config)[1] % 32 == 0
+
+
+_GATED_LAUNCHED: set = set()  # the gated kernels launched in this process (a capture may replay only those)
+
+
+def gated(a, b, h, act, cu_seqlens, config: str, a_idx=None):
+    """h [rows, 2I] (interleaved: column 2j gate j, 2j + 1 up j) and act [rows, I] = silu(gate) * up, from
+    a[a_idx or rows] @ b[e] with b's N columns [gate; up] halves (``b`` [E, K, 2I], K-contiguous): QuACK's gated
+    GEMM, the activation from the fp32 accumulator. Raises RuntimeError where this QuACK has no gated GEMM, and
+    NotCompiledBeforeCapture in a capture before its kernel was launched."""
+    entry = _gated_entry()
+    if entry is None:
+        raise RuntimeError("this quack-kernels has no gemm_gated taking concat_layout")
+    key = (config, a_idx is not None, a.dtype, b.stride(1) == 1, a.device)
+    if key not in _GATED_LAUNCHED and _capturing(a.device):
+        raise NotCompiledBeforeCapture(f"QuACK gated GEMM {config} was not launched before this CUDA graph capture")
+    with _on(a.device):
+        entry(a, b, h, act, activation="swiglu", cu_seqlens_m=cu_seqlens, A_idx=a_idx, config=_config(config),
+              concat_layout=("B",))
+    _GATED_LAUNCHED.add(key)
+    return h
 
 
 def gathers(config: str) -> bool:
