@@ -143,18 +143,23 @@ CPU_SHAPE = (40, 32, 16, 8, 3)  # the same logic, small enough for the reference
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("overlap,reuse_saved", [(False, False), (True, False), (False, True)],
-                         ids=["sequential", "overlapped", "sequential-in-place"])
-def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, reuse_saved, tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap,reuse_saved,gated", [(False, False, False), (True, False, False),
+                                                      (False, True, False), (True, False, True), (False, True, True)],
+                         ids=["sequential", "overlapped", "sequential-in-place", "overlapped-gated",
+                              "sequential-in-place-gated"])
+def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, reuse_saved, gated, tmp_path, monkeypatch):
     """bf16, NCCL, one rank, the heuristic tile config on both sides: the sequential steps (all-to-alls around the
     experts op, overlap_ep off: HF's default) and the overlapped exchange (symmetric memory); "in-place": the
     compile's reuse_saved_buffers in the spec, so the experts' backward reuses the saved buffers on both sides (inside
     the EP layer, handed the received gradient rows' only reference). After one warm-up call (kernel compiles, the
     communicator, the window), each forward call synchronizes the host at most once (the split sizes) and each
-    backward call at most once."""
+    backward call at most once. "gated": every GEMM by QuACK with config.gated_epilogue (its gated up projection
+    and interleaved h in the EP layer's chunks), where QuACK runs."""
     import dataclasses
 
     import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.kernels import config as kconfig
+    from uniep_dynamo.kernels import quack_gemm
     from uniep_dynamo.kernels.config import heuristic_config, use_config
     from uniep_dynamo.spec import decode_spec
 
@@ -165,9 +170,15 @@ def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, reuse_saved, tmp_p
         case = case[:-1] + (dataclasses.replace(decode_spec(case[-1]), reuse_saved=True).encode(),)
     spec = case[-1]
     phases = record_phases(monkeypatch)
-    with one_rank_group(device, tmp_path) as group, \
-            use_config(dataclasses.replace(heuristic_config(tokens * top_k, experts, hidden, inter, interpret=False),
-                                           late_routing_weight=False)):
+    cfg = dataclasses.replace(heuristic_config(tokens * top_k, experts, hidden, inter, interpret=False),
+                              late_routing_weight=False)
+    if gated:
+        if quack_gemm.unavailable_reason(device) is not None or quack_gemm._gated_entry() is None:
+            pytest.skip(f"QuACK's gated GEMM does not run here: {quack_gemm.unavailable_reason(device)}")
+        cfg = dataclasses.replace(cfg, gated_epilogue=True, **{
+            g: dataclasses.replace(getattr(cfg, g), quack=kconfig.QUACK_CONFIGS[g], per_expert_mm=False)
+            for g in kconfig.GEMMS})
+    with one_rank_group(device, tmp_path) as group, use_config(cfg):
         layer = ep_layer_fn(spec, group, overlap)
         run_layer(layer, case)  # warm-up
         want, _ = run_layer(single_op_fn(spec), case)

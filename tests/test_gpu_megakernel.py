@@ -159,6 +159,53 @@ def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
         assert torch.equal(a, b) and torch.equal(a, c), f"quack {sweep} changed tensor {i}"
 
 
+def _gated_configs(case, late: bool):
+    """(knob off, gated_epilogue on) over QuACK's configs for every GEMM, for a CASES shape."""
+    base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False)
+    base = dataclasses.replace(base, late_routing_weight=late, **{
+        g: dataclasses.replace(getattr(base, g), quack=kconfig.QUACK_CONFIGS[g]) for g in kconfig.GEMMS})
+    return dataclasses.replace(base, gated_epilogue=False), dataclasses.replace(base, gated_epilogue=True)
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["late_weight", "weighted_rows"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
+def test_gated_epilogue_by_quack(in_place, late, monkeypatch):
+    """config.gated_epilogue on a GPU with QuACK: the up projection is one gated GEMM and the backward's two GEMMs
+    over d_h read the weight's halves interleaved (all six GEMMs by QuACK, no copy between the layouts); against the
+    fp64 reference within bf16's tolerance, bitwise run to run and across QuACK tile configs (a scheduling knob), and
+    other bits than the knob off (a numerics knob)."""
+    from uniep_dynamo.kernels import megakernel, quack_gemm
+
+    reason = quack_gemm.unavailable_reason(torch.device("cuda"))
+    if reason is not None or quack_gemm._gated_entry() is None:
+        pytest.skip(f"QuACK's gated GEMM does not run here: {reason or 'no gemm_gated taking concat_layout'}")
+    case = CASES[1]
+    args = cuda_args(*case)
+    if in_place:
+        args = args[:7] + (dataclasses.replace(args[7], reuse_saved=True),)
+    off, on = _gated_configs(case, late)
+    with kconfig.use_config(off):
+        knob_off = fwd_bwd(args)
+    copies = []
+    for name in ("_interleave", "_deinterleave"):
+        monkeypatch.setattr(megakernel, name, lambda *a, _n=name, _f=getattr(megakernel, name): copies.append(_n)
+                            or _f(*a))
+    counters.clear()
+    with kconfig.use_config(on):
+        got = fwd_bwd(args)
+        again = fwd_bwd(args)
+    with kconfig.use_config(on.replace_gemms(quack="128x192/pingpong/2x1")):
+        other_tiles = fwd_bwd(args)
+    assert counters["uniep_kernels"]["quack_gemms"] == 3 * 6 and not copies, copies
+    assert quack_gemm.failure() is None
+    ref = fwd_bwd(args, dtype=torch.float64)
+    for i, (a, b, c, r) in enumerate(zip(got, again, other_tiles, ref)):
+        assert torch.equal(a, b) and torch.equal(a, c), f"tensor {i} moved run to run or with the tiles"
+        err = max_rel_err(a, r)
+        assert err < TOLERANCE[torch.bfloat16], f"tensor {i}: max rel err {err:.3g} against fp64"
+    assert not torch.equal(got[0], knob_off[0]), "the activation from the fp32 accumulator: other bits"
+
+
 @pytest.mark.parametrize("quack", [False, True], ids=["triton_gemms", "quack"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["saved", "in_place"])
 def test_frozen_experts_skip_two_gemms_and_keep_the_other_bits(in_place, quack):
@@ -254,8 +301,9 @@ def test_forward_and_backward_capture_in_a_cuda_graph():
     assert not torch.equal(captured[0], eager[0])
 
 
-@pytest.mark.parametrize("warm", [True, False], ids=["launched_before", "not_launched_before"])
-def test_quack_gemms_record_into_a_cuda_graph(warm, monkeypatch):
+@pytest.mark.parametrize("warm, gated", [(True, False), (False, False), (True, True)],
+                         ids=["launched_before", "not_launched_before", "gated_epilogue"])
+def test_quack_gemms_record_into_a_cuda_graph(warm, gated, monkeypatch):
     """QuACK's GEMMs launched before a capture record into a CUDA graph (all six, gathers included) and replay the
     Triton GEMMs' bits; one never launched before takes the other GEMMs for that call (no compile inside the capture),
     with the same bits, and the knob stays on."""
@@ -267,6 +315,8 @@ def test_quack_gemms_record_into_a_cuda_graph(warm, monkeypatch):
                                                                                                  quack="")
     cfg = dataclasses.replace(base, **{g: dataclasses.replace(getattr(base, g), quack=kconfig.QUACK_CONFIGS[g])
                                        for g in kconfig.GEMMS})
+    if gated:  # the numerics knob: its own bits, which the eager steps before the capture give
+        base = cfg = dataclasses.replace(cfg, gated_epilogue=True)
 
     def step():
         out, *plan = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], spec.encode())
