@@ -107,16 +107,44 @@ def _activation_grad(g, u, d, ACT: tl.constexpr, alpha, limit, up_add):
 
 
 @triton.jit
+def _pairs(ptr, stride, rows64, cols):
+    """[R, C, 2] pointers to the (gate, up) pairs of activation columns ``cols`` where h interleaves them (gate j at
+    column 2j, up j at 2j + 1): one contiguous run of 2C elements a row, loaded and stored whole (two loads of every
+    other element would each touch every sector of the run)."""
+    return ptr + rows64[:, :, None] * stride + (cols[:, None] * 2 + tl.arange(0, 2)[None, :])[None, :, :]
+
+
+@triton.jit
 def _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr):
     """The gate and up values (fp32) of activation columns ``cols`` of the stored h rows ``rows64`` ([R, 1] int64);
-    without a gate both are the whole projection."""
-    gate_cols = cols * COL_MULT
-    g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if TWO_HALVES:
-        u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
+    without a gate both are the whole projection. COL_MULT == 2 is the interleaved layout (UP_SHIFT 1)."""
+    if TWO_HALVES and COL_MULT == 2:
+        pair = tl.load(_pairs(h_ptr, stride_hm, rows64, cols), mask=mask[:, :, None], other=0.0).to(tl.float32)
+        g, u = tl.split(pair)
     else:
-        u = g
+        gate_cols = cols * COL_MULT
+        g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if TWO_HALVES:
+            u = tl.load(h_ptr + rows64 * stride_hm + (gate_cols + UP_SHIFT)[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+        else:
+            u = g
     return g, u
+
+
+@triton.jit
+def _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT, COL_MULT: tl.constexpr,
+                  TWO_HALVES: tl.constexpr):
+    """d_h's gate and up values of activation columns ``cols`` (rounded to d_h's dtype), as _load_halves reads h."""
+    dtype = d_h_ptr.dtype.element_ty
+    if TWO_HALVES and COL_MULT == 2:
+        tl.store(_pairs(d_h_ptr, stride_gm, rows64, cols), tl.join(d_gate.to(dtype), d_up.to(dtype)),
+                 mask=mask[:, :, None])
+    else:
+        gate_cols = cols * COL_MULT
+        tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(dtype), mask=mask)
+        if TWO_HALVES:
+            tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -127,12 +155,8 @@ def _act_backward_tile(d_act, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, str
     -> d_h (both halves) and act(h). ``rows64`` is a [R, 1] column of int64 row indices. Each element
     of h is read before the same element of d_h is written, so d_h may be h itself."""
     g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
-    gate_cols = cols * COL_MULT
     d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
-    tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
-    if TWO_HALVES:
-        tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(d_h_ptr.dtype.element_ty),
-                 mask=mask)
+    _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT, COL_MULT, TWO_HALVES)
     act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
     tl.store(act_ptr + rows64 * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
 
@@ -413,11 +437,7 @@ def _act_backward_late_weight(d_raw_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, s
     tl.store(part_ptr + tl.program_id(1).to(tl.int64) * num_rows + rows, tl.sum(g_out * act, axis=1), mask=in_rows)
     d_act = (g_out * w).to(dtype).to(tl.float32)
     d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
-    gate_cols = cols * COL_MULT
-    tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
-    if TWO_HALVES:
-        tl.store(d_h_ptr + rows64 * stride_gm + (gate_cols + UP_SHIFT)[None, :], d_up.to(d_h_ptr.dtype.element_ty),
-                 mask=mask)
+    _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT, COL_MULT, TWO_HALVES)
     tl.store(d_raw_ptr + rows64 * stride_dm + cols[None, :], (act * w).to(dtype), mask=mask)
 
 
