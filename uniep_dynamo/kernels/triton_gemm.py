@@ -107,11 +107,16 @@ def _activation_grad(g, u, d, ACT: tl.constexpr, alpha, limit, up_add):
 
 
 @triton.jit
-def _pairs(ptr, stride, rows64, cols):
-    """[R, C, 2] pointers to the (gate, up) pairs of activation columns ``cols`` where h interleaves them (gate j at
-    column 2j, up j at 2j + 1): one contiguous run of 2C elements a row, loaded and stored whole (two loads of every
-    other element would each touch every sector of the run)."""
-    return ptr + rows64[:, :, None] * stride + (cols[:, None] * 2 + tl.arange(0, 2)[None, :])[None, :, :]
+def _pair_columns(rows64, cols, mask):
+    """Where h interleaves gate and up (gate j at column 2j, up j at 2j + 1), the [1, 2C] columns of the activation
+    columns ``cols`` (``program_id(1) * C + arange(C)``, as every caller tiles them) as one contiguous run, and the
+    [R, 2C] mask of ``mask`` [R, C] over them: a row's pairs are loaded and stored whole, in wide vectors (two
+    accesses to every other element would each touch every sector of the run, and a [R, C, 2] pointer block loads
+    one pair at a time)."""
+    C: tl.constexpr = cols.shape[0]
+    R: tl.constexpr = rows64.shape[0]
+    flat = tl.program_id(1) * (2 * C) + tl.arange(0, 2 * C)
+    return flat[None, :], tl.reshape(tl.join(mask, mask), [R, 2 * C])
 
 
 @triton.jit
@@ -119,8 +124,9 @@ def _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT: tl.co
     """The gate and up values (fp32) of activation columns ``cols`` of the stored h rows ``rows64`` ([R, 1] int64);
     without a gate both are the whole projection. COL_MULT == 2 is the interleaved layout (UP_SHIFT 1)."""
     if TWO_HALVES and COL_MULT == 2:
-        pair = tl.load(_pairs(h_ptr, stride_hm, rows64, cols), mask=mask[:, :, None], other=0.0).to(tl.float32)
-        g, u = tl.split(pair)
+        flat, pair_mask = _pair_columns(rows64, cols, mask)
+        pairs = tl.load(h_ptr + rows64 * stride_hm + flat, mask=pair_mask, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(pairs, [rows64.shape[0], cols.shape[0], 2]))
     else:
         gate_cols = cols * COL_MULT
         g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -138,8 +144,9 @@ def _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT
     """d_h's gate and up values of activation columns ``cols`` (rounded to d_h's dtype), as _load_halves reads h."""
     dtype = d_h_ptr.dtype.element_ty
     if TWO_HALVES and COL_MULT == 2:
-        tl.store(_pairs(d_h_ptr, stride_gm, rows64, cols), tl.join(d_gate.to(dtype), d_up.to(dtype)),
-                 mask=mask[:, :, None])
+        flat, pair_mask = _pair_columns(rows64, cols, mask)
+        pairs = tl.reshape(tl.join(d_gate.to(dtype), d_up.to(dtype)), [rows64.shape[0], 2 * cols.shape[0]])
+        tl.store(d_h_ptr + rows64 * stride_gm + flat, pairs, mask=pair_mask)
     else:
         gate_cols = cols * COL_MULT
         tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(dtype), mask=mask)
