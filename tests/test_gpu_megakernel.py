@@ -190,6 +190,8 @@ def test_gated_epilogue_by_quack(in_place, late, monkeypatch):
     for name in ("_interleave", "_deinterleave"):
         monkeypatch.setattr(megakernel, name, lambda *a, _n=name, _f=getattr(megakernel, name): copies.append(_n)
                             or _f(*a))
+    dgated = []  # under late_routing_weight the activation backward is in the activation-gradient GEMM's epilogue
+    monkeypatch.setattr(quack_gemm, "dgated", lambda *a, _f=quack_gemm.dgated, **k: dgated.append(1) or _f(*a, **k))
     counters.clear()
     with kconfig.use_config(on):
         got = fwd_bwd(args)
@@ -197,7 +199,12 @@ def test_gated_epilogue_by_quack(in_place, late, monkeypatch):
     with kconfig.use_config(on.replace_gemms(quack="128x192/pingpong/2x1")):
         other_tiles = fwd_bwd(args)
     assert counters["uniep_kernels"]["quack_gemms"] == 3 * 6 and not copies, copies
-    assert quack_gemm.failure() is None
+    assert quack_gemm.failure() is None and len(dgated) == (3 if late else 0), dgated
+    if in_place:  # d_h written over h (QuACK's dgated reads h and writes d_h in one epilogue): the out-of-place bits
+        with kconfig.use_config(on):
+            saved = fwd_bwd(args[:7] + (dataclasses.replace(args[7], reuse_saved=False),))
+        for i, (a, b) in enumerate(zip(got, saved)):
+            assert torch.equal(a, b), f"tensor {i}: in place differs from out of place"
     ref = fwd_bwd(args, dtype=torch.float64)
     for i, (a, b, c, r) in enumerate(zip(got, again, other_tiles, ref)):
         assert torch.equal(a, b) and torch.equal(a, c), f"tensor {i} moved run to run or with the tiles"

@@ -892,11 +892,14 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         b_act = layer.down_eff.transpose(1, 2)
         dy_gather = gather or quack_gathers_rows(layer, cfg.grad_act, grad_out, b_act)
         dy = grad_out if dy_gather else gather_rows(grad_out, row_order, layer.top_k, out=scratch, offsets=offsets)
-        act = rows_gemm(layer, cfg.grad_act, a=dy, gather=dy_gather, row_order=row_order, b=b_act, n=layer.inter,
-                        k=layer.hidden_size, epilogue=STORE, offsets=offsets)
         d_weights = torch.empty(layer.num_tokens, layer.top_k, dtype=topk_weights.dtype, device=device)
-        act_backward_late_weight(layer, d_raw=act, up=up, d_up=d_up, row_order=row_order, weights=weights,
-                                 d_weights=d_weights, offsets=offsets, **halves)
+        act = _dgated_late(layer, cfg.grad_act, dy=dy, dy_gather=dy_gather, b=b_act, up=up, d_up=d_up,
+                           row_order=row_order, weights=weights, d_weights=d_weights, offsets=offsets)
+        if act is None:
+            act = rows_gemm(layer, cfg.grad_act, a=dy, gather=dy_gather, row_order=row_order, b=b_act,
+                            n=layer.inter, k=layer.hidden_size, epilogue=STORE, offsets=offsets)
+            act_backward_late_weight(layer, d_raw=act, up=up, d_up=d_up, row_order=row_order, weights=weights,
+                                     d_weights=d_weights, offsets=offsets, **halves)
         if param_grads:
             # dW_down[e] = dY_e^T (w * act)_e: the output-gradient rows are P here, gathered by token where the
             # GEMM can (else copied, where the activation-gradient GEMM gathered them itself)
@@ -943,6 +946,31 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     d_hidden = combine_input_rows(d_x_rows, slot_row, offsets, layer.num_tokens, layer.top_k, hidden.dtype) \
         if combine_here else None
     return d_hidden, d_weights, d_w_up, d_w_down, d_b_up, d_b_down, []
+
+
+def _dgated_late(layer: Layer, cfg, *, dy, dy_gather, b, up, d_up, row_order, weights, d_weights, offsets):
+    """config.gated_epilogue's backward under late_routing_weight by QuACK's dgated GEMM: the activation-gradient
+    GEMM with the SwiGLU backward, the routing weights and their gradient in its epilogue (quack_gemm.dgated), no
+    activation pass. Fills d_up and d_weights and returns w * act(h) ([rows, I], for the down weight's gradient);
+    None where it does not run (the activation pass then runs on the interleaved h)."""
+    from . import quack_gemm
+
+    if not layer.h_interleaved or not cfg.quack or not quack_gemm.gates(cfg.quack):
+        return None
+    if up.stride(-1) != 1 or d_up.stride(-1) != 1 or not _use_quack(layer, cfg, dy, b, None, dy_gather):
+        return None
+    act = torch.empty(layer.num_slots, layer.inter, dtype=up.dtype, device=up.device)
+    scale = weights.index_select(0, row_order).float()  # each row's routing weight
+    try:
+        sums = quack_gemm.dgated(dy, b, up, d_up, act, scale, layer.cu_seqlens(offsets), cfg.quack,
+                                 a_idx=layer.token_rows(row_order) if dy_gather else None)
+    except Exception as exc:  # noqa: BLE001 -- the GEMM and the activation pass run instead
+        quack_gemm.failed(exc)
+        return None
+    counters["uniep_kernels"]["quack_gemms"] += 1
+    routed = torch.arange(layer.num_slots, device=up.device) < offsets[-1]  # rows past them: not written, weight 0
+    d_weights.view(-1)[row_order] = torch.where(routed, sums, 0.0).to(d_weights.dtype)
+    return act
 
 
 def _weight_grad_interleaved(layer: Layer, cfg, *, p, p_gather, q, q_gather, q_scale, row_order, offsets, grad,

@@ -19,6 +19,9 @@ Two shapes of call:
            the activation from the fp32 accumulator in the epilogue, B's [gate; up] column halves read interleaved,
            h stored interleaved (column 2j gate j, 2j + 1 up j). config.gated_epilogue's up projection.
 
+``dgated`` the activation-gradient GEMM with the SwiGLU backward and the routing weight's gradient in its epilogue
+           (``gemm_dgated``), over the interleaved h: config.gated_epilogue's backward under late_routing_weight.
+
 ``concat`` on ``rows`` / ``wgrad``: B's K rows (``rows``) or the output's strided dimension (``wgrad``) are a [gate; up]
 pair of halves that the other operand holds interleaved (QuACK's ``concat_layout``): the GEMMs of the gated layout's
 backward, against the weight as the model stores it.
@@ -284,6 +287,42 @@ def _gated_entry():
     if not {"preact_out", "postact_out", "cu_seqlens_m", "A_idx", "config", "concat_layout", "activation"} <= set(params):
         return None
     return gemm_gated_tuned.fn
+
+
+@functools.lru_cache(maxsize=1)
+def _dgated_entry():
+    """QuACK's gated-activation-gradient GEMM (gemm_dgated_tuned's function), or None where this QuACK has none
+    taking the arguments."""
+    try:
+        import inspect
+
+        from quack.gemm_interface import gemm_dgated_tuned
+    except Exception:  # noqa: BLE001 -- not importable, or another release without it
+        return None
+    params = inspect.signature(gemm_dgated_tuned.fn).parameters
+    if not {"PreAct", "dx_out", "postact_out", "colvec_scale", "colvec_reduce", "cu_seqlens_m", "A_idx",
+            "dynamic_scheduler", "config", "activation"} <= set(params):
+        return None
+    return gemm_dgated_tuned.fn
+
+
+def dgated(a, b, h, d_h, act, scale, cu_seqlens, config: str, a_idx=None):
+    """config.gated_epilogue's activation backward in the activation-gradient GEMM's epilogue (QuACK's
+    ``gemm_dgated``): g = a[a_idx or rows] @ b[e] (fp32, the unweighted output gradient times W_down^T), and from the
+    interleaved h [rows, 2I]: d_h = dSwiGLU(h, scale * g) (interleaved, may be h itself), act = scale * SwiGLU(h)
+    ([rows, I]); returns <g, SwiGLU(h)> a row ([rows] fp32: each column tile's part, then summed in tile order), the
+    routing weight's gradient. ``scale`` [rows] fp32. Rows past the groups' end are not written. Raises as gated."""
+    entry = _dgated_entry()
+    if entry is None:
+        raise RuntimeError("this quack-kernels has no gemm_dgated taking colvec_scale and colvec_reduce")
+    key = ("dgated", config, a_idx is not None, a.dtype, a.device)
+    if key not in _GATED_LAUNCHED and _capturing(a.device):
+        raise NotCompiledBeforeCapture(f"QuACK dgated GEMM {config} was not launched before this CUDA graph capture")
+    with _on(a.device):
+        sums = entry(a, b, h, d_h, act, colvec_scale=scale, activation="swiglu", colvec_reduce=True,
+                     cu_seqlens_m=cu_seqlens, A_idx=a_idx, dynamic_scheduler=False, config=_config(config))
+    _GATED_LAUNCHED.add(key)
+    return sums
 
 
 def gates(config: str) -> bool:
