@@ -803,8 +803,14 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
         with pytest.raises(ValueError, match="quack config"):
             kconfig.GemmConfig(quack=bad).validate()
     qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == kconfig.QUACK_CONFIGS
-    assert qwen.numerics_key() == qwen.replace_gemms(quack="").numerics_key()
+    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == \
+        dict(kconfig.QUACK_CONFIGS, grad_act=kconfig.GATED_GRAD_ACT_CONFIG)  # gated_epilogue's dgated tile
+    plain = dataclasses.replace(qwen, gated_epilogue=False)
+    assert plain.numerics_key() == plain.replace_gemms(quack="").numerics_key()
+    # under gated_epilogue the dgated GEMM's column tile sets the routing-weight gradient's sum; the rest schedules
+    other = qwen.replace_gemms(quack="128x192/pingpong/2x1")
+    assert dataclasses.replace(other, grad_act=qwen.grad_act).numerics_key() == qwen.numerics_key()
+    assert other.numerics_key() != qwen.numerics_key()
     assert "quack" in kconfig.SCHEDULING_KNOBS
     for rows, experts, hidden, inter in ((16384, 8, 4096, 14336), (4096, 8, 4096, 14336), (64, 128, 2048, 768),
                                          (16384, 128, 2048, 768), (65536, 256, 7168, 2048)):

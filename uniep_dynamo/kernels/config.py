@@ -169,7 +169,17 @@ class MegaKernelConfig:
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
         return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS) + \
-            (self.late_routing_weight, self.gated_epilogue)
+            (self.late_routing_weight, self.gated_epilogue, self.gated_reduce_tile())
+
+    def gated_reduce_tile(self) -> int | None:
+        """Under gated_epilogue, the column tile of the activation-gradient GEMM's QuACK config: QuACK's dgated GEMM
+        sums the routing weight's gradient over each column tile, then the tiles' parts in order, so this width sets
+        that sum's rounding (a numerics value; the other QuACK tile knobs only schedule)."""
+        if not (self.gated_epilogue and self.grad_act.quack):
+            return None
+        from .quack_gemm import parse_config
+
+        return parse_config(self.grad_act.quack)[1]
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of its arguments; the configs are frozen
@@ -238,6 +248,8 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # whose gated GEMM ran the Qwen3-30B-A3B up projection in 0.82 ms against uniep's 0.86 + 0.08 for the GEMM and
     # the pass (BENCHMARKS.md, 2026-11-28 sixteenth session).
     gated = bool(quack)
+    if gated:  # the dgated GEMM at SonicMoE's tuned tile for it (gathering the output-gradient rows itself)
+        quack = dict(quack, grad_act=GATED_GRAD_ACT_CONFIG)
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma, late_routing_weight=late, gated_epilogue=gated)
@@ -247,6 +259,11 @@ QUACK_CONFIGS = {"up": "128x256/coop/2x1", "down": "128x208/pingpong/1x2", "grad
                  "grad_input": "192x128/pingpong/1x2", "wgrad_up": "256x128/coop/2x1",
                  "wgrad_down": "192x128/pingpong/1x2"}
 
+
+# The activation-gradient GEMM's QuACK tile under gated_epilogue (QuACK's dgated GEMM): SonicMoE's autotuned choice for
+# its dgated GEMM on Qwen3-30B-A3B (BENCHMARKS.md, 2026-11-28 sixteenth session); at uniep's 192x128/pingpong/1x2
+# the dgated GEMM took 0.69 ms on an H200 against 0.34 + 0.16 for the GEMM and the activation pass it replaces.
+GATED_GRAD_ACT_CONFIG = "128x256/coop/2x1"
 
 _OVERRIDE: list[MegaKernelConfig] = []
 
