@@ -23,8 +23,8 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   uniep_late_off           the module compiled apart under UNIEP_LATE_ROUTING_WEIGHT=0 (the routing weights applied
                            before the activation-gradient GEMM, the down rows kept for the backward: the numerics
                            knob late_routing_weight off), for its A/B
-  uniep_gated_off          the same compiled module with UNIEP_GATED_EPILOGUE=0 (the numerics knob gated_epilogue
-                           off: the SwiGLU by its own pass after the up projection, from the rounded h), for its A/B
+  uniep_gated              the same compiled module with UNIEP_GATED_EPILOGUE=1 (the numerics knob gated_epilogue
+                           on: the SwiGLU and its backward in QuACK's gated and dgated GEMMs' epilogues), for its A/B
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
@@ -250,7 +250,7 @@ def providers(experts, sonicmoe_autotune=True):
     out["uniep_quack_entry_point"] = with_env("UNIEP_QUACK_DIRECT", "0")
     # compiled apart: the knob is read while the graph is traced too (whether the backward keeps the down rows)
     out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0", torch.compile(experts_again, backend="uniep"))
-    out["uniep_gated_off"] = with_env("UNIEP_GATED_EPILOGUE", "0")
+    out["uniep_gated"] = with_env("UNIEP_GATED_EPILOGUE", "1")
     out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, "full" if sonicmoe_autotune else "default")

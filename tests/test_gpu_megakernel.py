@@ -164,9 +164,7 @@ def _gated_configs(case, late: bool):
     base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False)
     base = dataclasses.replace(base, late_routing_weight=late, **{
         g: dataclasses.replace(getattr(base, g), quack=kconfig.QUACK_CONFIGS[g]) for g in kconfig.GEMMS})
-    on = dataclasses.replace(base, gated_epilogue=True,
-                             grad_act=dataclasses.replace(base.grad_act, quack=kconfig.GATED_GRAD_ACT_CONFIG))
-    return dataclasses.replace(base, gated_epilogue=False), on
+    return dataclasses.replace(base, gated_epilogue=False), kconfig.gated_config(base)
 
 
 @pytest.mark.parametrize("late", [True, False], ids=["late_weight", "weighted_rows"])

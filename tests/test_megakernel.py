@@ -655,23 +655,24 @@ def test_gated_epilogue_layout_only_for_plain_swiglu_over_halves(case, why, monk
 
 
 def test_gated_epilogue_config(monkeypatch):
-    """A numerics knob: in the numerics key; on in the GPU heuristics exactly where they run the up projection by
-    QuACK, off in the interpreter's; a tuning-cache entry written before it existed takes the heuristics' value;
-    UNIEP_GATED_EPILOGUE sets it both ways."""
+    """A numerics knob: in the numerics key; off in the heuristics (GPU and interpreter); gated_config turns it on
+    with the dgated GEMM's tile where the activation-gradient GEMM runs by QuACK; a tuning-cache entry written before
+    it existed takes the heuristics' value; UNIEP_GATED_EPILOGUE sets it both ways."""
     qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
-    mixtral = kconfig.heuristic_config(16384, 8, 4096, 14336)
     assert "gated_epilogue" in kconfig.NUMERICS_KNOBS
-    assert qwen.gated_epilogue and qwen.up.quack and not mixtral.gated_epilogue and not mixtral.up.quack
+    assert not qwen.gated_epilogue and qwen.up.quack
     assert not kconfig.heuristic_config(65536, 128, 2048, 768, interpret=True).gated_epilogue
-    off = dataclasses.replace(qwen, gated_epilogue=False)
-    assert off.numerics_key() != qwen.numerics_key()
-    entry = {k: v for k, v in kconfig.config_to_dict(off).items() if k != "gated_epilogue"}
-    assert kconfig.config_from_dict(entry, qwen) == qwen
-    assert kconfig.config_from_dict(kconfig.config_to_dict(off), qwen) == off
+    on = kconfig.gated_config(qwen)
+    assert on.gated_epilogue and on.grad_act.quack == kconfig.GATED_GRAD_ACT_CONFIG and on.up == qwen.up
+    assert on.numerics_key() != qwen.numerics_key()
+    mixtral = kconfig.heuristic_config(16384, 8, 4096, 14336)  # no QuACK: the knob alone (its layout needs QuACK)
+    assert kconfig.gated_config(mixtral) == dataclasses.replace(mixtral, gated_epilogue=True)
+    entry = {k: v for k, v in kconfig.config_to_dict(qwen).items() if k != "gated_epilogue"}
+    assert kconfig.config_from_dict(entry, on).gated_epilogue and not kconfig.config_from_dict(entry).gated_epilogue
+    assert kconfig.config_from_dict(kconfig.config_to_dict(on), qwen) == on
     for value in ("0", "1"):
         monkeypatch.setenv("UNIEP_GATED_EPILOGUE", value)
-        assert kconfig.current_config(65536, 128, 2048, 768, False) == \
-            dataclasses.replace(qwen, gated_epilogue=value == "1")
+        assert kconfig.current_config(65536, 128, 2048, 768, False) == (on if value == "1" else qwen)
         assert kconfig.current_config(4096, 64, 256, 128, True).gated_epilogue == (value == "1")
 
 
@@ -803,14 +804,14 @@ def test_quack_knob_config_and_heuristics(monkeypatch):
         with pytest.raises(ValueError, match="quack config"):
             kconfig.GemmConfig(quack=bad).validate()
     qwen = kconfig.heuristic_config(65536, 128, 2048, 768)
-    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == \
-        dict(kconfig.QUACK_CONFIGS, grad_act=kconfig.GATED_GRAD_ACT_CONFIG)  # gated_epilogue's dgated tile
-    plain = dataclasses.replace(qwen, gated_epilogue=False)
-    assert plain.numerics_key() == plain.replace_gemms(quack="").numerics_key()
+    assert {g: getattr(qwen, g).quack for g in kconfig.GEMMS} == kconfig.QUACK_CONFIGS
+    assert qwen.numerics_key() == qwen.replace_gemms(quack="").numerics_key()
     # under gated_epilogue the dgated GEMM's column tile sets the routing-weight gradient's sum; the rest schedules
-    other = qwen.replace_gemms(quack="128x192/pingpong/2x1")
-    assert dataclasses.replace(other, grad_act=qwen.grad_act).numerics_key() == qwen.numerics_key()
-    assert other.numerics_key() != qwen.numerics_key()
+    gated = kconfig.gated_config(qwen)
+    assert gated.grad_act.quack == kconfig.GATED_GRAD_ACT_CONFIG
+    other = gated.replace_gemms(quack="128x192/pingpong/2x1")
+    assert dataclasses.replace(other, grad_act=gated.grad_act).numerics_key() == gated.numerics_key()
+    assert other.numerics_key() != gated.numerics_key()
     assert "quack" in kconfig.SCHEDULING_KNOBS
     for rows, experts, hidden, inter in ((16384, 8, 4096, 14336), (4096, 8, 4096, 14336), (64, 128, 2048, 768),
                                          (16384, 128, 2048, 768), (65536, 256, 7168, 2048)):

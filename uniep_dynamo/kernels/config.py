@@ -51,13 +51,18 @@ Numerics contract (what a tuner may change freely):
 - ``gated_epilogue`` (layer-wide) is a numerics knob: the up projection of a SwiGLU layer (silu(gate) * up, HF's
   [gate; up] halves, no up bias) by QuACK's gated GEMM (``gemm_gated``), which computes the activation in its epilogue
   from the fp32 accumulator (the knob off: from the rounded h, as eager does) with QuACK's silu, and stores h with
-  each gate column next to its up column (interleaved) for the backward. The backward's activation pass reads that
-  layout; the two GEMMs that read d_h against the [gate; up] weight (the input gradient and the up weight's gradient)
+  each gate column next to its up column (interleaved) for the backward. Under late_routing_weight the backward's
+  activation-gradient GEMM is QuACK's dgated GEMM (``gemm_dgated``): the SwiGLU backward, the routing weights and
+  their gradient in its epilogue, from its fp32 output; it sums that gradient over each column tile and then the
+  tiles' parts in order, so under this knob the column tile of ``grad_act.quack`` is a numerics value
+  (``numerics_key`` holds it; gated_config sets it). Elsewhere the backward's activation pass reads the interleaved
+  layout. The two GEMMs that read d_h against the [gate; up] weight (the input gradient and the up weight's gradient)
   run by QuACK with the weight's halves read interleaved (its ``concat_layout``), or, where QuACK cannot take them,
   from a copy of d_h in halves. Where QuACK's gated GEMM cannot run (not installed, not a Hopper GPU, a CUDA graph
   capturing a kernel not launched before) the forward computes h and the activation as with the knob off and stores
   h interleaved: the layout holds, the bits are the knob-off ones. Each row is computed alone, so the EP layers'
-  chunks, which run the same calls over their rows, keep the single-GPU op's bits. UNIEP_GATED_EPILOGUE=0 / 1 sets it.
+  chunks, which run the same calls over their rows, keep the single-GPU op's bits. Off by default (heuristic_config
+  says why); UNIEP_GATED_EPILOGUE=0 / 1 sets it.
 """
 from __future__ import annotations
 
@@ -159,7 +164,7 @@ class MegaKernelConfig:
     late_routing_weight: bool = False
     # A numerics knob (see the module docstring): the SwiGLU up projection by QuACK's gated GEMM, the activation
     # from the fp32 accumulator in its epilogue, h stored with gate and up columns interleaved. It needs ``up.quack``
-    # set; on in the GPU heuristics where QuACK runs the layer (heuristic_config says why), off in the interpreter's.
+    # set; off in the heuristics (heuristic_config says why); UNIEP_GATED_EPILOGUE=1 or gated_config turns it on.
     gated_epilogue: bool = False
 
     def replace_gemms(self, **changes) -> "MegaKernelConfig":
@@ -243,16 +248,15 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # two GEMMs that read them, those GEMMs took 0.16 ms more than the glue the knob saved: they read a copy.
     late = True
     quack = QUACK_CONFIGS if num_experts >= 64 and num_rows >= 512 * num_experts and not per_expert else {}
-    # gated_epilogue (a numerics knob: the SwiGLU in the QuACK up projection's epilogue, from the fp32 accumulator)
-    # wherever QuACK runs the layer: the up projection and its activation pass become one GEMM, as in SonicMoE,
-    # whose gated GEMM ran the Qwen3-30B-A3B up projection in 0.82 ms against uniep's 0.86 + 0.08 for the GEMM and
-    # the pass (BENCHMARKS.md, 2026-11-28 sixteenth session).
-    gated = bool(quack)
-    if gated:  # the dgated GEMM at SonicMoE's tuned tile for it (gathering the output-gradient rows itself)
-        quack = dict(quack, grad_act=GATED_GRAD_ACT_CONFIG)
+    # gated_epilogue (a numerics knob: the SwiGLU and its backward in the QuACK GEMMs' epilogues, as SonicMoE does)
+    # stays off by default: on an H200 (bf16, T = 8192, BENCHMARKS.md 2026-11-28 seventeenth session) it made the
+    # layer's GPU time shorter, back to back 3.808 -> 3.748 ms on Qwen3-30B-A3B and 4.534 -> 4.451 on OLMoE, but its
+    # synchronized step longer, 4.458 -> 4.894 and 5.143 -> 5.438: its two QuACK kernels go through QuACK's public
+    # entry point and the routing-weight gradient's scatter through a few small torch ops, host time the synchronized
+    # step waits for. UNIEP_GATED_EPILOGUE=1 turns it on (gated_config).
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
-                               for g, c in gemms.items()}, tma=tma, late_routing_weight=late, gated_epilogue=gated)
+                               for g, c in gemms.items()}, tma=tma, late_routing_weight=late)
 
 
 QUACK_CONFIGS = {"up": "128x256/coop/2x1", "down": "128x208/pingpong/1x2", "grad_act": "192x128/pingpong/1x2",
@@ -264,6 +268,15 @@ QUACK_CONFIGS = {"up": "128x256/coop/2x1", "down": "128x208/pingpong/1x2", "grad
 # its dgated GEMM on Qwen3-30B-A3B (BENCHMARKS.md, 2026-11-28 sixteenth session); at uniep's 192x128/pingpong/1x2
 # the dgated GEMM took 0.69 ms on an H200 against 0.34 + 0.16 for the GEMM and the activation pass it replaces.
 GATED_GRAD_ACT_CONFIG = "128x256/coop/2x1"
+
+
+def gated_config(cfg: MegaKernelConfig) -> MegaKernelConfig:
+    """``cfg`` with gated_epilogue on, its activation-gradient GEMM (QuACK's dgated GEMM, where QuACK runs it) at
+    GATED_GRAD_ACT_CONFIG."""
+    if not cfg.grad_act.quack:
+        return dataclasses.replace(cfg, gated_epilogue=True)
+    return dataclasses.replace(cfg, gated_epilogue=True,
+                               grad_act=dataclasses.replace(cfg.grad_act, quack=GATED_GRAD_ACT_CONFIG))
 
 _OVERRIDE: list[MegaKernelConfig] = []
 
@@ -317,11 +330,14 @@ def _gated_env() -> bool | None:
 
 
 def _numerics_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
-    """``cfg`` with the numerics knobs that UNIEP_LATE_ROUTING_WEIGHT and UNIEP_GATED_EPILOGUE set."""
-    changes = {name: value for name, value in (("late_routing_weight", _late_env()),
-                                               ("gated_epilogue", _gated_env()))
-               if value is not None and getattr(cfg, name) != value}
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+    """``cfg`` with the numerics knobs that UNIEP_LATE_ROUTING_WEIGHT and UNIEP_GATED_EPILOGUE set (the latter on:
+    gated_config's)."""
+    late, gated = _late_env(), _gated_env()
+    if late is not None and cfg.late_routing_weight != late:
+        cfg = dataclasses.replace(cfg, late_routing_weight=late)
+    if gated is not None and cfg.gated_epilogue != gated:
+        cfg = gated_config(cfg) if gated else dataclasses.replace(cfg, gated_epilogue=False)
+    return cfg
 
 
 def _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device) -> MegaKernelConfig:
