@@ -251,9 +251,9 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # gated_epilogue (a numerics knob: the SwiGLU and its backward in the QuACK GEMMs' epilogues, as SonicMoE does)
     # stays off by default: on an H200 (bf16, T = 8192, BENCHMARKS.md 2026-11-28 seventeenth session) it made the
     # layer's GPU time shorter, back to back 3.808 -> 3.748 ms on Qwen3-30B-A3B and 4.534 -> 4.451 on OLMoE, but its
-    # synchronized step longer, 4.458 -> 4.894 and 5.143 -> 5.438: its two QuACK kernels go through QuACK's public
-    # entry point and the routing-weight gradient's scatter through a few small torch ops, host time the synchronized
-    # step waits for. UNIEP_GATED_EPILOGUE=1 turns it on (gated_config).
+    # synchronized step longer, 4.458 -> 4.894 and 5.143 -> 5.438. Host time, by inference (its host time was not
+    # measured): its two QuACK kernels go through QuACK's public entry point, not uniep's direct launch, and the
+    # routing-weight gradient's scatter through a few small torch ops. UNIEP_GATED_EPILOGUE=1 turns it on.
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma, late_routing_weight=late)
