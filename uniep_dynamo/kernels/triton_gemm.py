@@ -107,27 +107,29 @@ def _activation_grad(g, u, d, ACT: tl.constexpr, alpha, limit, up_add):
 
 
 @triton.jit
-def _pair_columns(rows64, cols, mask):
+def _pair_columns(cols, row_ok, N):
     """Where h interleaves gate and up (gate j at column 2j, up j at 2j + 1), the [1, 2C] columns of the activation
-    columns ``cols`` (``program_id(1) * C + arange(C)``, as every caller tiles them) as one contiguous run, and the
-    [R, 2C] mask of ``mask`` [R, C] over them: a row's pairs are loaded and stored whole, in wide vectors (two
-    accesses to every other element would each touch every sector of the run, and a [R, C, 2] pointer block loads
-    one pair at a time)."""
+    columns ``cols`` (``program_id(1) * C + arange(C)``, as every caller tiles them) as one contiguous run, and their
+    [R, 2C] mask from ``row_ok`` [R, 1] and the activation width N: a row's pairs are loaded and stored whole, in
+    16-byte vectors. (Two accesses to every other element touch every sector of the run twice; a mask built from the
+    [R, C] one by join and reshape hides its runs from Triton's analysis, which then loads one element at a time.)"""
     C: tl.constexpr = cols.shape[0]
-    R: tl.constexpr = rows64.shape[0]
     flat = tl.program_id(1) * (2 * C) + tl.arange(0, 2 * C)
-    return flat[None, :], tl.reshape(tl.join(mask, mask), [R, 2 * C])
+    return flat[None, :], row_ok & (flat < 2 * N)[None, :]
 
 
 @triton.jit
-def _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr):
-    """The gate and up values (fp32) of activation columns ``cols`` of the stored h rows ``rows64`` ([R, 1] int64);
-    without a gate both are the whole projection. COL_MULT == 2 is the interleaved layout (UP_SHIFT 1)."""
+def _load_halves(h_ptr, stride_hm, rows64, cols, row_ok, N, UP_SHIFT, COL_MULT: tl.constexpr,
+                 TWO_HALVES: tl.constexpr):
+    """The gate and up values (fp32) of activation columns ``cols`` (< N) of the stored h rows ``rows64`` ([R, 1]
+    int64; ``row_ok`` [R, 1] the rows to read); without a gate both are the whole projection. COL_MULT == 2 is the
+    interleaved layout (UP_SHIFT 1)."""
     if TWO_HALVES and COL_MULT == 2:
-        flat, pair_mask = _pair_columns(rows64, cols, mask)
+        flat, pair_mask = _pair_columns(cols, row_ok, N)
         pairs = tl.load(h_ptr + rows64 * stride_hm + flat, mask=pair_mask, other=0.0).to(tl.float32)
         g, u = tl.split(tl.reshape(pairs, [rows64.shape[0], cols.shape[0], 2]))
     else:
+        mask = row_ok & (cols < N)[None, :]
         gate_cols = cols * COL_MULT
         g = tl.load(h_ptr + rows64 * stride_hm + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if TWO_HALVES:
@@ -139,15 +141,16 @@ def _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT: tl.co
 
 
 @triton.jit
-def _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT, COL_MULT: tl.constexpr,
+def _store_halves(d_h_ptr, stride_gm, rows64, cols, row_ok, N, d_gate, d_up, UP_SHIFT, COL_MULT: tl.constexpr,
                   TWO_HALVES: tl.constexpr):
     """d_h's gate and up values of activation columns ``cols`` (rounded to d_h's dtype), as _load_halves reads h."""
     dtype = d_h_ptr.dtype.element_ty
     if TWO_HALVES and COL_MULT == 2:
-        flat, pair_mask = _pair_columns(rows64, cols, mask)
+        flat, pair_mask = _pair_columns(cols, row_ok, N)
         pairs = tl.reshape(tl.join(d_gate.to(dtype), d_up.to(dtype)), [rows64.shape[0], 2 * cols.shape[0]])
         tl.store(d_h_ptr + rows64 * stride_gm + flat, pairs, mask=pair_mask)
     else:
+        mask = row_ok & (cols < N)[None, :]
         gate_cols = cols * COL_MULT
         tl.store(d_h_ptr + rows64 * stride_gm + gate_cols[None, :], d_gate.to(dtype), mask=mask)
         if TWO_HALVES:
@@ -155,15 +158,16 @@ def _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT
 
 
 @triton.jit
-def _act_backward_tile(d_act, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
-                       UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
+def _act_backward_tile(d_act, rows64, cols, mask, row_ok, N, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr,
+                       stride_am, UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
                        act_alpha, act_limit, act_up_add):
     """One tile of the activation backward: d_act (fp32, [rows, cols]) and the saved h of those rows
     -> d_h (both halves) and act(h). ``rows64`` is a [R, 1] column of int64 row indices. Each element
-    of h is read before the same element of d_h is written, so d_h may be h itself."""
-    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
+    of h is read before the same element of d_h is written, so d_h may be h itself. ``mask`` is ``row_ok`` [R, 1]
+    and the columns below N."""
+    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, row_ok, N, UP_SHIFT, COL_MULT, TWO_HALVES)
     d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
-    _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT, COL_MULT, TWO_HALVES)
+    _store_halves(d_h_ptr, stride_gm, rows64, cols, row_ok, N, d_gate, d_up, UP_SHIFT, COL_MULT, TWO_HALVES)
     act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
     tl.store(act_ptr + rows64 * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
 
@@ -410,10 +414,11 @@ def _act_backward(d_act_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, stride_gm, ac
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
+    row_ok = (rows < routed_rows)[:, None]
+    mask = row_ok & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     d = tl.load(d_act_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    _act_backward_tile(d, rows64, cols, mask, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
+    _act_backward_tile(d, rows64, cols, mask, row_ok, N, h_ptr, stride_hm, d_h_ptr, stride_gm, act_ptr, stride_am,
                        UP_SHIFT, COL_MULT, TWO_HALVES, ACT, act_alpha, act_limit, act_up_add)
 
 
@@ -439,12 +444,12 @@ def _act_backward_late_weight(d_raw_ptr, stride_dm, h_ptr, stride_hm, d_h_ptr, s
     w = tl.load(w_ptr + slots, mask=routed, other=0.0).to(tl.float32)[:, None]
     dtype = d_raw_ptr.dtype.element_ty
     g_out = tl.load(d_raw_ptr + rows64 * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
+    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, routed[:, None], N, UP_SHIFT, COL_MULT, TWO_HALVES)
     act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add).to(dtype).to(tl.float32)
     tl.store(part_ptr + tl.program_id(1).to(tl.int64) * num_rows + rows, tl.sum(g_out * act, axis=1), mask=in_rows)
     d_act = (g_out * w).to(dtype).to(tl.float32)
     d_gate, d_up = _activation_grad(g, u, d_act, ACT, act_alpha, act_limit, act_up_add)
-    _store_halves(d_h_ptr, stride_gm, rows64, cols, mask, d_gate, d_up, UP_SHIFT, COL_MULT, TWO_HALVES)
+    _store_halves(d_h_ptr, stride_gm, rows64, cols, routed[:, None], N, d_gate, d_up, UP_SHIFT, COL_MULT, TWO_HALVES)
     tl.store(d_raw_ptr + rows64 * stride_dm + cols[None, :], (act * w).to(dtype), mask=mask)
 
 
@@ -468,8 +473,9 @@ def _act_forward(h_ptr, stride_hm, act_ptr, stride_am, offsets_ptr, num_experts,
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < routed_rows)[:, None] & (cols < N)[None, :]
+    row_ok = (rows < routed_rows)[:, None]
+    mask = row_ok & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, mask, UP_SHIFT, COL_MULT, TWO_HALVES)
+    g, u = _load_halves(h_ptr, stride_hm, rows64, cols, row_ok, N, UP_SHIFT, COL_MULT, TWO_HALVES)
     act = _activation(g, u, ACT, act_alpha, act_limit, act_up_add)
     tl.store(act_ptr + rows64 * stride_am + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=mask)
