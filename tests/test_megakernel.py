@@ -665,6 +665,11 @@ def test_gated_epilogue_config(monkeypatch):
     on = kconfig.gated_config(qwen)
     assert on.gated_epilogue and on.grad_act.quack == kconfig.GATED_GRAD_ACT_CONFIG and on.up == qwen.up
     assert on.numerics_key() != qwen.numerics_key()
+    # under the knob the up projection's QuACK config decides the layout and the bits (not its tile: it schedules)
+    assert on.gated_up() and not dataclasses.replace(on, up=dataclasses.replace(on.up, quack="")).gated_up()
+    assert dataclasses.replace(on, up=dataclasses.replace(on.up, quack="")).numerics_key() != on.numerics_key()
+    assert dataclasses.replace(on, up=dataclasses.replace(on.up, quack="192x128/pingpong/1x2")).numerics_key() == \
+        on.numerics_key()
     mixtral = kconfig.heuristic_config(16384, 8, 4096, 14336)  # no QuACK: the knob alone (its layout needs QuACK)
     assert kconfig.gated_config(mixtral) == dataclasses.replace(mixtral, gated_epilogue=True)
     entry = {k: v for k, v in kconfig.config_to_dict(qwen).items() if k != "gated_epilogue"}

@@ -103,6 +103,31 @@ def test_a_cached_config_that_changes_numerics_is_not_used(monkeypatch, caplog):
     assert got == _heuristic() and "changes numerics knobs" in caplog.text
 
 
+def test_a_cached_config_is_checked_against_the_variables_numerics(monkeypatch, caplog):
+    """UNIEP_GATED_EPILOGUE=1 applies to the tuned config and the heuristics' alike before their numerics are
+    compared: a tuned config tuned with the knob off whose up projection is not QuACK's (which under the knob decides
+    the saved h's layout and the activation's bits) is refused; one that only moves QuACK tiles is served, with the
+    knob."""
+    shape = (65536, 128, 2048, 768)
+    key = tuner.shape_key(torch.bfloat16, *shape)
+    heuristic = kconfig.heuristic_config(*shape)
+    assert heuristic.up.quack and not heuristic.gated_epilogue
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(kconfig, "_WARNED", set())
+    monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "1")
+    cuda = torch.device("cuda", 0)
+    no_gated_up = dataclasses.replace(heuristic, up=dataclasses.replace(heuristic.up, quack=""))
+    assert no_gated_up.numerics_key() == heuristic.numerics_key()  # the same numerics with the knob off
+    tuner.store_entries("NVIDIA H200", {key: {"config": tuner.config_to_dict(no_gated_up)}})
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        got = kconfig.current_config(*shape, False, dtype=torch.bfloat16, device=cuda)
+    assert got == kconfig.gated_config(heuristic) and "changes numerics knobs" in caplog.text
+    other_tiles = dataclasses.replace(heuristic, down=dataclasses.replace(heuristic.down, quack="128x192/pingpong/2x1"))
+    tuner.store_entries("NVIDIA H200", {key: {"config": tuner.config_to_dict(other_tiles)}})
+    assert kconfig.current_config(*shape, False, dtype=torch.bfloat16, device=cuda) == \
+        kconfig.gated_config(other_tiles)
+
+
 def test_versions_key_the_cache(monkeypatch):
     key = tuner.shape_key(torch.bfloat16, 16384, 8, 4096, 14336)
     tuner.store_entries("NVIDIA H200", {key: {"config": tuner.config_to_dict(_tuned())}})

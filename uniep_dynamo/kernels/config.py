@@ -174,7 +174,17 @@ class MegaKernelConfig:
     def numerics_key(self) -> tuple:
         """The knob values that may change results; configs with equal keys give bitwise equal results."""
         return tuple((getattr(self, g).block_k, getattr(self, g).per_expert_mm) for g in GEMMS) + \
-            (self.late_routing_weight, self.gated_epilogue, self.gated_reduce_tile())
+            (self.late_routing_weight, self.gated_epilogue, self.gated_up(), self.gated_reduce_tile())
+
+    def gated_up(self) -> bool:
+        """Under gated_epilogue, whether the up projection's QuACK config can run QuACK's gated GEMM: it decides the
+        saved h's layout (megakernel._interleaves_h) and the activation's bits, so it is a numerics value there (the
+        forward and its backward must agree on it, and a tuned config may not change it)."""
+        if not (self.gated_epilogue and self.up.quack):
+            return False
+        from .quack_gemm import gates
+
+        return gates(self.up.quack)
 
     def gated_reduce_tile(self) -> int | None:
         """Under gated_epilogue, the column tile of the activation-gradient GEMM's QuACK config: QuACK's dgated GEMM
@@ -300,7 +310,7 @@ def current_config(num_rows: int, num_experts: int, hidden: int, inter: int, int
     config whose numerics knobs differ from the heuristics' is not used: tuning may only change the schedule."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    return _numerics_from_env(_current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device))
+    return _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device)
 
 
 def late_routing_weight_on(interpret: bool) -> bool:
@@ -343,7 +353,9 @@ def _numerics_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
 
 
 def _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device) -> MegaKernelConfig:
-    heuristic = heuristic_config(num_rows, num_experts, hidden, inter, interpret)
+    """The heuristics' config, or the tuning cache's for this GPU and shape where its numerics are theirs; the
+    variables' numerics knobs (_numerics_from_env) applied to both before they are compared."""
+    heuristic = _numerics_from_env(heuristic_config(num_rows, num_experts, hidden, inter, interpret))
     if interpret or dtype is None or device is None or device.type != "cuda":
         return heuristic
     from .. import tuning_cache
@@ -352,6 +364,7 @@ def _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, devi
     tuned = cached_config(tuning_cache.gpu_name(device), key, heuristic)
     if tuned is None:
         return heuristic
+    tuned = _numerics_from_env(tuned)
     if tuned.numerics_key() != heuristic.numerics_key():
         if key not in _WARNED:
             _WARNED.add(key)

@@ -285,11 +285,12 @@ INTERLEAVED_H_INTERPRETED = False
 
 
 def _interleaves_h(layer: Layer, hidden, spec, up_bias: bool) -> bool:
-    """config.gated_epilogue's layout of h applies: the knob and a QuACK up config on, SwiGLU (silu(gate) * up, no
-    clamp) over [gate; up] halves, no up bias, a K-contiguous up weight ([E, 2I, H], as HF stores it) and a QuACK
-    installed that can run the gated GEMM here (bf16, Hopper) -- or, in the interpreter, a test asking for it.
-    Decided from what a forward and its backward see alike (not from a QuACK failure in between), so both read one
-    layout."""
+    """config.gated_epilogue's layout of h applies: the knob on with an up config that QuACK's gated GEMM takes
+    (``cfg.gated_up()``, a numerics value: a tuned config cannot change it), SwiGLU (silu(gate) * up, no clamp) over
+    [gate; up] halves, no up bias, a K-contiguous up weight ([E, 2I, H], as HF stores it) and a QuACK installed that
+    has the gated GEMM and runs here (bf16, Hopper) -- or, in the interpreter, a test asking for it. Decided from what
+    a forward and its backward see alike (not from a QuACK failure in between, nor from a scheduling knob), so both
+    read one layout; the knob itself is read by both (config.py: set it before a step)."""
     cfg = layer.config
     if not cfg.gated_epilogue or up_bias or not layer.gated or layer.col_mult != 1 \
             or layer.act_kind != "silu_glu" or any(layer.act_params):
@@ -298,8 +299,8 @@ def _interleaves_h(layer: Layer, hidden, spec, up_bias: bool) -> bool:
         return INTERLEAVED_H_INTERPRETED
     from . import quack_gemm
 
-    return (bool(cfg.up.quack) and quack_gemm.gates(cfg.up.quack) and hidden.dtype == torch.bfloat16
-            and layer.up_eff.stride(1) == 1 and quack_gemm.installed_reason(hidden.device) is None)
+    return (cfg.gated_up() and hidden.dtype == torch.bfloat16 and layer.up_eff.stride(1) == 1
+            and quack_gemm.installed_reason(hidden.device) is None and quack_gemm._gated_entry() is not None)
 
 
 def _interleave(h, out):
@@ -955,7 +956,8 @@ def _dgated_late(layer: Layer, cfg, *, dy, dy_gather, b, up, d_up, row_order, we
     None where it does not run (the activation pass then runs on the interleaved h)."""
     from . import quack_gemm
 
-    if not layer.h_interleaved or not cfg.quack or not quack_gemm.gates(cfg.quack):
+    if not layer.h_interleaved or not cfg.quack or not quack_gemm.gates(cfg.quack) \
+            or quack_gemm._dgated_entry() is None:  # a QuACK without it: the pass runs, QuACK stays on
         return None
     if up.stride(-1) != 1 or d_up.stride(-1) != 1 or not _use_quack(layer, cfg, dy, b, None, dy_gather):
         return None

@@ -315,7 +315,7 @@ def dgated(a, b, h, d_h, act, scale, cu_seqlens, config: str, a_idx=None):
     entry = _dgated_entry()
     if entry is None:
         raise RuntimeError("this quack-kernels has no gemm_dgated taking colvec_scale and colvec_reduce")
-    key = ("dgated", config, a_idx is not None, a.dtype, a.device)
+    key = ("dgated", config, a_idx is not None, a.dtype, a.device, b.stride(1) == 1, b.stride(2) == 1)
     if key not in _GATED_LAUNCHED and _capturing(a.device):
         raise NotCompiledBeforeCapture(f"QuACK dgated GEMM {config} was not launched before this CUDA graph capture")
     with _on(a.device):
@@ -341,7 +341,7 @@ def gated(a, b, h, act, cu_seqlens, config: str, a_idx=None):
     entry = _gated_entry()
     if entry is None:
         raise RuntimeError("this quack-kernels has no gemm_gated taking concat_layout")
-    key = (config, a_idx is not None, a.dtype, b.stride(1) == 1, a.device)
+    key = (config, a_idx is not None, a.dtype, a.device, b.stride(1) == 1, b.stride(2) == 1)
     if key not in _GATED_LAUNCHED and _capturing(a.device):
         raise NotCompiledBeforeCapture(f"QuACK gated GEMM {config} was not launched before this CUDA graph capture")
     with _on(a.device):
