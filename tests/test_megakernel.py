@@ -622,12 +622,11 @@ def test_gated_epilogue_layout_keeps_the_knob_off_bits_where_quack_does_not_run(
     for name, a, b in zip(("out", "d_hidden", "d_weights", "d_w_up", "d_w_down"), got, want):
         assert torch.equal(a, b), name
     hidden, ids, weights, w_up, w_down = (t.contiguous() for t in args[:5])
-    plan = None
     with kconfig.use_config(on):
         got_up = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, None, None, spec)[4]
     monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", False)
     with kconfig.use_config(on):  # the interpreter's default: the knob leaves the layout as it is
-        want_up = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, None, None, spec, plan)[4]
+        want_up = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, None, None, spec)[4]
     inter = w_down.shape[2]
     assert torch.equal(got_up[:, 0::2], want_up[:, :inter]) and torch.equal(got_up[:, 1::2], want_up[:, inter:])
 
