@@ -355,13 +355,14 @@ def _numerics_from_env(cfg: MegaKernelConfig) -> MegaKernelConfig:
 def _current_config(num_rows, num_experts, hidden, inter, interpret, dtype, device) -> MegaKernelConfig:
     """The heuristics' config, or the tuning cache's for this GPU and shape where its numerics are theirs; the
     variables' numerics knobs (_numerics_from_env) applied to both before they are compared."""
-    heuristic = _numerics_from_env(heuristic_config(num_rows, num_experts, hidden, inter, interpret))
+    base = heuristic_config(num_rows, num_experts, hidden, inter, interpret)
+    heuristic = _numerics_from_env(base)
     if interpret or dtype is None or device is None or device.type != "cuda":
         return heuristic
     from .. import tuning_cache
 
     key = tuning_cache.shape_key(dtype, num_rows, num_experts, hidden, inter)
-    tuned = cached_config(tuning_cache.gpu_name(device), key, heuristic)
+    tuned = cached_config(tuning_cache.gpu_name(device), key, base)  # an older entry's missing knobs: base's
     if tuned is None:
         return heuristic
     tuned = _numerics_from_env(tuned)
