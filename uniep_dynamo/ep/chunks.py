@@ -69,8 +69,7 @@ class Chunks:
         b_down = self.b_down[experts] if self.b_down is not None else None
         megakernel.rows_gemm(layer, cfg.up, a=x[rows], gather=False, row_order=offs, b=layer.up_eff, n=layer.inter,
                              k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
-                             two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1,
-                             up_shift=layer.up_shift, interleaved=layer.h_interleaved)
+                             interleaved=layer.h_interleaved, **layer.weight_halves())
         return megakernel.rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
                                     scatter=_chunk_scatter(scatter, rows))

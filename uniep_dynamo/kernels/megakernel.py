@@ -233,12 +233,16 @@ class Layer:
         self._host_bounds = None  # (offsets, [0, each expert's end row]) for the per_expert_mm GEMMs
         self._cu_seqlens = self._token_rows = None  # QuACK's group bounds and gather index, by cu_seqlens/token_rows
 
+    def weight_halves(self) -> dict:
+        """How the up weight pairs its columns (gate j with up j), as the up projection's GLU epilogue takes it."""
+        return dict(two_halves=self.gated, col_mult=self.col_mult if self.gated else 1, up_shift=self.up_shift)
+
     def h_halves(self) -> dict:
         """How the saved up projection h pairs its columns, as the activation passes take it: the weight's split,
         or gate and up interleaved under config.gated_epilogue."""
         if self.h_interleaved:
             return dict(two_halves=True, col_mult=2, up_shift=1)
-        return dict(two_halves=self.gated, col_mult=self.col_mult if self.gated else 1, up_shift=self.up_shift)
+        return self.weight_halves()
 
     def host_bounds(self, offsets):
         """[0, expert 0's end row, ..., expert E-1's end row] of ``offsets`` on the host, for the GEMMs that run one
@@ -821,8 +825,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
         x = hidden if gather else gather_rows(hidden, row_order, layer.top_k, offsets=offsets)
         up = rows_gemm(layer, cfg.up, a=x, gather=gather, row_order=row_order, b=layer.up_eff, n=layer.inter,
                        k=layer.hidden_size, epilogue=GLU_FWD, d=act, bias=b_up, offsets=offsets,
-                       two_halves=layer.gated, col_mult=layer.col_mult if layer.gated else 1, up_shift=layer.up_shift,
-                       interleaved=layer.h_interleaved)
+                       interleaved=layer.h_interleaved, **layer.weight_halves())
         del x
         down = rows_gemm(layer, cfg.down, a=act, gather=False, row_order=row_order, b=layer.down_eff,
                          n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offsets)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 
@@ -73,8 +74,6 @@ def _module():
         return None, f"quack-kernels is not importable ({type(exc).__name__}: {exc})"
     version = getattr(quack, "__version__", "?")
     if version != TESTED_VERSION:
-        import inspect
-
         params = inspect.signature(gemm_tuned.fn).parameters
         if not {"cu_seqlens_m", "cu_seqlens_k", "A_idx", "config"} <= set(params):
             return None, f"quack-kernels {version}'s gemm takes other arguments than {TESTED_VERSION}'s"
@@ -274,36 +273,32 @@ def wgrad(a_t, b, out, cu_seqlens, config: str, a_idx=None, concat: bool = False
     return out
 
 
+def _entry_point(name: str, arguments: set):
+    """The function of QuACK's autotuned entry point ``name`` in quack.gemm_interface, or None where this QuACK has
+    none taking ``arguments``."""
+    try:
+        from quack import gemm_interface
+    except Exception:  # noqa: BLE001 -- not importable
+        return None
+    tuned = getattr(gemm_interface, name, None)
+    if tuned is None or not arguments <= set(inspect.signature(tuned.fn).parameters):
+        return None
+    return tuned.fn
+
+
 @functools.lru_cache(maxsize=1)
 def _gated_entry():
     """QuACK's gated GEMM (gemm_gated_tuned's function), or None where this QuACK has none taking the arguments."""
-    try:
-        import inspect
-
-        from quack.gemm_interface import gemm_gated_tuned
-    except Exception:  # noqa: BLE001 -- not importable, or another release without it
-        return None
-    params = inspect.signature(gemm_gated_tuned.fn).parameters
-    if not {"preact_out", "postact_out", "cu_seqlens_m", "A_idx", "config", "concat_layout", "activation"} <= set(params):
-        return None
-    return gemm_gated_tuned.fn
+    return _entry_point("gemm_gated_tuned", {"preact_out", "postact_out", "cu_seqlens_m", "A_idx", "config",
+                                             "concat_layout", "activation"})
 
 
 @functools.lru_cache(maxsize=1)
 def _dgated_entry():
     """QuACK's gated-activation-gradient GEMM (gemm_dgated_tuned's function), or None where this QuACK has none
     taking the arguments."""
-    try:
-        import inspect
-
-        from quack.gemm_interface import gemm_dgated_tuned
-    except Exception:  # noqa: BLE001 -- not importable, or another release without it
-        return None
-    params = inspect.signature(gemm_dgated_tuned.fn).parameters
-    if not {"PreAct", "dx_out", "postact_out", "colvec_scale", "colvec_reduce", "cu_seqlens_m", "A_idx",
-            "dynamic_scheduler", "config", "activation"} <= set(params):
-        return None
-    return gemm_dgated_tuned.fn
+    return _entry_point("gemm_dgated_tuned", {"PreAct", "dx_out", "postact_out", "colvec_scale", "colvec_reduce",
+                                              "cu_seqlens_m", "A_idx", "dynamic_scheduler", "config", "activation"})
 
 
 def dgated(a, b, h, d_h, act, scale, cu_seqlens, config: str, a_idx=None):
