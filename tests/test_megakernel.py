@@ -427,11 +427,16 @@ def test_frozen_experts_skip_their_weight_gradients(reuse_saved, mode, monkeypat
         assert len(calls) == 2
 
 
-def _late(args):
-    """The interpreter's heuristic config for ``args`` with late_routing_weight on, and the one without."""
+def _interpreter_config(args):
+    """The interpreter's heuristic config for ``args`` (make's tuple)."""
     hidden, ids, _, w_up, w_down = args[:5]
     width = w_down.shape[1] if args[7].down_layout == "io" else w_down.shape[2]
-    base = kconfig.heuristic_config(ids.numel(), w_up.shape[0], hidden.shape[1], width, interpret=True)
+    return kconfig.heuristic_config(ids.numel(), w_up.shape[0], hidden.shape[1], width, interpret=True)
+
+
+def _late(args):
+    """The interpreter's heuristic config for ``args`` with late_routing_weight on, and the one without."""
+    base = _interpreter_config(args)
     return dataclasses.replace(base, late_routing_weight=True), base
 
 
@@ -584,10 +589,7 @@ def test_late_routing_weight_config_entries(monkeypatch):
 
 def _gated(args, on: bool = True):
     """The interpreter's heuristic config for ``args`` with gated_epilogue ``on``."""
-    hidden, ids, _, w_up, w_down = args[:5]
-    width = w_down.shape[1] if args[7].down_layout == "io" else w_down.shape[2]
-    base = kconfig.heuristic_config(ids.numel(), w_up.shape[0], hidden.shape[1], width, interpret=True)
-    return dataclasses.replace(base, gated_epilogue=on)
+    return dataclasses.replace(_interpreter_config(args), gated_epilogue=on)
 
 
 @pytest.mark.parametrize("late, reuse_saved, gemm", [(False, False, "triton"), (True, True, "triton"),
