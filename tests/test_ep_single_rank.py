@@ -542,6 +542,47 @@ def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch,
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_device_plan_reads_no_expert_bounds_on_the_host(tmp_path, monkeypatch):
+    """A config with per_expert_mm (one matmul per expert, from each expert's rows read on the host): the device
+    plan's experts ops read no row bound on the host (on a GPU that read was a host synchronization inside its
+    pipeline, found at 4 ranks, where the worst-case buffer's rows turn the heuristics' per_expert_mm on); their
+    GEMMs take the other knobs' path, the single-GPU op's bits with the knob off. The synchronized path, whose counts
+    are on the host, runs the knob."""
+    from test_ep import use_kernels
+    from torch._dynamo.utils import counters
+
+    use_kernels(monkeypatch, "triton")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.kernels import config as kconfig
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setattr(megakernel, "PER_EXPERT_MM_INTERPRETED", True)
+    reads = []
+    monkeypatch.setattr(megakernel.Layer, "host_bounds", lambda layer, offsets, _f=megakernel.Layer.host_bounds:
+                        reads.append(_f(layer, offsets)) or reads[-1])
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    spec = case[-1]
+    tokens, hidden_size, inter, experts, top_k = CPU_SHAPE
+    cfg = kconfig.heuristic_config(tokens * top_k, experts, hidden_size, inter, interpret=True)
+    with kconfig.use_config(cfg.replace_gemms(per_expert_mm=False)):
+        want, _ = run_layer(single_op_fn(spec), case)
+
+    def layer(group, device_plan):
+        return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
+                                                              False, "", device_plan)[0]
+    with one_rank_group(torch.device("cpu"), tmp_path) as group, \
+            kconfig.use_config(cfg.replace_gemms(per_expert_mm=True)):
+        counters.clear()
+        got, _ = run_layer(layer(group, True), case)
+        assert reads and all(r is None for r in reads), reads
+        assert counters["uniep_kernels"]["per_expert_mm_gemms"] == 0
+        assert_bitwise(got, want, "the device plan with per_expert_mm in the config")
+        reads.clear()
+        run_layer(layer(group, False), case)
+        assert any(r is not None for r in reads) and counters["uniep_kernels"]["per_expert_mm_gemms"] > 0
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_device_plan_auto_rule(tmp_path, monkeypatch):
     """ep_device_plan="auto" (the default): off CUDA the synchronized path; on a GPU the device plan where its
     worst-case buffers above the synchronized path's fit in AUTO_MEMORY_SHARE of the group's smallest GPU, decided

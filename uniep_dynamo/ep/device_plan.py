@@ -22,7 +22,10 @@ to the host, so the host runs ahead of the GPU as it does in a dense model:
 
 The backward runs the same steps reversed: the gradient rows into ``send``, pulled, the experts' backward, pushed
 back, gather_sum. Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
-its source-major received rows by expert, stably), so the bits are the same for one tile configuration.
+its source-major received rows by expert, stably), so the bits are the same for one tile configuration. One knob
+cannot run here: per_expert_mm (a cuBLAS matmul per expert) needs each expert's rows on the host, so its GEMMs take
+the other knobs' path (megakernel.device_counts_only), as in a CUDA graph capture; the heuristics pick it for few
+experts with many rows (config.py), which the worst-case buffer's row count reaches sooner than the received rows.
 
 The cost: the receive buffer and the experts' buffers are sized for the worst case (W * T * K rows at equal T), so
 memory grows with the EP size; the rows past the received ones cost no GEMM work. What the backward reads is not left
@@ -275,7 +278,8 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     win_x.barrier()  # every rank's rows are in its window
     _transfer(table, x, [win_x.send(p) for p in range(world)], False, knobs)
     ids, ones, plan = _identity_plan(ends, capacity, x.dtype)
-    out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
+    with megakernel.device_counts_only():  # per_expert_mm's GEMMs would read the expert ends on the host
+        out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
     y, up, down = out[0], out[4], out[5]
     if megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
         down = None  # the fused backward (weights_grad=False) reads no down rows
@@ -313,8 +317,11 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
     down = down if down is not None else d_recv.new_empty(0, size)
     saved.x = saved.up = saved.down = None
-    d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
-        d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
+    from ..kernels import megakernel
+
+    with megakernel.device_counts_only():
+        d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
+            d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
     del d_recv, x, up, down, ids, ones, plan
     win_dx = window(group, saved.send_rows, size, d_x.dtype, d_x.device)
     _transfer(saved.table, d_x, [win_dx.back(p) for p in range(world)], True, knobs)

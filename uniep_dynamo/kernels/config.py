@@ -33,7 +33,8 @@ Numerics contract (what a tuner may change freely):
   cuBLAS picks its own kernel, and one that splits K (split-K, stream-K) would round differently. On an H200 the
   six GEMMs of the Mixtral-8x7B shape came out bitwise equal to torch._grouped_mm's
   (benchmarks/probes/cublas_loop_probe.py), 9% faster in all. Where the counts cannot be read (a CUDA graph
-  being captured) or the GEMM does not qualify (a fused gather, a bias, an epilogue beyond a plain store, a GEMM
+  being captured; the EP layer's device plan, whose counts stay on the device: megakernel.device_counts_only) or
+  the GEMM does not qualify (a fused gather, a bias, an epilogue beyond a plain store, a GEMM
   that stores into EP peers), the GEMM takes the other knobs' path.
 - ``quack`` runs a GEMM by QuACK's grouped GEMM (``quack-kernels``, the ``uniep[quack]`` extra; kernels/quack_gemm.py)
   at the tile config it names. A scheduling knob: on an H100 its six GEMMs of the Qwen3-30B-A3B shape gave

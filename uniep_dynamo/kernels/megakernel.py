@@ -247,10 +247,11 @@ class Layer:
     def host_bounds(self, offsets):
         """[0, expert 0's end row, ..., expert E-1's end row] of ``offsets`` on the host, for the GEMMs that run one
         matmul per expert: read once a call (the op's one host synchronization), or given by set_host_bounds.
-        None while the current stream is being captured into a CUDA graph (no synchronization possible)."""
+        None while the current stream is being captured into a CUDA graph (no synchronization possible) and inside
+        device_counts_only (the EP layer's device plan)."""
         if self._host_bounds is not None and self._host_bounds[0] is offsets:
             return self._host_bounds[1]
-        if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+        if _DEVICE_COUNTS_ONLY[0] or (offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None
         self._host_bounds = (offsets, [0, *offsets.tolist()])
         return self._host_bounds[1]
@@ -369,6 +370,19 @@ def _use_grouped_mm(layer: Layer, cfg, out_cols: int, *operands) -> bool:
 # Triton's interpreter (CPU tests) keeps its own GEMMs unless a test asks for the per-expert torch.mm path (whose
 # CPU rounding differs from the interpreter's numpy dots), as for GROUPED_MM_INTERPRETED.
 PER_EXPERT_MM_INTERPRETED = False
+_DEVICE_COUNTS_ONLY = [0]  # > 0 inside device_counts_only
+
+
+@contextlib.contextmanager
+def device_counts_only():
+    """The experts ops called inside read no row count on the host: their per_expert_mm GEMMs take the other knobs'
+    path, as in a CUDA graph being captured. The EP layer's device plan runs its experts ops so: its counts stay on
+    the device, and a read of them would be a host synchronization in the middle of its pipeline."""
+    _DEVICE_COUNTS_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _DEVICE_COUNTS_ONLY[0] -= 1
 
 
 def _per_expert_bounds(layer: Layer, cfg, offsets, *operands):
