@@ -6,6 +6,7 @@ steps without the profiler), then the functions with the most own (tottime) and 
 both to $OUT/step_host_profile.json. A step is host-bound back to back when its host time exceeds its GPU time.
 
     python benchmarks/probes/step_host_profile.py --shape qwen3-30b-a3b --steps 20 [--provider uniep]
+        [--callees _dgated_late,experts_forward]
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--provider", default="uniep")
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--callees", default="",
+                        help="comma-separated function-name patterns: what each calls, with its times (pstats)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step_host_profile.json"))
     args = parser.parse_args()
     H, I, E, K = SHAPES[args.shape]
@@ -71,6 +74,11 @@ def main():
         text = buf.getvalue()
         data[key] = text
         print(f"## by {key} ({args.steps} steps)\n{text}")
+    for pattern in filter(None, args.callees.split(",")):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_callees(pattern)
+        data[f"callees:{pattern}"] = buf.getvalue()
+        print(f"## callees of {pattern} ({args.steps} steps)\n{buf.getvalue()}")
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
 

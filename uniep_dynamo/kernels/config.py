@@ -262,9 +262,11 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # gated_epilogue (a numerics knob: the SwiGLU and its backward in the QuACK GEMMs' epilogues, as SonicMoE does)
     # stays off by default: on an H200 (bf16, T = 8192, BENCHMARKS.md 2026-11-28 seventeenth session) it made the
     # layer's GPU time shorter, back to back 3.808 -> 3.748 ms on Qwen3-30B-A3B and 4.534 -> 4.451 on OLMoE, but its
-    # synchronized step longer, 4.458 -> 4.894 and 5.143 -> 5.438. Host time, by inference (its host time was not
-    # measured): its two QuACK kernels go through QuACK's public entry point, not uniep's direct launch, and the
-    # routing-weight gradient's scatter through a few small torch ops. UNIEP_GATED_EPILOGUE=1 turns it on.
+    # synchronized step longer, 4.458 -> 4.894 and 5.143 -> 5.438. Timed again in alternation (eighteenth session,
+    # benchmarks/probes/ab_probe.py, 7 rounds): Qwen3-30B-A3B 4.636 -> 4.857 ms synchronized, 4.063 -> 4.091 back
+    # to back (slower both ways); OLMoE 5.626 -> 5.726 and 4.927 -> 4.831. Not host time: a step's host time moved
+    # by -0.09 and +0.48 ms in two calls (step_host_profile.py), its backward's host time by none (cProfile's
+    # callees). UNIEP_GATED_EPILOGUE=1 turns it on.
     return MegaKernelConfig(**{g: dataclasses.replace(c, grouped_mm=g in cutlass, per_expert_mm=g in per_expert,
                                                       quack=quack.get(g, ""))
                                for g, c in gemms.items()}, tma=tma, late_routing_weight=late)
