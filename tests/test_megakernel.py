@@ -633,6 +633,34 @@ def test_gated_epilogue_layout_keeps_the_knob_off_bits_where_quack_does_not_run(
     assert torch.equal(got_up[:, 0::2], want_up[:, :inter]) and torch.equal(got_up[:, 1::2], want_up[:, inter:])
 
 
+@pytest.mark.parametrize("forward_on", [True, False], ids=["on_then_off", "off_then_on"])
+def test_gated_epilogue_flipped_between_forward_and_backward_is_refused(forward_on, monkeypatch):
+    """UNIEP_GATED_EPILOGUE changed between a forward and its backward would make the backward read the saved h in
+    the other layout (silently wrong gradients): the backward refuses with a message naming the variable. Unchanged,
+    the same steps run; a later forward at the same address writes its own layout."""
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
+    monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    args = make(29, 32, 24, 6, 2, SILU_GLU, "oi", False)
+    hidden, ids, weights, w_up, w_down = (t.contiguous() for t in args[:5])
+    spec = args[7].encode()
+
+    def step(forward, backward):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
+        monkeypatch.setenv("UNIEP_GATED_EPILOGUE", forward)
+        out = torch.ops.uniep.moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3], None, None, [], spec)[0]
+        monkeypatch.setenv("UNIEP_GATED_EPILOGUE", backward)
+        out.backward(torch.ones_like(out))
+        return [t.grad for t in leaves]
+    first, second = ("1", "0") if forward_on else ("0", "1")
+    want = step(first, first)
+    with pytest.raises(RuntimeError, match="UNIEP_GATED_EPILOGUE .*changed between the forward and the backward"):
+        step(first, second)
+    assert all(torch.equal(a, b) for a, b in zip(step(first, first), want))
+    step(second, second)  # the other layout, steps apart: allowed
+
+
 @pytest.mark.parametrize("case, why", [
     ((13, 16, 8, 4, 2, RELU2, "oi", False), "no gate"),
     ((13, 16, 8, 4, 2, SILU_INTERLEAVED, "oi", False), "the weight interleaves gate and up already"),

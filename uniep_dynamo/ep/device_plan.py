@@ -174,8 +174,13 @@ def _compact(saved: Saved, received: int) -> None:
     cut = _first_rows(saved, received) if saved.x is not None else None
     if cut is None:
         return
+    from ..kernels import megakernel
+
     *buffers, plan = cut
+    up = saved.up
     saved.x, saved.up, saved.down, saved.ids, saved.ones = (t.clone() if t is not None else None for t in buffers)
+    if up is not None:  # the copy's layout is the forward's (config.gated_epilogue)
+        megakernel.copy_h_layout(up, saved.up)
     index = plan[0].clone()
     saved.plan = (index, index, plan[2])
 

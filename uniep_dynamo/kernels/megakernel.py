@@ -847,9 +847,44 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     else:
         up = torch.empty(0, layer.up_width, dtype=w_up.dtype, device=device)
         down = torch.empty(0, layer.hidden_size, dtype=w_down.dtype, device=device)
+    _record_h_layout(up, layer.h_interleaved)
     out = combine(down, slot_row, topk_weights.reshape(layer.num_tokens, layer.top_k), offsets, layer.num_tokens,
                   layer.top_k, spec.out_dtype)
     return out, row_order, slot_row, offsets, up, down
+
+
+# The layout each forward stored its up projection h in (config.gated_epilogue), by h's address; the backward checks
+# its own decision against it. The last _H_LAYOUTS_KEPT forwards' are kept: an address comes back with a later h,
+# whose forward writes its own entry, so an entry is always that of the forward that wrote the h now there.
+_H_LAYOUTS: dict = {}
+_H_LAYOUTS_KEPT = 4096
+
+
+def _record_h_layout(up, interleaved: bool) -> None:
+    if up.numel():
+        _H_LAYOUTS.pop(up.data_ptr(), None)  # re-inserted last: the oldest entry is the first one
+        _H_LAYOUTS[up.data_ptr()] = interleaved
+        if len(_H_LAYOUTS) > _H_LAYOUTS_KEPT:
+            del _H_LAYOUTS[next(iter(_H_LAYOUTS))]
+
+
+def copy_h_layout(source, copy) -> None:
+    """``copy`` (of ``source``'s first rows) holds a saved h in the layout its forward stored ``source`` in."""
+    stored = _H_LAYOUTS.get(source.data_ptr()) if source.numel() else None
+    if stored is not None:
+        _record_h_layout(copy, stored)
+
+
+def _check_h_layout(up, interleaved: bool) -> None:
+    """Refuse a backward that would read the saved h in another layout than its forward stored: the gated_epilogue
+    knob (UNIEP_GATED_EPILOGUE, use_config) changed between them. Gradients would be silently wrong otherwise."""
+    stored = _H_LAYOUTS.get(up.data_ptr()) if up.numel() else None
+    if stored is not None and stored != interleaved:
+        raise RuntimeError(
+            "uniep: this experts layer's forward stored its up projection with gate and up "
+            f"{'interleaved' if stored else 'in halves'} (config.gated_epilogue {'on' if stored else 'off'}), and "
+            f"its backward would read it {'interleaved' if interleaved else 'in halves'}: UNIEP_GATED_EPILOGUE (or "
+            "use_config) changed between the forward and the backward. Set it before the step, not inside it.")
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
@@ -878,6 +913,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
 
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = Layer(hidden, topk_ids, w_up, w_down, spec, up_bias=b_up is not None)
+    _check_h_layout(up, layer.h_interleaved)
     cfg = layer.config
     device = hidden.device
     grad_out = (grad_out.pop() if isinstance(grad_out, list) else grad_out).contiguous()
