@@ -625,12 +625,12 @@ def test_hf_ep_model_with_frozen_experts(tmp_path):
 
 # ---- the layer with its plan on the device (no host synchronization) ------------------------------------------------
 
-def _device_plan_worker(rank, world, port, kernels, shards, routing, out_dir):
+def _device_plan_worker(rank, world, port, kernels, shards, routing, pipelined, out_dir):
     from test_ep import gloo_group, rank_leaves, sorted_by_reference
 
     with gloo_group(rank, world, port, UNIEP_KERNELS=kernels):
         import uniep_dynamo  # noqa: F401
-        from uniep_dynamo.ep import device_plan, layer
+        from uniep_dynamo.ep import device_pipeline, device_plan, layer
 
         if kernels == "triton":
             from uniep_dynamo.kernels import triton_routing
@@ -648,29 +648,35 @@ def _device_plan_worker(rank, world, port, kernels, shards, routing, out_dir):
         mine, experts = slice(start, start + shards[rank]), slice(rank * e_local, (rank + 1) * e_local)
         leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
         out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
-                                       dist.group.WORLD.group_name, world, False, "", True)[0]
+                                       dist.group.WORLD.group_name, world, pipelined, "", True)[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
         out.backward(grad)
+        calls["pipelined"] = device_pipeline.RUNS["forward"]
         torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "calls": calls},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("kernels,shards,routing", [
-    ("triton", (12, 12), "spread"),  # the MegaKernel's kernels in the interpreter, as on a GPU
-    ("reference", (5, 19), "spread"),  # ranks of different token counts: the windows take the most rows of any
-    ("reference", (12, 12), "rank0_only"),  # a rank that receives no row
-    ("reference", (0, 24), "spread"),  # a rank with no token (an empty batch) beside one with all of them
+@pytest.mark.parametrize("kernels,shards,routing,pipelined", [
+    ("triton", (12, 12), "spread", False),  # the MegaKernel's kernels in the interpreter, as on a GPU
+    ("reference", (5, 19), "spread", False),  # ranks of different token counts: the windows take the most rows of any
+    ("reference", (12, 12), "rank0_only", False),  # a rank that receives no row
+    ("reference", (0, 24), "spread", False),  # a rank with no token (an empty batch) beside one with all of them
+    ("triton", (12, 12), "spread", True),  # the forward pipelined: a chunk a local expert, the second's rows past 0
+    ("triton", (5, 19), "rank0_only", True),  # pipelined, uneven token counts, a rank whose chunks get no row
 ])
-def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, routing, tmp_path, monkeypatch):
+def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, routing, pipelined, tmp_path,
+                                                               monkeypatch):
     """uniep.ep_layer with device_plan=True (the compile's ep_device_plan: no host synchronization) at EP=2: the
     counts never reach the host (ep_layer's count_table is not called), the transfer kernel pulls and pushes the rows
     through the symmetric-memory windows (a shared file on CPU) by tables made on the device, and output and every
-    gradient are uniep.moe_experts' over the global batch in one process, bit for bit."""
+    gradient are uniep.moe_experts' over the global batch in one process, bit for bit. ``pipelined`` (overlap on):
+    the forward's pulls, chunk GEMMs and pushes by chunks of local experts (device_plan._pipelined), the same bits."""
     from test_ep import single_process, use_kernels
 
     use_kernels(monkeypatch, kernels)
-    ranks = run_workers(_device_plan_worker, 2, (kernels, shards, routing), tmp_path)
-    assert [r["calls"] for r in ranks] == [{"host": 0, "device": 1}] * 2, [r["calls"] for r in ranks]
+    ranks = run_workers(_device_plan_worker, 2, (kernels, shards, routing, pipelined), tmp_path)
+    want = {"host": 0, "device": 1, "pipelined": int(pipelined)}
+    assert [r["calls"] for r in ranks] == [want] * 2, [r["calls"] for r in ranks]
     case = list(_op_case())
     if routing == "rank0_only":
         case[1] = case[1] % 2

@@ -583,6 +583,45 @@ def test_device_plan_reads_no_expert_bounds_on_the_host(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
+    """The device plan's pipelined forward (device_plan=True with overlap) at world size 1 in the interpreter, at 2
+    and 4 chunks of the 8 local experts (OverlapConfig.chunks): the single-GPU op's bits. Where it cannot run
+    (config.gated_epilogue's interleaved h) the layer says why and runs the steps one after another, with the same
+    bits as the op under that knob."""
+    import json
+    import logging
+
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.ep import device_pipeline
+    from uniep_dynamo.kernels import megakernel
+
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    spec = case[-1]
+    want, _ = run_layer(single_op_fn(spec), case)
+
+    def planned(group, knobs):
+        return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
+                                                              True, knobs, True)[0]
+    runs = device_pipeline.RUNS["forward"]
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        for chunks in (2, 4):
+            got, _ = run_layer(planned(group, json.dumps({"chunks": chunks})), case)
+            assert_bitwise(got, want, f"the device plan pipelined in {chunks} chunks")
+        assert device_pipeline.RUNS["forward"] == runs + 2
+        monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
+        monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "1")
+        monkeypatch.setattr(megakernel, "_LOGGED", set())
+        with caplog.at_level(logging.WARNING, logger="uniep"):
+            got, _ = run_layer(planned(group, ""), case)
+    assert device_pipeline.RUNS["forward"] == runs + 2
+    assert "without its pipeline" in caplog.text and "gated_epilogue" in caplog.text, caplog.text
+    assert_bitwise(got, run_layer(single_op_fn(spec), case)[0], "the device plan under gated_epilogue's layout")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_device_plan_auto_rule(tmp_path, monkeypatch):
     """ep_device_plan="auto" (the default): off CUDA the synchronized path; on a GPU the device plan where its
     worst-case buffers above the synchronized path's fit in AUTO_MEMORY_SHARE of the group's smallest GPU, decided

@@ -38,7 +38,7 @@ LAYERS = [  # (layer, module prefixes): a prefix names a module and, for a packa
     ("base", ("uniep_dynamo.tuning_cache", "uniep_dynamo.version")),
 ]
 EP_ORDER = ["processes", "config", "plan", "sequential", "layout", "transfer", "chunks", "pipeline", "overlap",
-            "exchange", "custom_ops", "device_plan", "device_choice", "layer"]
+            "exchange", "custom_ops", "device_pipeline", "device_plan", "device_choice", "layer"]
 
 
 def _modules() -> dict:

@@ -16,6 +16,8 @@ One module per concept; the imports go down this list, never up:
     overlap        ep_experts_overlapped: the overlapped layer as an autograd op
     exchange       the compiled exchange (all-to-all, local experts, all-to-all back) on the same pipeline
     custom_ops     torch.ops.uniep.ep_dispatch / ep_combine / ep_exchange, what the compile rewrites lower to
+    device_pipeline  the device plan's forward pipelined: chunk by chunk, pulls, Triton GEMMs and pushes beside
+                   each other, from tables made on the device
     device_plan    the EP layer with its routing plan on the device (no host synchronization): the windows and the
                    transfer kernel over device-made tables, buffers sized for the most rows a rank can receive
     device_choice  which path ep_layer takes a call by (the device plan or the synchronized one): ep_device_plan's

@@ -47,9 +47,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import device_pipeline
+from .device_pipeline import transfer_rows
 from .plan import all_gather_flat, device_count_table, routing_plan
 from .sequential import combine_rows_backward, gather_sum
-from .transfer import sm_count, window
+from .transfer import window
 
 # process group name -> (that group, a group over the same ranks that takes CPU tensors); the group is compared too: a
 # name comes back with the next process group once one is destroyed
@@ -232,13 +234,6 @@ def _compact_earlier() -> None:
     _EARLIER[:] = pending
 
 
-def _transfer(table, local, peers, push: bool, knobs) -> None:
-    from ..kernels.triton_transfer import copy_segments
-
-    if table.shape[0]:
-        copy_segments(table, local, peers, push, sm_count(local.device), knobs.copy_block, knobs.copy_warps)
-
-
 def _identity_plan(ends: torch.Tensor, rows: int, dtype):
     """(ids [rows, 1], ones [rows, 1], (row_order, slot_row, ends)) of a receive buffer whose rows are in expert order
     already: local expert e's rows end at ends[e]; rows past the last end get the id E_local (dropped)."""
@@ -248,10 +243,12 @@ def _identity_plan(ends: torch.Tensor, rows: int, dtype):
     return ids, ones, (index, index, ends)
 
 
-def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knobs, fused_kernels: bool, tokens: list):
+def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knobs, fused_kernels: bool, tokens: list,
+            pipelined: bool = False):
     """(rows sent back [T*K, H] in plan order, row_order, slot_row, offsets, every rank's counts [W, E + 1] on the
     device, Saved) of the EP layer's exchange with the plan on the device; ``tokens``: every rank's token count
-    (choose)."""
+    (choose). ``pipelined``: the pulls, GEMMs and pushes chunk by chunk, beside each other (device_pipeline.py), where
+    that runs (device_pipeline.reason)."""
     from ..kernels import megakernel
     from ..kernels.triton_transfer import layout_tables
     from ..spec import decode_spec
@@ -281,17 +278,24 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     received = _received_rows_later(ends)
     x = _buffer(capacity, hidden, fused_kernels)
     win_x.barrier()  # every rank's rows are in its window
-    _transfer(table, x, [win_x.send(p) for p in range(world)], False, knobs)
+    transfer_rows(table, x, [win_x.send(p) for p in range(world)], False, knobs)
     ids, ones, plan = _identity_plan(ends, capacity, x.dtype)
-    with megakernel.device_counts_only():  # per_expert_mm's GEMMs would read the expert ends on the host
-        out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
-    y, up, down = out[0], out[4], out[5]
-    if megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
-        down = None  # the fused backward (weights_grad=False) reads no down rows
-    win_y = window(group, send_rows, size, y.dtype, hidden.device)
-    # no barrier before the pushes: each peer read its ``back`` before the barrier above
-    _transfer(table, y, [win_y.back(p) for p in range(world)], True, knobs)
-    del y
+    why = device_pipeline.reason(x, ids, w_up, w_down, b_up, b_down, s) if pipelined else "not asked"
+    if why is None:
+        up, down, win_y = device_pipeline.forward(every, rank, x, ids, ends, w_up, w_down, b_up, b_down, s, group,
+                                                  win_x, send_rows, knobs)
+    else:
+        if pipelined:
+            megakernel.warn_once("ep_layer", why, "uniep: the EP device plan runs without its pipeline: %s")
+        with megakernel.device_counts_only():  # per_expert_mm's GEMMs would read the expert ends on the host
+            out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
+        y, up, down = out[0], out[4], out[5]
+        if megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+            down = None  # the fused backward (weights_grad=False) reads no down rows
+        win_y = window(group, send_rows, size, y.dtype, hidden.device)
+        # no barrier before the pushes: each peer read its ``back`` before the barrier above
+        transfer_rows(table, y, [win_y.back(p) for p in range(world)], True, knobs)
+        del y
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
     saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received)
@@ -319,7 +323,7 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     del d_rows, y_rows
     d_recv = _buffer(x.shape[0], x, fused_kernels)
     win_x.barrier()
-    _transfer(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
+    transfer_rows(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
     down = down if down is not None else d_recv.new_empty(0, size)
     saved.x = saved.up = saved.down = None
     from ..kernels import megakernel
@@ -329,7 +333,7 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
             d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
     del d_recv, x, up, down, ids, ones, plan
     win_dx = window(group, saved.send_rows, size, d_x.dtype, d_x.device)
-    _transfer(saved.table, d_x, [win_dx.back(p) for p in range(world)], True, knobs)
+    transfer_rows(saved.table, d_x, [win_dx.back(p) for p in range(world)], True, knobs)
     del d_x
     win_dx.barrier()
     # read before any later barrier: no peer writes this window's ``back`` until then

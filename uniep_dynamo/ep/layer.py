@@ -86,8 +86,8 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     the host the exchange's table and the split sizes [2, W]). The rows sent back, the received rows and their up
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
     the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: 1 (True)
-    keeps the plan on the device (ep/device_plan.py: no host synchronization; ``overlap`` is then not read) where
-    that path runs, 2 ("auto") where device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host
+    keeps the plan on the device (ep/device_plan.py: no host synchronization; with ``overlap`` its forward pipelines
+    its transfers with its GEMMs, device_plan.pipeline_reason says where) where that path runs, 2 ("auto") where device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host
     table and sizes are then placeholders of their shapes, and the received counts are on the device as ever."""
     group = _process_group(group_name)
     if group.size() != world:
@@ -107,7 +107,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
                                      "uniep: the EP layer keeps its routing plan on the device (ep_device_plan "
                                      "\"auto\"; False turns it off): %s", logging.INFO)
             return _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group,
-                                        knobs, fused_kernels, tokens)
+                                        knobs, fused_kernels, tokens, overlap)
         if auto:
             megakernel.warn_once("ep_layer", why, "uniep: the EP layer reads its plan on the host (ep_device_plan "
                                  "\"auto\" leaves the device plan off here): %s", logging.INFO)
@@ -142,12 +142,12 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
 
 
 def _device_plan_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, spec, group, knobs,
-                         fused_kernels, tokens):
+                         fused_kernels, tokens, overlap):
     world, local = group.size(), w_up.shape[0]
     rank = dist.get_rank(group)
     back, row_order, slot_row, offsets, every, saved = device_plan_path.forward(
         hidden, topk_ids, w_up, w_down, b_up, b_down, spec, group, knobs_from_json(knobs) or OverlapConfig(),
-        fused_kernels, tokens)
+        fused_kernels, tokens, pipelined=overlap)
     saved.y_rows = back.to(s.out_dtype)
     out = combine_rows(saved.y_rows, topk_weights, slot_row, offsets, _out_dtype(s, topk_weights), fused_kernels)
     recv = every[:, rank * local:(rank + 1) * local].contiguous()

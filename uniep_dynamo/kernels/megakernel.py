@@ -433,7 +433,7 @@ def quack_gathers_rows(layer: Layer, cfg, hidden, b, bias=None) -> bool:
 
 def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=None, d=None, w=None,
               a_scale=False, bias=None, offsets, two_halves=False, col_mult=1, up_shift=0, scatter=None,
-              interleaved: bool = False):
+              interleaved: bool = False, lead: bool = False):
     """The rows GEMM into ``c`` (a new [rows, width] tensor when None); returns ``c``. A GEMM with no given ``c``,
     a plain or activation epilogue, materialized rows and no bias runs as torch._grouped_mm where
     ``cfg.grouped_mm`` asks and the operands allow (the activation then by an element-wise pass into ``d``).
@@ -448,10 +448,17 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
 
     ``interleaved`` (config.gated_epilogue's layout, Layer.h_interleaved): with the GLU_FWD epilogue, h is stored
     with gate and up columns interleaved (``c`` [rows, 2I]) and the activation comes from QuACK's gated GEMM; with
-    STORE, ``a``'s K columns are interleaved against ``b``'s [gate; up] K rows (the input gradient from d_h)."""
+    STORE, ``a``'s K columns are interleaved against ``b``'s [gate; up] K rows (the input gradient from d_h).
+
+    ``lead``: ``offsets`` is a view of a longer offsets tensor past its first element, whose element before the view
+    is the first expert's first row (a run of experts [e0, e1) of a buffer in expert order, with ``b`` and ``bias``
+    their slices): by Triton only, the other GEMMs' group bounds start at row 0 (the EP device plan's pipeline)."""
     from .triton_gemm import GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
+    if lead and (interleaved or cfg.per_expert_mm or cfg.quack or cfg.grouped_mm):
+        raise ValueError("uniep: a GEMM over a run of experts that starts past row 0 (lead) runs by Triton only, "
+                         "over h in halves")
     if interleaved:
         return _rows_gemm_interleaved(layer, cfg, a=a, gather=gather, row_order=row_order, b=b, n=n, k=k,
                                       epilogue=epilogue, c=c, d=d, w=w, a_scale=a_scale, bias=bias, offsets=offsets,
@@ -552,7 +559,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         **({"dst_ptr": scatter[0], "SCATTER": True,
             **{f"q{i}": peers[min(i, len(peers) - 1)] for i in range(MAX_PEERS)}} if scatter is not None else {}),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        LEAD=lead, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return c if scatter is None else None
 
 
@@ -847,7 +854,7 @@ def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, 
     else:
         up = torch.empty(0, layer.up_width, dtype=w_up.dtype, device=device)
         down = torch.empty(0, layer.hidden_size, dtype=w_down.dtype, device=device)
-    _record_h_layout(up, layer.h_interleaved)
+    record_h_layout(up, layer.h_interleaved)
     out = combine(down, slot_row, topk_weights.reshape(layer.num_tokens, layer.top_k), offsets, layer.num_tokens,
                   layer.top_k, spec.out_dtype)
     return out, row_order, slot_row, offsets, up, down
@@ -860,7 +867,9 @@ _H_LAYOUTS: dict = {}
 _H_LAYOUTS_KEPT = 4096
 
 
-def _record_h_layout(up, interleaved: bool) -> None:
+def record_h_layout(up, interleaved: bool) -> None:
+    """``up`` holds a saved h in this layout (the forwards that write one: experts_forward, the EP device plan's
+    pipeline)."""
     if up.numel():
         _H_LAYOUTS.pop(up.data_ptr(), None)  # re-inserted last: the oldest entry is the first one
         _H_LAYOUTS[up.data_ptr()] = interleaved
@@ -872,7 +881,7 @@ def copy_h_layout(source, copy) -> None:
     """``copy`` (of ``source``'s first rows) holds a saved h in the layout its forward stored ``source`` in."""
     stored = _H_LAYOUTS.get(source.data_ptr()) if source.numel() else None
     if stored is not None:
-        _record_h_layout(copy, stored)
+        record_h_layout(copy, stored)
 
 
 def _check_h_layout(up, interleaved: bool) -> None:

@@ -47,12 +47,13 @@ GATED = {"silu_glu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu"}
 
 
 @triton.jit
-def _tile_schedule(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Per expert: first row, row count, and the exclusive prefix sum of its row tiles."""
+def _tile_schedule(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, LEAD: tl.constexpr = False):
+    """Per expert: first row, row count, and the exclusive prefix sum of its row tiles. With LEAD, offsets_ptr[-1]
+    is the first expert's first row (a view of a longer offsets tensor: a run of experts whose rows start past 0)."""
     e = tl.arange(0, BLOCK_E)
     in_range = e < num_experts
     ends = tl.load(offsets_ptr + e, mask=in_range, other=0)
-    starts = tl.load(offsets_ptr + e - 1, mask=in_range & (e > 0), other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=in_range & ((e > 0) | LEAD), other=0)
     counts = tl.where(in_range, ends - starts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
@@ -189,9 +190,9 @@ def _rows_gemm(
     TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
     FLATTEN: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
     dst_ptr=None, q0=None, q1=None, q2=None, q3=None, q4=None, q5=None, q6=None, q7=None,
-    SCATTER: tl.constexpr = False,
+    SCATTER: tl.constexpr = False, LEAD: tl.constexpr = False,
 ):
-    e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    e_idx, starts, ends, tiles, tile_end = _tile_schedule(offsets_ptr, num_experts, BLOCK_M, BLOCK_E, LEAD)
     total_m = tl.sum(tiles)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = total_m * num_n

@@ -122,7 +122,7 @@ def _chunk_bounds(e, last, b1, b2, b3, b4, b5, b6, b7):
 
 @triton.jit
 def _layout_tables(counts_ptr, out_ptr, stride, rank, world, experts, width, block, b1, b2, b3, b4, b5, b6, b7,
-                   BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr):
+                   BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, ABSOLUTE: tl.constexpr = False):
     # one program; pair i = e * world + s of local expert e and source s, in receive order
     pairs = world * experts
     i = tl.arange(0, BLOCK_P)
@@ -164,7 +164,7 @@ def _layout_tables(counts_ptr, out_ptr, stride, rank, world, experts, width, blo
     out = table_out + 5 * row
     tl.store(out, s.to(tl.int64), mask=ok)
     tl.store(out + 1, peer * width, mask=ok)
-    tl.store(out + 2, (at - lo) * width, mask=ok)
+    tl.store(out + 2, (at if ABSOLUTE else at - lo) * width, mask=ok)
     tl.store(out + 3, numel, mask=ok)
     tl.store(scratch + pairs + row, (numel + block - 1) // block, mask=ok)
     tl.debug_barrier()
@@ -179,14 +179,17 @@ def _layout_tables(counts_ptr, out_ptr, stride, rank, world, experts, width, blo
 MAX_CHUNKS = 8  # layout_tables' chunks at most
 
 
-def layout_tables(counts: torch.Tensor, rank: int, experts: int, chunk_firsts, width: int, block: int):
+def layout_tables(counts: torch.Tensor, rank: int, experts: int, chunk_firsts, width: int, block: int,
+                  absolute: bool = False):
     """The EP layer's device tables from the all-gathered count table ``counts`` ([W, >= W * experts] integers on
     the device, W sources' rows per global expert) by one launch, no host integer of the counts needed: (rel
     [experts], each local expert's end row counted from its chunk's first row; ends [experts], its end row;
     dest [W * experts, 3], the destinations' runs (expand_runs), one per (expert, source) pair in receive order;
     table [W * experts, 5], the transfer table of segment_table, chunk by chunk, each chunk's pairs source by
     source from ``rank``, then expert by expert, pairs without rows included). chunk_firsts: the first local expert
-    of each chunk, in order, at most MAX_CHUNKS; width: a row's elements; block: the transfer kernel's."""
+    of each chunk, in order, at most MAX_CHUNKS; width: a row's elements; block: the transfer kernel's. A table row's
+    local element counts from its chunk's first row, or with ``absolute`` from the receive buffer's first (the EP
+    device plan, whose chunk bounds are on the device only: each chunk's rows of the table, one launch each)."""
     world = counts.shape[0]
     pairs = world * experts
     if len(chunk_firsts) > MAX_CHUNKS or list(chunk_firsts[:1]) != [0]:
@@ -197,7 +200,7 @@ def layout_tables(counts: torch.Tensor, rank: int, experts: int, chunk_firsts, w
         block_p = max(2, 1 << (pairs - 1).bit_length())
         firsts = list(chunk_firsts[1:]) + [experts] * (MAX_CHUNKS - len(chunk_firsts))
         launch(_layout_tables, (1,), counts, out, counts.stride(0), rank, world, experts, width, block, *firsts,
-               BLOCK_P=block_p, BLOCK_G=max(2, min(64, 8192 // block_p)), num_warps=4)
+               BLOCK_P=block_p, BLOCK_G=max(2, min(64, 8192 // block_p)), ABSOLUTE=absolute, num_warps=4)
     rel, ends = out[:experts], out[experts:2 * experts]
     dest = out[2 * experts:2 * experts + 3 * pairs].view(pairs, 3)
     table = out[2 * experts + 3 * pairs:2 * experts + (3 + TABLE_COLUMNS) * pairs].view(pairs, TABLE_COLUMNS)

@@ -1,0 +1,119 @@
+"""The EP device plan's forward, pipelined (ep_layer with device_plan and overlap): chunk by chunk of local experts,
+the pull of a chunk's rows, its up and down GEMMs and the push of its results, on three streams, so that one chunk's
+transfers run beside another's GEMMs. The counts stay on the device as in device_plan.py: each chunk's transfers are
+its rows of a transfer table made on the device (local rows counted from the receive buffer's first row), and its
+GEMMs find the chunk's first row in the device's expert ends (rows_gemm's ``lead``). Each expert's GEMMs see the same
+rows in the same order as the unpipelined path's experts op, by the MegaKernel's Triton GEMMs (the other GEMM
+backends' group bounds start at row 0): the same bits where that op's GEMMs are Triton's, and on a GPU where the
+project's GEMM backends agree (kernels/config.py). The backward is device_plan.py's, over the same buffers.
+
+Not measured on a GPU yet (2026-11-28): the overlap it buys against the Triton GEMMs it takes instead of CUTLASS's or
+QuACK's.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+
+from .config import CHUNKS_SM, even_chunks
+from .transfer import Streams, sm_count, window
+
+RUNS = {"forward": 0}  # forward calls that ran the pipeline (the tests read it)
+
+
+def transfer_rows(table, local, peers, push: bool, knobs, programs: int | None = None) -> None:
+    """Every segment of ``table`` pulled into ``local`` or pushed from it, by ``programs`` programs (default: one an
+    SM, the transfer alone on the GPU)."""
+    from ..kernels.triton_transfer import copy_segments
+
+    if table.shape[0]:
+        copy_segments(table, local, peers, push, programs or sm_count(local.device), knobs.copy_block,
+                      knobs.copy_warps)
+
+
+def chunks(local: int, knobs) -> tuple:
+    """The local experts of each pipeline chunk: OverlapConfig.chunks even chunks (CHUNKS_SM where None), at most
+    MAX_CHUNKS."""
+    from ..kernels.triton_transfer import MAX_CHUNKS
+
+    count = min(knobs.chunks or CHUNKS_SM, MAX_CHUNKS, local)
+    return even_chunks(local, math.ceil(local / max(1, count)))
+
+
+def reason(x, ids, w_up, w_down, b_up, b_down, s) -> str | None:
+    """None where the forward's pipeline runs, else why not (the device plan then runs its steps one after another,
+    with the same bits on the same GEMMs). Its chunk GEMMs are the MegaKernel's Triton GEMMs (the others' group
+    bounds start at row 0), with h in halves, and it pushes the down rows themselves as the results (the combine of
+    one row a slot with a weight of one is a copy where the output dtype is theirs)."""
+    from ..kernels import megakernel
+
+    if not megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+        return "the fused kernels do not run this layer"
+    if s.out_dtype != w_down.dtype:
+        return f"the layer's output dtype ({s.out_dtype}) is not its weights' ({w_down.dtype})"
+    if w_up.shape[0] < 2:
+        return "one local expert: one chunk"
+    layer = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None)
+    if layer.h_interleaved:
+        return "config.gated_epilogue stores h interleaved, by QuACK's gated GEMM"
+    return None
+
+
+def forward(every, rank, x, ids, ends, w_up, w_down, b_up, b_down, s, group, win_x, send_rows, knobs):
+    """The forward's pull, experts and push, pipelined by chunks of local experts: chunk c's pull (the transfer kernel
+    over the chunk's rows of an absolute table) on the pull stream, its up and down GEMMs on the current stream once
+    pulled, its push on the push stream once computed, so a chunk's transfers run beside another's GEMMs. Each
+    expert's GEMMs are the experts op's Triton GEMMs over the same rows in the same order (the tile schedule from the
+    device's expert ends, the first chunk row read from them: ``lead``), so the bits are the same as the unpipelined
+    path's where its GEMMs are Triton's (GPU: the project's GEMM backends give the same bits, config.py). Returns
+    (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into)."""
+    from ..kernels import megakernel
+    from ..kernels.triton_gemm import GLU_FWD, STORE
+    from ..kernels.triton_transfer import layout_tables
+
+    RUNS["forward"] += 1
+    world, capacity, size = dist.get_world_size(group), x.shape[0], x.shape[1]
+    sizes = chunks(w_up.shape[0], knobs)
+    firsts = [0, *itertools.accumulate(sizes)]
+    _, _, _, table = layout_tables(every, rank, w_up.shape[0], firsts[:-1], size, knobs.copy_block, absolute=True)
+    full = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None)
+    cfg = full.config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+    up = torch.empty(capacity, full.up_width, dtype=w_up.dtype, device=x.device)
+    act = torch.empty(capacity, full.inter, dtype=w_down.dtype, device=x.device)
+    down = torch.empty(capacity, size, dtype=w_down.dtype, device=x.device)
+    win_y = window(group, send_rows, size, down.dtype, x.device)
+    streams = Streams(x.device)
+    streams.start_after_current()  # the pulls follow the barrier; the pushes, the peers' reads of ``back``
+    sources, backs = [win_x.send(p) for p in range(world)], [win_y.back(p) for p in range(world)]
+    beside = knobs.programs(world)
+    pulled = []
+    with streams.on(streams.pull):
+        for c in range(len(sizes)):
+            # the first pull alone on the GPU, the others beside GEMMs
+            transfer_rows(table[world * firsts[c]:world * firsts[c + 1]], x, sources, False, knobs,
+                          None if c == 0 else beside)
+            pulled.append(streams.record(streams.pull))
+    for c in range(len(sizes)):
+        e0, e1 = firsts[c], firsts[c + 1]
+        layer = megakernel.Layer(x, (capacity, 1), w_up[e0:e1], w_down[e0:e1], s, cfg, up_bias=b_up is not None)
+        offsets, lead = ends[e0:e1], e0 > 0
+        streams.wait(pulled[c])
+        megakernel.rows_gemm(layer, cfg.up, a=x, gather=False, row_order=None, b=layer.up_eff, n=layer.inter,
+                             k=size, epilogue=GLU_FWD, c=up, d=act,
+                             bias=b_up[e0:e1] if b_up is not None else None, offsets=offsets, lead=lead,
+                             **layer.weight_halves())
+        megakernel.rows_gemm(layer, cfg.down, a=act, gather=False, row_order=None, b=layer.down_eff, n=size,
+                             k=layer.inter, epilogue=STORE, c=down,
+                             bias=b_down[e0:e1] if b_down is not None else None, offsets=offsets, lead=lead)
+        done = streams.record()
+        with streams.on(streams.push):
+            streams.wait(done, streams.push)
+            # the last push has no GEMM beside it: every SM
+            transfer_rows(table[world * e0:world * e1], down, backs, True, knobs,
+                          None if c == len(sizes) - 1 else beside)
+    streams.join()  # the buffers, made on the current stream, outlive the side streams' use of them
+    megakernel.record_h_layout(up, False)
+    return up, None, win_y
