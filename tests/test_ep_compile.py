@@ -686,6 +686,53 @@ def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, 
         assert torch.equal(torch.cat([r["grads"][j] for r in ranks]), ref_grads[j]), name
 
 
+def _row_dependent_layout_worker(rank, world, port, out_dir):
+    from test_ep import gloo_group, rank_leaves, sorted_by_reference
+
+    with gloo_group(rank, world, port, UNIEP_KERNELS="triton", UNIEP_GATED_EPILOGUE="1"):
+        import uniep_dynamo  # noqa: F401
+        from uniep_dynamo.kernels import megakernel, triton_routing
+
+        import dataclasses
+
+        from uniep_dynamo.kernels import config as kconfig
+
+        triton_routing.routing_plan = sorted_by_reference  # in this worker process, which ends with the test
+        megakernel.INTERLEAVED_H_INTERPRETED = True
+        pick, seen = kconfig.current_config, []
+
+        def by_rows(rows, experts, *a, **k):  # as on a GPU, where QuACK's configs (the gated layout) need 512 rows
+            cfg = pick(rows, experts, *a, **k)  # an expert: the knob's layout follows the row count
+            if not kconfig._OVERRIDE:
+                cfg = dataclasses.replace(cfg, gated_epilogue=rows >= 24 * experts)
+            seen.append((rows, cfg.gated_epilogue))
+            return cfg
+        kconfig.current_config = by_rows
+        hidden, ids, weights, w_up, w_down, b_up, b_down, spec = _op_case()
+        e_local = w_up.shape[0] // world
+        mine, experts = slice(rank * 12, rank * 12 + 12), slice(rank * e_local, (rank + 1) * e_local)
+        leaves = rank_leaves(hidden, weights, w_up, w_down, b_up, b_down, mine, experts)
+        out = torch.ops.uniep.ep_layer(leaves[0], ids[mine], leaves[1], *leaves[2:], spec.encode(),
+                                       dist.group.WORLD.group_name, world, False, "", True)[0]
+        out.backward(torch.ones_like(out))
+        torch.save({"seen": seen}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_device_plan_backward_runs_with_its_forwards_config(tmp_path, monkeypatch):
+    """The device plan's forward picks its experts' config for the receive buffer's worst-case rows, its backward
+    sees the received rows only; a config picked for fewer rows may differ, and under config.gated_epilogue the
+    layout of h follows the config (on a GPU, QuACK's heuristic configs need 512 rows an expert). Here the layout
+    rule is made row-dependent that way: the backward runs with the forward's config, reads the layout the forward
+    stored, and the step completes (before, the layout check refused a step in which nothing had changed)."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    for r in run_workers(_row_dependent_layout_worker, 2, (), tmp_path):
+        assert r["seen"][0] == (72, True), r["seen"]  # the forward's buffer: every rank's 12 tokens x 3 slots
+        rows, interleaved = r["seen"][-1]  # the backward: the received rows, fewer, with the forward's config
+        assert rows < 72 and rows < 24 * 2 and interleaved, r["seen"]
+
+
 def _two_calls_worker(rank, world, port, kernels, routing, out_dir):
     from test_ep import gloo_group, rank_leaves, sorted_by_reference
 

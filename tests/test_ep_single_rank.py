@@ -605,11 +605,21 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     def planned(group, knobs):
         return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
                                                               True, knobs, True)[0]
+    from uniep_dynamo.kernels import triton_transfer
+
+    copies = []  # (push, table rows) of each transfer-kernel launch
+    monkeypatch.setattr(triton_transfer, "copy_segments", lambda table, *a, _f=triton_transfer.copy_segments, **k:
+                        copies.append((a[2], table.shape[0])) or _f(table, *a, **k))
     runs = device_pipeline.RUNS["forward"]
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
         for chunks in (2, 4):
+            copies.clear()
             got, _ = run_layer(planned(group, json.dumps({"chunks": chunks})), case)
             assert_bitwise(got, want, f"the device plan pipelined in {chunks} chunks")
+            # the forward pulls and pushes each chunk's rows of the table once (8 experts, one rank: a row an
+            # expert), the backward everything at once
+            each = [8 // chunks] * chunks
+            assert copies == [(False, n) for n in each] + [(True, n) for n in each] + [(False, 8), (True, 8)], copies
         assert device_pipeline.RUNS["forward"] == runs + 2
         monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
         monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "1")
@@ -619,6 +629,42 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     assert device_pipeline.RUNS["forward"] == runs + 2
     assert "without its pipeline" in caplog.text and "gated_epilogue" in caplog.text, caplog.text
     assert_bitwise(got, run_layer(single_op_fn(spec), case)[0], "the device plan under gated_epilogue's layout")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.parametrize("overlap,device_plan", [(True, 0), (False, 0), (False, 1), (True, 1)],
+                         ids=["overlapped", "sequential", "device_plan", "device_plan_pipelined"])
+def test_gated_epilogue_flipped_inside_an_ep_step_is_refused(overlap, device_plan, tmp_path, monkeypatch):
+    """UNIEP_GATED_EPILOGUE flipped between an EP layer's forward and its backward, never silently wrong gradients:
+    the host-plan paths' backwards refuse (the overlapped exchange's chunks record and check the layout of their rows
+    of h as the experts op does); the device plan's backward runs with its forward's config (it sees fewer rows, for
+    which the heuristics may pick another), so it reads the layout its forward stored whatever the variable says."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.kernels import megakernel
+
+    monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    hidden, ids, weights, w_up, w_down, grad, spec = case
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        def step(forward, backward):
+            leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
+            monkeypatch.setenv("UNIEP_GATED_EPILOGUE", forward)
+            out = torch.ops.uniep.ep_layer(leaves[0], ids, *leaves[1:], None, None, spec, group.group_name, 1,
+                                           overlap, "", device_plan)[0]
+            monkeypatch.setenv("UNIEP_GATED_EPILOGUE", backward)
+            out.backward(grad)
+            return [out.detach()] + [t.grad for t in leaves]
+        want = step("0", "0")
+        if device_plan:
+            for flip in (("1", "0"), ("0", "1")):
+                assert_bitwise(step(*flip), want, f"the device plan, the variable flipped {flip}")
+        else:
+            with pytest.raises(RuntimeError, match="UNIEP_GATED_EPILOGUE"):
+                step("1", "0")
+            assert_bitwise(step("1", "1"), want, "the layer under the gated layout (the interpreter's stand-in)")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")

@@ -70,6 +70,7 @@ class Chunks:
         megakernel.rows_gemm(layer, cfg.up, a=x[rows], gather=False, row_order=offs, b=layer.up_eff, n=layer.inter,
                              k=layer.hidden_size, epilogue=GLU_FWD, c=up[rows], d=act[rows], bias=b_up, offsets=offs,
                              interleaved=layer.h_interleaved, **layer.weight_halves())
+        megakernel.record_h_layout(up[rows], layer.h_interleaved)  # the backward's Chunks check it
         return megakernel.rows_gemm(layer, cfg.down, a=act[rows], gather=False, row_order=offs, b=layer.down_eff,
                                     n=layer.hidden_size, k=layer.inter, epilogue=STORE, bias=b_down, offsets=offs,
                                     scatter=_chunk_scatter(scatter, rows))
@@ -89,6 +90,7 @@ class Chunks:
             return None
         if self.skip_gemms:
             return dy[rows]
+        megakernel.check_h_layout(up[rows], layer.h_interleaved)
         cfg = layer.config
         d_act = megakernel.rows_gemm(layer, cfg.grad_act, a=dy[rows], gather=False, row_order=offs,
                                      b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size,

@@ -96,12 +96,16 @@ def worst_case_excess(tokens: list, top_k: int, hidden_size: int, up_width: int,
     return (AHEAD + 1) * extra_rows * (hidden_size + up_width) * itemsize
 
 
-def choose(hidden, topk_ids, w_up, group, auto: bool):
+def choose(hidden, topk_ids, w_up, group, auto: bool, fused_kernels: bool = True):
     """(None, every rank's token count) where this path runs, else (why not, None). ``auto`` (the compile's default,
     ep_device_plan="auto"): also only on CUDA, within one host, and where worst_case_excess fits in
     AUTO_MEMORY_SHARE of the smallest GPU of the group; every rank decides alike (from gathered counts), so the
-    group's collectives match."""
+    group's collectives match. ``fused_kernels``: whether the MegaKernel runs the layer (plan.layer_fused); on CUDA
+    the path needs it, since the reference experts op reads each expert's row count on the host."""
     why = unsupported_reason(hidden, group)
+    if why is None and hidden.is_cuda and not fused_kernels:
+        why = ("the fused kernels do not run this layer, and the reference experts op reads the expert counts on "
+               "the host")
     if why is None and auto:
         why, memory = _auto_facts(hidden, group)
     if why is not None:

@@ -41,6 +41,7 @@ Where it cannot run (unsupported_reason) ep_layer takes the synchronized path.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 
@@ -136,6 +137,7 @@ class Saved:
     send_rows: int  # capacity of the windows' rows (the most slots of any rank)
     fused_kernels: bool
     count: tuple | None = None  # (event or None, host tensor) of _received_rows_later: the received rows' count
+    config: object = None  # the forward's MegaKernelConfig (the fused kernels' path): the backward's too
 
 
 # forward calls of this path in this process (the tests read it: which path ep_layer took)
@@ -277,20 +279,24 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     _, ends, _, table = layout_tables(every, rank, local, [0], size, knobs.copy_block)
     received = _received_rows_later(ends)
     x = _buffer(capacity, hidden, fused_kernels)
-    win_x.barrier()  # every rank's rows are in its window
-    transfer_rows(table, x, [win_x.send(p) for p in range(world)], False, knobs)
     ids, ones, plan = _identity_plan(ends, capacity, x.dtype)
+    # the experts op's config over the receive buffer, which the backward runs with too: it sees the received rows
+    # only (_received_view), and a config picked for fewer rows may differ (config.gated_epilogue's layout of h)
+    fused = megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s)
+    config = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None).config if fused else None
     why = device_pipeline.reason(x, ids, w_up, w_down, b_up, b_down, s) if pipelined else "not asked"
-    if why is None:
+    win_x.barrier()  # every rank's rows are in its window
+    if why is None:  # the pipeline pulls chunk by chunk
         up, down, win_y = device_pipeline.forward(every, rank, x, ids, ends, w_up, w_down, b_up, b_down, s, group,
                                                   win_x, send_rows, knobs)
     else:
         if pipelined:
             megakernel.warn_once("ep_layer", why, "uniep: the EP device plan runs without its pipeline: %s")
+        transfer_rows(table, x, [win_x.send(p) for p in range(world)], False, knobs)
         with megakernel.device_counts_only():  # per_expert_mm's GEMMs would read the expert ends on the host
             out = torch.ops.uniep.moe_experts(x, ids, ones, w_up, w_down, b_up, b_down, [], spec, *plan)
         y, up, down = out[0], out[4], out[5]
-        if megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+        if fused:
             down = None  # the fused backward (weights_grad=False) reads no down rows
         win_y = window(group, send_rows, size, y.dtype, hidden.device)
         # no barrier before the pushes: each peer read its ``back`` before the barrier above
@@ -298,7 +304,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
         del y
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
-    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received)
+    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received, config)
     _EARLIER.append(weakref.ref(saved))
     return back, row_order, slot_row, offsets, every, saved
 
@@ -328,7 +334,10 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     saved.x = saved.up = saved.down = None
     from ..kernels import megakernel
 
-    with megakernel.device_counts_only():
+    from ..kernels.config import use_config
+
+    pinned = use_config(saved.config) if saved.config is not None else contextlib.nullcontext()
+    with megakernel.device_counts_only(), pinned:
         d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
             d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
     del d_recv, x, up, down, ids, ones, plan

@@ -87,7 +87,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
     the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: 1 (True)
     keeps the plan on the device (ep/device_plan.py: no host synchronization; with ``overlap`` its forward pipelines
-    its transfers with its GEMMs, device_plan.pipeline_reason says where) where that path runs, 2 ("auto") where device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host
+    its transfers with its GEMMs, device_pipeline.reason says where) where that path runs, 2 ("auto") where device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host
     table and sizes are then placeholders of their shapes, and the received counts are on the device as ever."""
     group = _process_group(group_name)
     if group.size() != world:
@@ -99,7 +99,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
     auto = device_plan == device_choice.AUTO
     if device_plan and not (auto and overlap):
-        why, tokens = device_choice.choose(hidden, topk_ids, w_up, group, auto)
+        why, tokens = device_choice.choose(hidden, topk_ids, w_up, group, auto, fused_kernels)
         from ..kernels import megakernel
         if why is None:
             if auto:

@@ -339,7 +339,7 @@ def _gated_env() -> bool | None:
     """``UNIEP_GATED_EPILOGUE=0`` / ``=1`` sets the gated_epilogue numerics knob over the heuristics' and the tuning
     cache's choice; None where it is not set. Read when a call's config is picked, by the forward and again by its
     backward, which must read the layout the forward stored: set it before a step, not between a forward and its
-    backward (a backward that would read the other layout raises: megakernel._check_h_layout)."""
+    backward (a backward that would read the other layout raises: megakernel.check_h_layout)."""
     value = os.environ.get("UNIEP_GATED_EPILOGUE", "")
     return value == "1" if value in ("0", "1") else None
 

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 
 import torch
 from torch._dynamo.utils import counters
@@ -251,7 +252,7 @@ class Layer:
         device_counts_only (the EP layer's device plan)."""
         if self._host_bounds is not None and self._host_bounds[0] is offsets:
             return self._host_bounds[1]
-        if _DEVICE_COUNTS_ONLY[0] or (offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if getattr(_DEVICE_COUNTS_ONLY, "depth", 0) or (offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None
         self._host_bounds = (offsets, [0, *offsets.tolist()])
         return self._host_bounds[1]
@@ -370,19 +371,21 @@ def _use_grouped_mm(layer: Layer, cfg, out_cols: int, *operands) -> bool:
 # Triton's interpreter (CPU tests) keeps its own GEMMs unless a test asks for the per-expert torch.mm path (whose
 # CPU rounding differs from the interpreter's numpy dots), as for GROUPED_MM_INTERPRETED.
 PER_EXPERT_MM_INTERPRETED = False
-_DEVICE_COUNTS_ONLY = [0]  # > 0 inside device_counts_only
+_DEVICE_COUNTS_ONLY = threading.local()  # .depth > 0 inside device_counts_only, in this thread
 
 
 @contextlib.contextmanager
 def device_counts_only():
-    """The experts ops called inside read no row count on the host: their per_expert_mm GEMMs take the other knobs'
-    path, as in a CUDA graph being captured. The EP layer's device plan runs its experts ops so: its counts stay on
-    the device, and a read of them would be a host synchronization in the middle of its pipeline."""
-    _DEVICE_COUNTS_ONLY[0] += 1
+    """The experts ops called inside, in this thread, read no row count on the host: their per_expert_mm GEMMs take
+    the other knobs' path, as in a CUDA graph being captured. The EP layer's device plan runs its experts ops so: its
+    counts stay on the device, and a read of them would be a host synchronization in the middle of its pipeline.
+    Per thread: an experts op of another thread (the autograd engine runs CUDA backwards on threads of its own)
+    keeps its knobs."""
+    _DEVICE_COUNTS_ONLY.depth = getattr(_DEVICE_COUNTS_ONLY, "depth", 0) + 1
     try:
         yield
     finally:
-        _DEVICE_COUNTS_ONLY[0] -= 1
+        _DEVICE_COUNTS_ONLY.depth -= 1
 
 
 def _per_expert_bounds(layer: Layer, cfg, offsets, *operands):
@@ -884,7 +887,7 @@ def copy_h_layout(source, copy) -> None:
         record_h_layout(copy, stored)
 
 
-def _check_h_layout(up, interleaved: bool) -> None:
+def check_h_layout(up, interleaved: bool) -> None:
     """Refuse a backward that would read the saved h in another layout than its forward stored: the gated_epilogue
     knob (UNIEP_GATED_EPILOGUE, use_config) changed between them. Gradients would be silently wrong otherwise."""
     stored = _H_LAYOUTS.get(up.data_ptr()) if up.numel() else None
@@ -922,7 +925,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
 
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = Layer(hidden, topk_ids, w_up, w_down, spec, up_bias=b_up is not None)
-    _check_h_layout(up, layer.h_interleaved)
+    check_h_layout(up, layer.h_interleaved)
     cfg = layer.config
     device = hidden.device
     grad_out = (grad_out.pop() if isinstance(grad_out, list) else grad_out).contiguous()
