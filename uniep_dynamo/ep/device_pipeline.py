@@ -43,32 +43,31 @@ def chunks(local: int, knobs) -> tuple:
     return even_chunks(local, math.ceil(local / max(1, count)))
 
 
-def reason(x, ids, w_up, w_down, b_up, b_down, s) -> str | None:
+def reason(full, w_up, w_down, s) -> str | None:
     """None where the forward's pipeline runs, else why not (the device plan then runs its steps one after another,
     with the same bits on the same GEMMs). Its chunk GEMMs are the MegaKernel's Triton GEMMs (the others' group
     bounds start at row 0), with h in halves, and it pushes the down rows themselves as the results (the combine of
-    one row a slot with a weight of one is a copy where the output dtype is theirs)."""
-    from ..kernels import megakernel
-
-    if not megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+    one row a slot with a weight of one is a copy where the output dtype is theirs). ``full``: the MegaKernel's
+    Layer over the receive buffer, None where the fused kernels do not run it."""
+    if full is None:
         return "the fused kernels do not run this layer"
     if s.out_dtype != w_down.dtype:
         return f"the layer's output dtype ({s.out_dtype}) is not its weights' ({w_down.dtype})"
     if w_up.shape[0] < 2:
         return "one local expert: one chunk"
-    layer = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None)
-    if layer.h_interleaved:
+    if full.h_interleaved:
         return "config.gated_epilogue stores h interleaved, by QuACK's gated GEMM"
     return None
 
 
-def forward(every, rank, x, ids, ends, w_up, w_down, b_up, b_down, s, group, win_x, send_rows, knobs):
+def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, win_x, send_rows, knobs):
     """The forward's pull, experts and push, pipelined by chunks of local experts: chunk c's pull (the transfer kernel
     over the chunk's rows of an absolute table) on the pull stream, its up and down GEMMs on the current stream once
     pulled, its push on the push stream once computed, so a chunk's transfers run beside another's GEMMs. Each
     expert's GEMMs are the experts op's Triton GEMMs over the same rows in the same order (the tile schedule from the
     device's expert ends, the first chunk row read from them: ``lead``), so the bits are the same as the unpipelined
-    path's where its GEMMs are Triton's (GPU: the project's GEMM backends give the same bits, config.py). Returns
+    path's where its GEMMs are Triton's (GPU: the project's GEMM backends give the same bits, config.py). ``full``:
+    the MegaKernel's Layer over the receive buffer ``x`` (its config, less the other GEMM backends). Returns
     (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into)."""
     from ..kernels import megakernel
     from ..kernels.triton_gemm import GLU_FWD, STORE
@@ -79,7 +78,6 @@ def forward(every, rank, x, ids, ends, w_up, w_down, b_up, b_down, s, group, win
     sizes = chunks(w_up.shape[0], knobs)
     firsts = [0, *itertools.accumulate(sizes)]
     _, _, _, table = layout_tables(every, rank, w_up.shape[0], firsts[:-1], size, knobs.copy_block, absolute=True)
-    full = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None)
     cfg = full.config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
     up = torch.empty(capacity, full.up_width, dtype=w_up.dtype, device=x.device)
     act = torch.empty(capacity, full.inter, dtype=w_down.dtype, device=x.device)

@@ -283,11 +283,11 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     # the experts op's config over the receive buffer, which the backward runs with too: it sees the received rows
     # only (_received_view), and a config picked for fewer rows may differ (config.gated_epilogue's layout of h)
     fused = megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s)
-    config = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None).config if fused else None
-    why = device_pipeline.reason(x, ids, w_up, w_down, b_up, b_down, s) if pipelined else "not asked"
+    full = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None) if fused else None
+    why = device_pipeline.reason(full, w_up, w_down, s) if pipelined else "not asked"
     win_x.barrier()  # every rank's rows are in its window
     if why is None:  # the pipeline pulls chunk by chunk
-        up, down, win_y = device_pipeline.forward(every, rank, x, ids, ends, w_up, w_down, b_up, b_down, s, group,
+        up, down, win_y = device_pipeline.forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group,
                                                   win_x, send_rows, knobs)
     else:
         if pipelined:
@@ -304,7 +304,8 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
         del y
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
-    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received, config)
+    saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received,
+                  full.config if full is not None else None)
     _EARLIER.append(weakref.ref(saved))
     return back, row_order, slot_row, offsets, every, saved
 
@@ -333,7 +334,6 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     down = down if down is not None else d_recv.new_empty(0, size)
     saved.x = saved.up = saved.down = None
     from ..kernels import megakernel
-
     from ..kernels.config import use_config
 
     pinned = use_config(saved.config) if saved.config is not None else contextlib.nullcontext()

@@ -87,8 +87,9 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
     the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: 1 (True)
     keeps the plan on the device (ep/device_plan.py: no host synchronization; with ``overlap`` its forward pipelines
-    its transfers with its GEMMs, device_pipeline.reason says where) where that path runs, 2 ("auto") where device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host
-    table and sizes are then placeholders of their shapes, and the received counts are on the device as ever."""
+    its transfers with its GEMMs, device_pipeline.reason says where) where that path runs, 2 ("auto") where
+    device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host table and sizes are then
+    placeholders of their shapes, and the received counts are on the device as ever."""
     group = _process_group(group_name)
     if group.size() != world:
         raise ValueError(f"uniep.ep_layer: compiled for {world} ranks, but process group {group_name!r} has "

@@ -871,8 +871,8 @@ _H_LAYOUTS_KEPT = 4096
 
 
 def record_h_layout(up, interleaved: bool) -> None:
-    """``up`` holds a saved h in this layout (the forwards that write one: experts_forward, the EP device plan's
-    pipeline)."""
+    """``up`` holds a saved h in this layout (the forwards that write one: experts_forward, the EP layers' chunks
+    and the device plan's pipeline)."""
     if up.numel():
         _H_LAYOUTS.pop(up.data_ptr(), None)  # re-inserted last: the oldest entry is the first one
         _H_LAYOUTS[up.data_ptr()] = interleaved
