@@ -60,6 +60,9 @@ it. Providers, on the same module and inputs:
              wherever it can run; the default ("auto") does so where its worst-case buffers fit (device_choice.choose)
   hf_uniep_sync, hf_layer_uniep_sync  the same with options={"ep_device_plan": False}: the layer reads its plan on
              the host (the synchronized path, the default before ep_device_plan="auto")
+  hf_uniep_device_pipeline, hf_layer_uniep_device_pipeline, uniep_one_graph_pipeline  the device plan with its
+             forward pipelined (options={"ep_device_plan": True, "overlap_ep": True}; ep/device_pipeline.py): HF's
+             block, its decoder model, and the plain layer in one graph
   hf_layer_eager, hf_layer_inductor, hf_layer_uniep, hf_layer_inductor_graphs, hf_layer_uniep_graphs  a model
              of the same kind with --layers decoder layers (one by default), whole (each decoder layer with its
              attention at the shape's real head counts, the final norm, a 128-word head) on [1, T, H] input
@@ -116,7 +119,8 @@ PROVIDERS = ("eager", "inductor", "uniep", "uniep_kernel", "uniep_wgrad_chunks",
              "hf_eager", "hf_inductor", "hf_uniep", "hf_uniep_overlap", "hf_inductor_graphs", "hf_uniep_graphs",
              "hf_uniep_overlap_graphs", "hf_layer_eager", "hf_layer_inductor", "hf_layer_uniep",
              "hf_layer_inductor_graphs", "hf_layer_uniep_graphs", "hf_uniep_device_plan",
-             "hf_layer_uniep_device_plan", "hf_uniep_sync", "hf_layer_uniep_sync")
+             "hf_layer_uniep_device_plan", "hf_uniep_sync", "hf_layer_uniep_sync", "hf_uniep_device_pipeline",
+             "hf_layer_uniep_device_pipeline", "uniep_one_graph_pipeline")
 OVERLAP = {"uniep_overlap": {"copy_engine": True}, "uniep_overlap_sm": {"copy_engine": False, "copy_kernel": False},
            "uniep_overlap_off": {"overlap": False}, "overlap_compute_only": {"timing": "compute"},
            "overlap_comm_only": {"timing": "comm", "copy_engine": True},
@@ -529,6 +533,7 @@ def _worker(rank, world, port, args, out_path):
                         provider[len(family) + 1:].removesuffix("_graphs"), "uniep")
                     options = {"overlap_ep": True} if "_uniep_overlap" in provider else \
                         {"ep_device_plan": True} if provider.endswith("_device_plan") else \
+                        {"ep_device_plan": True, "overlap_ep": True} if provider.endswith("_device_pipeline") else \
                         {"ep_device_plan": False} if provider.endswith("_sync") else None
                     mode = "reduce-overhead" if provider.endswith("_graphs") else None
                     if options and mode:  # torch.compile takes one of them: the mode's settings go in uniep's options
@@ -540,7 +545,8 @@ def _worker(rank, world, port, args, out_path):
                 elif provider in OVERLAP:
                     run = _overlapped_run(layer, args.chunks, args.copy_programs, **OVERLAP[provider])
                 elif "_one_graph" in provider:
-                    options = {"ep_device_plan": False} if provider.endswith("_sync") else {}
+                    options = {"ep_device_plan": False} if provider.endswith("_sync") else \
+                        {"ep_device_plan": True, "overlap_ep": True} if provider.endswith("_pipeline") else {}
                     if provider.endswith("_graphs"):  # reduce-overhead's settings, through uniep's options
                         from torch._inductor import list_mode_options
 

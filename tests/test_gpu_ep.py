@@ -431,13 +431,13 @@ def test_plain_ep_model_in_one_graph_on_gpus(world, tmp_path):
         assert r["one_graph"]["syncs"] == r["default"]["syncs"] == [], (r["one_graph"]["syncs"], r["default"]["syncs"])
 
 
-def _device_plan_worker(rank, world, port, case, out_dir):
+def _device_plan_worker(rank, world, port, case, pipelined, out_dir):
     from uniep_dynamo.ep import local_rank
 
     with local_rank(rank, world, port) as device:
         import uniep_dynamo  # noqa: F401
         from test_ep_single_rank import host_syncs
-        from uniep_dynamo.ep import device_plan, layer
+        from uniep_dynamo.ep import device_pipeline, device_plan, layer
         from uniep_dynamo.kernels.config import use_config
 
         tokens, experts, top_k, routing = case
@@ -451,7 +451,7 @@ def _device_plan_worker(rank, world, port, case, out_dir):
 
         def planned(x, i, w, a, b):
             return torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, dist.group.WORLD.group_name, world,
-                                            False, "", True)[0]
+                                            pipelined, "", True)[0]
         with use_config(_config(tokens, experts, top_k)):
             runs = [_run(hidden[mine], ids[mine], weights[mine], w_up[local], w_down[local], grad[mine], planned)]
             torch.cuda.synchronize(device)
@@ -466,6 +466,7 @@ def _device_plan_worker(rank, world, port, case, out_dir):
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
         gloo_twin = any(entry[1] is not entry[0] for entry in device_plan._HOST_GROUPS.values())  # NCCL: a twin
         torch.save({"runs": [[t.cpu() for t in r] for r in runs], "host_tables": len(host_tables),
+                    "pipelined": device_pipeline.RUNS["forward"],
                     "syncs": (forward_syncs, backward_syncs), "host_group": gloo_twin,
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
                                single[3][local].cpu(), single[4][local].cpu()]},
@@ -473,17 +474,21 @@ def _device_plan_worker(rank, world, port, case, out_dir):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["steps", "pipelined"])
 @pytest.mark.parametrize("case", [(1024, 16, 8, "random"), (512, 8, 2, "rank0_only")],
                          ids=["qwen_like", "lower_half_of_experts_only"])
-def test_ep_layer_device_plan_on_gpus(case, world, tmp_path):
+def test_ep_layer_device_plan_on_gpus(case, world, pipelined, tmp_path):
     """uniep.ep_layer with device_plan=True (the compile's ep_device_plan) over NCCL and symmetric memory: no host
     synchronization in its forward or its backward (torch's sync debug mode, after a first call), the counts never
-    on the host, and output and every gradient the single-GPU op's bits, twice."""
+    on the host, and output and every gradient the single-GPU op's bits, twice. ``pipelined`` (overlap on): the
+    forward pipelined (ep/device_pipeline.py), its chunk GEMMs by Triton where the single-GPU op's config runs
+    CUTLASS's: the same bits, as the backends' probes found."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
     from test_ep import run_workers
     names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
-    for rank, result in enumerate(run_workers(_device_plan_worker, world, (case,), tmp_path)):
+    for rank, result in enumerate(run_workers(_device_plan_worker, world, (case, pipelined), tmp_path)):
+        assert result["pipelined"] == (2 if pipelined else 0), result["pipelined"]  # two calls a worker
         assert result["host_tables"] == 0 and result["host_group"], result["host_tables"]
         assert result["syncs"] == ([], []), result["syncs"]
         for i, run in enumerate(result["runs"]):
