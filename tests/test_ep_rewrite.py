@@ -450,8 +450,12 @@ def _one_graph_worker(rank, world, port, out_dir):
         import uniep_dynamo
         from ep_moe import ExpertParallelMoE
         from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-        from uniep_dynamo.ep import device_plan
+        from uniep_dynamo.ep import device_pipeline, device_plan
         from uniep_dynamo.patterns.graph_utils import op_name
+
+        asked = []  # the device plan's calls that asked for its pipeline, and the answers
+        reason = device_pipeline.reason
+        device_pipeline.reason = lambda *a: asked.append(reason(*a)) or asked[-1]
 
         class SizesRead(ExpertParallelMoE):
             """The layer with its received row count also read outside the exchange: not one op (the count read
@@ -531,7 +535,9 @@ def _one_graph_worker(rank, world, port, out_dir):
                 results[name].update(setting_after=setting_after,
                                      totals=report.totals(), graphs=list(graphs), gaps=[g.coverage_gaps()
                                                                                       for g in report.graphs],
-                                     device_plan_runs={k: device_plan.RUNS[k] - runs[k] for k in runs})
+                                     device_plan_runs={k: device_plan.RUNS[k] - runs[k] for k in runs},
+                                     pipeline_asked=list(asked))
+                asked.clear()
         # another token count: Dynamo compiles the graph again with the count symbolic, and the layer is one op there too
         torch._dynamo.reset()
         compiled = torch.compile(plain, backend="uniep", options={"inner_backend": inner})
@@ -559,6 +565,7 @@ def _one_graph_worker(rank, world, port, out_dir):
 _ONE_GRAPH = [("eager", False, {}), ("two_graphs", False, {"capture_ep_sizes": False}), ("one_graph", True, {}),
               ("default", False, {}),
               ("one_graph_device_plan", True, {"ep_device_plan": True}),
+              ("one_graph_device_pipeline", True, {"ep_device_plan": True, "overlap_ep": True}),
               ("one_graph_exchange_apart", True, {"rewrite_ep_exchange": False}), ("sizes_read", True, {}),
               ("one_graph_no_grad", True, {}), ("one_graph_device_plan_no_grad", True, {"ep_device_plan": True}),
               ("stacked_two_graphs", False, {"capture_ep_sizes": False}), ("stacked_one_graph", True, {}),
@@ -584,7 +591,7 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
     for r in ranks:
         two, eager = r["two_graphs"], r["eager"]
         assert (two["totals"]["ep_dispatch"], two["totals"]["ep_exchange"], two["totals"]["ep_layer"]) == (1, 1, 0)
-        for name in ("one_graph", "default", "one_graph_device_plan", "one_graph_no_grad",
+        for name in ("one_graph", "default", "one_graph_device_plan", "one_graph_device_pipeline", "one_graph_no_grad",
                      "one_graph_device_plan_no_grad"):
             got = r[name]
             t = got["totals"]
@@ -597,6 +604,11 @@ def test_plain_ep_layer_in_one_graph_is_one_op_with_no_host_read(world, tmp_path
             assert all(torch.equal(a, b) for a, b in zip(got["values"], two["values"])), name
         assert r["one_graph"]["device_plan_runs"] == r["one_graph_no_grad"]["device_plan_runs"] == {"forward": 0}
         assert r["one_graph_device_plan"]["device_plan_runs"] == {"forward": 1}
+        # overlap_ep with ep_device_plan: the device plan asks for its pipeline (which the reference kernels, this
+        # test's, do not run: the steps one after another, the same bits); without overlap_ep it does not ask
+        assert r["one_graph_device_pipeline"]["device_plan_runs"] == {"forward": 1}
+        assert r["one_graph_device_pipeline"]["pipeline_asked"] == ["the fused kernels do not run this layer"]
+        assert r["one_graph_device_plan"]["pipeline_asked"] == []
         assert r["one_graph_device_plan_no_grad"]["device_plan_runs"] == {"forward": 1}
         apart = r["one_graph_exchange_apart"]
         t = apart["totals"]
