@@ -77,9 +77,11 @@ def run_layer(fn, case, counted=None):
     return [out.detach()] + [t.grad for t in leaves], syncs
 
 
-def ep_layer_fn(spec, group, overlap: bool):
+def ep_layer_fn(spec, group, overlap: bool, knobs: str = "", device_plan: int = 0):
+    """uniep.ep_layer at world size 1 over ``group`` as fn(hidden, ids, weights, w_up, w_down) -> out (device_plan:
+    ep_layer's argument, 0 never, 1 wherever it runs)."""
     return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
-                                                          overlap, "")[0]
+                                                          overlap, knobs, device_plan)[0]
 
 
 def single_op_fn(spec):
@@ -512,8 +514,7 @@ def test_ep_layer_device_plan_at_world_1_and_its_fallback(tmp_path, monkeypatch,
     want, _ = run_layer(single_op_fn(spec), case)
 
     def planned(group):
-        return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
-                                                              False, "", True)[0]
+        return ep_layer_fn(spec, group, False, device_plan=True)
     for attempt in range(2):
         (tmp_path / str(attempt)).mkdir()
         with one_rank_group(torch.device("cpu"), tmp_path / str(attempt)) as group:
@@ -568,8 +569,7 @@ def test_device_plan_reads_no_expert_bounds_on_the_host(tmp_path, monkeypatch):
         want, _ = run_layer(single_op_fn(spec), case)
 
     def layer(group, device_plan):
-        return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
-                                                              False, "", device_plan)[0]
+        return ep_layer_fn(spec, group, False, device_plan=device_plan)
     with one_rank_group(torch.device("cpu"), tmp_path) as group, \
             kconfig.use_config(cfg.replace_gemms(per_expert_mm=True)):
         counters.clear()
@@ -603,8 +603,7 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     want, _ = run_layer(single_op_fn(spec), case)
 
     def planned(group, knobs):
-        return lambda x, i, w, a, b: torch.ops.uniep.ep_layer(x, i, w, a, b, None, None, spec, group.group_name, 1,
-                                                              True, knobs, True)[0]
+        return ep_layer_fn(spec, group, True, knobs, device_plan=True)
     from uniep_dynamo.kernels import triton_transfer
 
     copies = []  # (push, table rows) of each transfer-kernel launch
@@ -652,8 +651,7 @@ def test_gated_epilogue_flipped_inside_an_ep_step_is_refused(overlap, device_pla
         def step(forward, backward):
             leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
             monkeypatch.setenv("UNIEP_GATED_EPILOGUE", forward)
-            out = torch.ops.uniep.ep_layer(leaves[0], ids, *leaves[1:], None, None, spec, group.group_name, 1,
-                                           overlap, "", device_plan)[0]
+            out = ep_layer_fn(spec, group, overlap, device_plan=device_plan)(leaves[0], ids, *leaves[1:])
             monkeypatch.setenv("UNIEP_GATED_EPILOGUE", backward)
             out.backward(grad)
             return [out.detach()] + [t.grad for t in leaves]
