@@ -651,7 +651,7 @@ def _device_plan_worker(rank, world, port, kernels, shards, routing, pipelined, 
                                        dist.group.WORLD.group_name, world, pipelined, "", True)[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
         out.backward(grad)
-        calls["pipelined"] = device_pipeline.RUNS["forward"]
+        calls["pipelined"], calls["beside"] = device_pipeline.RUNS["forward"], device_plan.BESIDE["backward"]
         torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "calls": calls},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -670,12 +670,13 @@ def test_ep_layer_device_plan_bitwise_equals_single_process_op(kernels, shards, 
     counts never reach the host (ep_layer's count_table is not called), the transfer kernel pulls and pushes the rows
     through the symmetric-memory windows (a shared file on CPU) by tables made on the device, and output and every
     gradient are uniep.moe_experts' over the global batch in one process, bit for bit. ``pipelined`` (overlap on):
-    the forward's pulls, chunk GEMMs and pushes by chunks of local experts (device_plan._pipelined), the same bits."""
+    the forward's pulls, chunk GEMMs and pushes by chunks of local experts (device_pipeline.py), and the backward's
+    d_x pushed before the weight gradients' GEMMs, the same bits."""
     from test_ep import single_process, use_kernels
 
     use_kernels(monkeypatch, kernels)
     ranks = run_workers(_device_plan_worker, 2, (kernels, shards, routing, pipelined), tmp_path)
-    want = {"host": 0, "device": 1, "pipelined": int(pipelined)}
+    want = {"host": 0, "device": 1, "pipelined": int(pipelined), "beside": int(pipelined)}
     assert [r["calls"] for r in ranks] == [want] * 2, [r["calls"] for r in ranks]
     case = list(_op_case())
     if routing == "rank0_only":

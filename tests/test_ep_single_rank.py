@@ -585,7 +585,8 @@ def test_device_plan_reads_no_expert_bounds_on_the_host(tmp_path, monkeypatch):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     """The device plan's pipelined forward (device_plan=True with overlap) at world size 1 in the interpreter, at 2
-    and 4 chunks of the 8 local experts (OverlapConfig.chunks): the single-GPU op's bits. Where it cannot run
+    and 4 chunks of the 8 local experts (OverlapConfig.chunks), and its backward with the input-gradient rows pushed
+    before the weight gradients' GEMMs (to run beside them): the single-GPU op's bits. Where it cannot run
     (config.gated_epilogue's interleaved h) the layer says why and runs the steps one after another, with the same
     bits as the op under that knob."""
     import json
@@ -595,7 +596,7 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
 
     use_kernels(monkeypatch, "triton")
     import uniep_dynamo  # noqa: F401
-    from uniep_dynamo.ep import device_pipeline
+    from uniep_dynamo.ep import device_pipeline, device_plan
     from uniep_dynamo.kernels import megakernel
 
     case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
@@ -606,20 +607,24 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
         return ep_layer_fn(spec, group, True, knobs, device_plan=True)
     from uniep_dynamo.kernels import triton_transfer
 
-    copies = []  # (push, table rows) of each transfer-kernel launch
+    copies = []  # (push, table rows) of each transfer-kernel launch, "wgrad" of each weight-gradient GEMM
     monkeypatch.setattr(triton_transfer, "copy_segments", lambda table, *a, _f=triton_transfer.copy_segments, **k:
                         copies.append((a[2], table.shape[0])) or _f(table, *a, **k))
-    runs = device_pipeline.RUNS["forward"]
+    monkeypatch.setattr(megakernel, "weight_grad", lambda *a, _f=megakernel.weight_grad, **k:
+                        copies.append("wgrad") or _f(*a, **k))
+    runs, beside = device_pipeline.RUNS["forward"], device_plan.BESIDE["backward"]
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
         for chunks in (2, 4):
             copies.clear()
             got, _ = run_layer(planned(group, json.dumps({"chunks": chunks})), case)
             assert_bitwise(got, want, f"the device plan pipelined in {chunks} chunks")
             # the forward pulls and pushes each chunk's rows of the table once (8 experts, one rank: a row an
-            # expert), the backward everything at once
+            # expert); the backward pulls everything at once, and pushes d_x before the weight gradients' GEMMs
             each = [8 // chunks] * chunks
-            assert copies == [(False, n) for n in each] + [(True, n) for n in each] + [(False, 8), (True, 8)], copies
+            assert copies == [(False, n) for n in each] + [(True, n) for n in each] + \
+                [(False, 8), (True, 8), "wgrad", "wgrad"], copies
         assert device_pipeline.RUNS["forward"] == runs + 2
+        assert device_plan.BESIDE["backward"] == beside + 2
         monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
         monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "1")
         monkeypatch.setattr(megakernel, "_LOGGED", set())

@@ -466,7 +466,7 @@ def _device_plan_worker(rank, world, port, case, pipelined, out_dir):
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
         gloo_twin = any(entry[1] is not entry[0] for entry in device_plan._HOST_GROUPS.values())  # NCCL: a twin
         torch.save({"runs": [[t.cpu() for t in r] for r in runs], "host_tables": len(host_tables),
-                    "pipelined": device_pipeline.RUNS["forward"],
+                    "pipelined": device_pipeline.RUNS["forward"], "beside": device_plan.BESIDE["backward"],
                     "syncs": (forward_syncs, backward_syncs), "host_group": gloo_twin,
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
                                single[3][local].cpu(), single[4][local].cpu()]},
@@ -482,13 +482,15 @@ def test_ep_layer_device_plan_on_gpus(case, world, pipelined, tmp_path):
     synchronization in its forward or its backward (torch's sync debug mode, after a first call), the counts never
     on the host, and output and every gradient the single-GPU op's bits, twice. ``pipelined`` (overlap on): the
     forward pipelined (ep/device_pipeline.py), its chunk GEMMs by Triton where the single-GPU op's config runs
-    CUTLASS's: the same bits, as the backends' probes found."""
+    CUTLASS's, and the backward's d_x pushed beside its weight gradients' GEMMs: the same bits, as the backends'
+    probes found."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
     from test_ep import run_workers
     names = ("out", "d_hidden", "d_weights", "d_w_up", "d_w_down")
     for rank, result in enumerate(run_workers(_device_plan_worker, world, (case, pipelined), tmp_path)):
         assert result["pipelined"] == (2 if pipelined else 0), result["pipelined"]  # two calls a worker
+        assert result["beside"] == (2 if pipelined else 0), result["beside"]
         assert result["host_tables"] == 0 and result["host_group"], result["host_tables"]
         assert result["syncs"] == ([], []), result["syncs"]
         for i, run in enumerate(result["runs"]):

@@ -5,10 +5,11 @@ its rows of a transfer table made on the device (local rows counted from the rec
 GEMMs find the chunk's first row in the device's expert ends (rows_gemm's ``lead``). Each expert's GEMMs see the same
 rows in the same order as the unpipelined path's experts op, by the MegaKernel's Triton GEMMs (the other GEMM
 backends' group bounds start at row 0): the same bits where that op's GEMMs are Triton's, and on a GPU where the
-project's GEMM backends agree (kernels/config.py). The backward is device_plan.py's, over the same buffers.
+project's GEMM backends agree (kernels/config.py). The backward is device_plan.py's, over the same buffers, with its
+d_x pushes beside the weight gradients' GEMMs.
 
-Not measured on a GPU yet (2026-11-28): the overlap it buys against the Triton GEMMs it takes instead of CUTLASS's or
-QuACK's.
+Measured (BENCHMARKS.md, 2026-11-28, 4 H200s, HF Qwen3-30B-A3B dims, 4 layers): the forward's pipeline took the step
+from 94.4 to 92.1 ms back to back, and from 107.5 to 113.9 ms synchronized (more launches on the host).
 """
 from __future__ import annotations
 

@@ -21,7 +21,9 @@ to the host, so the host runs ahead of the GPU as it does in a dense model:
     combine     the single-GPU op's fixed-order combine
 
 The backward runs the same steps reversed: the gradient rows into ``send``, pulled, the experts' backward, pushed
-back, gather_sum. Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
+back, gather_sum. Where the forward was asked for its pipeline, the experts' backward computes the input gradient
+before the weight gradients, and its rows are pushed on the push stream beside the weight gradients' GEMMs
+(_push_beside_reason). Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
 its source-major received rows by expert, stably), so the bits are the same for one tile configuration. One knob
 cannot run here: per_expert_mm (a cuBLAS matmul per expert) needs each expert's rows on the host, so its GEMMs take
 the other knobs' path (megakernel.device_counts_only), as in a CUDA graph capture; the heuristics pick it for few
@@ -52,7 +54,7 @@ from . import device_pipeline
 from .device_pipeline import transfer_rows
 from .plan import all_gather_flat, device_count_table, routing_plan
 from .sequential import combine_rows_backward, gather_sum
-from .transfer import window
+from .transfer import Streams, window
 
 # process group name -> (that group, a group over the same ranks that takes CPU tensors); the group is compared too: a
 # name comes back with the next process group once one is destroyed
@@ -138,6 +140,7 @@ class Saved:
     fused_kernels: bool
     count: tuple | None = None  # (event or None, host tensor) of _received_rows_later: the received rows' count
     config: object = None  # the forward's MegaKernelConfig (the fused kernels' path): the backward's too
+    pipelined: bool = False  # asked for the pipeline: the backward pushes d_x beside the weight gradients' GEMMs
 
 
 # forward calls of this path in this process (the tests read it: which path ep_layer took)
@@ -305,9 +308,31 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
     saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received,
-                  full.config if full is not None else None)
+                  full.config if full is not None else None, pipelined)
     _EARLIER.append(weakref.ref(saved))
     return back, row_order, slot_row, offsets, every, saved
+
+
+# backward calls that pushed d_x beside the weight gradients' GEMMs (the tests read it)
+BESIDE = {"backward": 0}
+
+
+def _push_beside_reason(saved: Saved, x, ids, w_up, w_down, b_up, b_down, s, param_grads: bool) -> str | None:
+    """None where the backward pushes the input-gradient rows beside the weight gradients' GEMMs (the forward asked
+    for the pipeline, the fused kernels run the experts' backward, there are weight gradients to run beside, and the
+    rows are pushed as the GEMM writes them: the combine of one row a slot with a weight of one is a copy where their
+    dtype is x's), else why the steps run one after another (the same GEMMs, the same bits)."""
+    from ..kernels import megakernel
+
+    if not saved.pipelined:
+        return "not asked"
+    if saved.config is None or not megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+        return "the fused kernels do not run this layer"
+    if not param_grads:
+        return "no weight gradients to push beside"
+    if w_up.dtype != x.dtype:
+        return f"the input-gradient rows ({w_up.dtype}) are not x's dtype ({x.dtype})"
+    return None
 
 
 def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved, w_up, w_down, b_up, b_down,
@@ -335,15 +360,36 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     saved.x = saved.up = saved.down = None
     from ..kernels import megakernel
     from ..kernels.config import use_config
+    from ..spec import decode_spec
 
     pinned = use_config(saved.config) if saved.config is not None else contextlib.nullcontext()
+    win_dx = window(group, saved.send_rows, size, dtype, x.device)
+    backs = [win_dx.back(p) for p in range(world)]
+    s = decode_spec(spec)
+    why = _push_beside_reason(saved, x, ids, w_up, w_down, b_up, b_down, s, param_grads)
     with megakernel.device_counts_only(), pinned:
-        d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
-            d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
-    del d_recv, x, up, down, ids, ones, plan
-    win_dx = window(group, saved.send_rows, size, d_x.dtype, d_x.device)
-    transfer_rows(saved.table, d_x, [win_dx.back(p) for p in range(world)], True, knobs)
-    del d_x
+        if why is None:
+            # the input gradient first, its pushes on the push stream beside the weight gradients' GEMMs
+            streams = Streams(x.device)
+            streams.start_after_current()  # the push stream follows the barrier above
+
+            def push(rows):
+                done = streams.record()
+                with streams.on(streams.push):
+                    streams.wait(done, streams.push)
+                    transfer_rows(saved.table, rows, backs, True, knobs, knobs.programs(world))
+
+            d_x = torch.empty(x.shape, dtype=dtype, device=x.device)
+            _, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = megakernel.experts_backward(
+                d_recv, x, ids, ones, w_up, w_down, b_up, b_down, *plan, up, down, s,
+                weights_grad=False, input_rows=d_x, param_grads=param_grads, input_first=push)
+            BESIDE["backward"] += 1
+            streams.join()
+        else:
+            d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
+                d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
+            transfer_rows(saved.table, d_x, backs, True, knobs)
+    del d_recv, x, up, down, ids, ones, plan, d_x
     win_dx.barrier()
     # read before any later barrier: no peer writes this window's ``back`` until then
     d_hidden = gather_sum(win_dx.back(rank)[:num_tokens * top_k], slot_row, offsets, num_tokens, top_k, dtype,

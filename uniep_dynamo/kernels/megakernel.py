@@ -901,7 +901,8 @@ def check_h_layout(up, interleaved: bool) -> None:
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                      row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False,
-                     weights_grad: bool = True, input_rows=None, param_grads: bool = True, down_saved: bool = True):
+                     weights_grad: bool = True, input_rows=None, param_grads: bool = True, down_saved: bool = True,
+                     input_first=None):
     """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
     routing-weight gradient is not computed (zeros in its place); with ``param_grads=False`` (frozen experts) the
     two weight-gradient GEMMs and the hidden rows' gather they read are not run, and the four expert-parameter
@@ -911,7 +912,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     [rows, H] buffer of w_up's dtype) the input-gradient rows are written there and not combined: d_hidden comes
     back None, and ``combine_input_rows`` sums them later. ``grad_out`` may be a one-element list holding the caller's only
     reference (the EP exchange's received gradient rows, [rows, H]): it is emptied, and the rows are freed once
-    gathered, before the GEMMs' buffers.
+    gathered, before the GEMMs' buffers. ``input_first`` (a callable, with ``input_rows`` and without reuse_saved):
+    the input-gradient GEMM runs as soon as d_up is ready, before the weight gradients, and ``input_first`` is called
+    with its rows then (the EP device plan launches their pushes there, to run beside the weight-gradient GEMMs). The
+    GEMMs are the same, so are the bits.
 
     Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down``
     ([rows, H]) is read by the routing-weight gradient and then holds, in turn, the weighted output-gradient
@@ -923,6 +927,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     from .triton_gemm import STORE
     from .triton_routing import gather_rows, routing_weight_grad
 
+    if input_first is not None and (input_rows is None or reuse_saved):
+        raise ValueError("uniep: experts_backward's input_first needs input_rows and no reuse_saved")
     counters["uniep_kernels"]["triton_backward"] += 1
     layer = Layer(hidden, topk_ids, w_up, w_down, spec, up_bias=b_up is not None)
     check_h_layout(up, layer.h_interleaved)
@@ -954,6 +960,15 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     d_up = up if reuse_saved and up.is_contiguous() else torch.empty(up.shape, dtype=up.dtype, device=device)
     halves = layer.h_halves()  # how the saved h (and so d_up) pairs gate and up columns
     d_w_down = d_w_up = None
+
+    def input_grad(d_up, target):
+        return rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=None,
+                         b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
+                         c=target, offsets=offsets, interleaved=layer.h_interleaved)
+
+    def early(d_up):  # d_up is ready: the input gradient first where the caller asked for it
+        if input_first is not None:
+            input_first(input_grad(d_up, input_rows))
     if late:
         b_act = layer.down_eff.transpose(1, 2)
         dy_gather = gather or quack_gathers_rows(layer, cfg.grad_act, grad_out, b_act)
@@ -966,6 +981,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                             n=layer.inter, k=layer.hidden_size, epilogue=STORE, offsets=offsets)
             act_backward_late_weight(layer, d_raw=act, up=up, d_up=d_up, row_order=row_order, weights=weights,
                                      d_weights=d_weights, offsets=offsets, **halves)
+        early(d_up)
         if param_grads:
             # dW_down[e] = dY_e^T (w * act)_e: the output-gradient rows are P here, gathered by token where the
             # GEMM can (else copied, where the activation-gradient GEMM gathered them itself)
@@ -986,6 +1002,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
                         b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
                         w=weights, offsets=offsets)
         act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
+        early(d_up)
         if param_grads:
             d_w_down = weight_grad(layer, cfg.wgrad_down, p=act, p_gather=False, q=dy, q_gather=gather,
                                    q_scale=gather, row_order=row_order, w=weights, offsets=offsets, grad=w_down.shape,
@@ -1005,9 +1022,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     combine_here = input_rows is None
     if combine_here and scratch is not None and scratch.dtype == w_up.dtype:
         input_rows = scratch
-    d_x_rows = rows_gemm(layer, cfg.grad_input, a=d_up, gather=False, row_order=None,
-                         b=layer.up_eff.transpose(1, 2), n=layer.hidden_size, k=layer.up_width, epilogue=STORE,
-                         c=input_rows, offsets=offsets, interleaved=layer.h_interleaved)
+    d_x_rows = input_rows if input_first is not None else input_grad(d_up, input_rows)
     del d_up
     d_hidden = combine_input_rows(d_x_rows, slot_row, offsets, layer.num_tokens, layer.top_k, hidden.dtype) \
         if combine_here else None
