@@ -651,7 +651,7 @@ def _device_plan_worker(rank, world, port, kernels, shards, routing, pipelined, 
                                        dist.group.WORLD.group_name, world, pipelined, "", True)[0]
         grad = torch.randn(hidden.shape[0], out.shape[1], generator=torch.Generator().manual_seed(9))[mine]
         out.backward(grad)
-        calls["pipelined"], calls["beside"] = device_pipeline.RUNS["forward"], device_plan.BESIDE["backward"]
+        calls["pipelined"], calls["beside"] = device_pipeline.RUNS["forward"], device_pipeline.RUNS["backward"]
         torch.save({"out": out.detach(), "grads": [t.grad for t in leaves[:4]], "calls": calls},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -612,7 +612,7 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
                         copies.append((a[2], table.shape[0])) or _f(table, *a, **k))
     monkeypatch.setattr(megakernel, "weight_grad", lambda *a, _f=megakernel.weight_grad, **k:
                         copies.append("wgrad") or _f(*a, **k))
-    runs, beside = device_pipeline.RUNS["forward"], device_plan.BESIDE["backward"]
+    runs, beside = device_pipeline.RUNS["forward"], device_pipeline.RUNS["backward"]
     with one_rank_group(torch.device("cpu"), tmp_path) as group:
         for chunks in (2, 4):
             copies.clear()
@@ -624,7 +624,7 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
             assert copies == [(False, n) for n in each] + [(True, n) for n in each] + \
                 [(False, 8), (True, 8), "wgrad", "wgrad"], copies
         assert device_pipeline.RUNS["forward"] == runs + 2
-        assert device_plan.BESIDE["backward"] == beside + 2
+        assert device_pipeline.RUNS["backward"] == beside + 2
         monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)
         monkeypatch.setenv("UNIEP_GATED_EPILOGUE", "1")
         monkeypatch.setattr(megakernel, "_LOGGED", set())
@@ -633,6 +633,35 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     assert device_pipeline.RUNS["forward"] == runs + 2
     assert "without its pipeline" in caplog.text and "gated_epilogue" in caplog.text, caplog.text
     assert_bitwise(got, run_layer(single_op_fn(spec), case)[0], "the device plan under gated_epilogue's layout")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps", "overlap"])
+def test_auto_device_plan_pipelines_under_overlap(overlap, tmp_path, monkeypatch):
+    """ep_device_plan="auto" (ep_layer's device_plan 2) where the auto rule runs the device plan: with overlap
+    (the compile's overlap_ep) its pipeline runs (the forward's chunks, the backward's d_x pushed beside the weight
+    gradients), not the synchronized path's overlapped exchange; without, its steps one after another. Either way
+    the single-GPU op's bits and no host count table."""
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.ep import device_choice, device_pipeline, device_plan, layer
+
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    spec = case[-1]
+    want, _ = run_layer(single_op_fn(spec), case)
+    monkeypatch.setattr(device_choice, "_auto_facts", lambda hidden, group: (None, 80 * 2**30))  # as on one host
+    host_tables = []
+    monkeypatch.setattr(layer, "count_table", lambda *a, _f=layer.count_table: host_tables.append(1) or _f(*a))
+    runs, beside, planned = device_pipeline.RUNS["forward"], device_pipeline.RUNS["backward"], \
+        device_plan.RUNS["forward"]
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        got, _ = run_layer(ep_layer_fn(spec, group, overlap, device_plan=device_choice.AUTO), case)
+    assert_bitwise(got, want, f"the auto device plan, overlap={overlap}")
+    assert host_tables == [] and device_plan.RUNS["forward"] == planned + 1
+    assert device_pipeline.RUNS["forward"] == runs + int(overlap)
+    assert device_pipeline.RUNS["backward"] == beside + int(overlap)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")

@@ -466,7 +466,7 @@ def _device_plan_worker(rank, world, port, case, pipelined, out_dir):
                           lambda x, i, w, a, b: torch.ops.uniep.moe_experts(x, i, w, a, b, None, None, [], spec)[0])
         gloo_twin = any(entry[1] is not entry[0] for entry in device_plan._HOST_GROUPS.values())  # NCCL: a twin
         torch.save({"runs": [[t.cpu() for t in r] for r in runs], "host_tables": len(host_tables),
-                    "pipelined": device_pipeline.RUNS["forward"], "beside": device_plan.BESIDE["backward"],
+                    "pipelined": device_pipeline.RUNS["forward"], "beside": device_pipeline.RUNS["backward"],
                     "syncs": (forward_syncs, backward_syncs), "host_group": gloo_twin,
                     "single": [single[0][mine].cpu(), single[1][mine].cpu(), single[2][mine].cpu(),
                                single[3][local].cpu(), single[4][local].cpu()]},

@@ -49,13 +49,16 @@ class UniepOptions:
     rewrite_ep_exchange: bool = True
     # ...and that exchange's transfers run beside the grouped GEMMs, chunk by chunk (uniep_dynamo/ep/). Off by
     # default: on 2 H200s it is 1.00-1.02x inductor on the Mixtral shape and 0.82-1.08x on Qwen3-30B-A3B, where it
-    # is host-bound and its step time erratic (BENCHMARKS.md)
+    # is host-bound and its step time erratic (BENCHMARKS.md). Where HF's EP layer keeps its plan on the device
+    # (ep_device_plan), the device plan's pipeline runs instead (ep/device_pipeline.py): on HF's 4-layer models
+    # (2026-11-28) 1.04x the device plan's steps one after another back to back on Qwen3-30B-A3B dims at 4 H200s,
+    # 1.01x at 2, but 0.99x on Mixtral-8x7B dims at 2, so it stays off by default
     overlap_ep: bool = False
     # HF's EP layer (uniep.ep_layer) with its routing plan kept on the device: no host synchronization in the layer,
     # so the host runs ahead of the GPU (ep/device_plan.py: device-side split sizes, symmetric-memory windows sized
     # for the most rows a rank can receive). "auto" (the default): on CUDA, where the EP group's GPUs share one host
-    # and the buffers it holds above the synchronized path's at the worst case fit in 1/16 of the GPU's memory, and
-    # overlap_ep is off (ep/device_choice.py; measured on HF's 4-layer Qwen3-30B-A3B-dims model at 2 ranks: 1.09x /
+    # and the buffers it holds above the synchronized path's at the worst case fit in 1/16 of the GPU's memory
+    # (ep/device_choice.py; measured on HF's 4-layer Qwen3-30B-A3B-dims model at 2 ranks: 1.09x /
     # 1.17x inductor synchronized / back to back against the synchronized path's 1.01x / 1.00x, its back-to-back
     # spread within 5%, 0.87 GiB more memory; BENCHMARKS.md). True: wherever it can run (else the synchronized path,
     # with a warning); False: never

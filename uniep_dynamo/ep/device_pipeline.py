@@ -22,7 +22,8 @@ import torch.distributed as dist
 from .config import CHUNKS_SM, even_chunks
 from .transfer import Streams, sm_count, window
 
-RUNS = {"forward": 0}  # forward calls that ran the pipeline (the tests read it)
+# forward calls that ran the pipeline, backward calls that pushed d_x beside the weight gradients (the tests read it)
+RUNS = {"forward": 0, "backward": 0}
 
 
 def transfer_rows(table, local, peers, push: bool, knobs, programs: int | None = None) -> None:
@@ -116,3 +117,48 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     streams.join()  # the buffers, made on the current stream, outlive the side streams' use of them
     megakernel.record_h_layout(up, False)
     return up, None, win_y
+
+
+def beside_reason(pipelined: bool, config, x, ids, w_up, w_down, b_up, b_down, s, param_grads: bool) -> str | None:
+    """None where the device plan's backward pushes the input-gradient rows beside the weight gradients' GEMMs
+    (experts_backward), else why its steps run one after another (the same GEMMs, the same bits): the forward asked
+    for the pipeline (``pipelined``), the fused kernels run the experts' backward (``config``: the forward's), there
+    are weight gradients to run beside, and the rows are pushed as the GEMM writes them (the combine of one row a
+    slot with a weight of one is a copy where their dtype is x's)."""
+    from ..kernels import megakernel
+
+    if not pipelined:
+        return "not asked"
+    if config is None or not megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
+        return "the fused kernels do not run this layer"
+    if not param_grads:
+        return "no weight gradients to push beside"
+    if w_up.dtype != x.dtype:
+        return f"the input-gradient rows ({w_up.dtype}) are not x's dtype ({x.dtype})"
+    return None
+
+
+def experts_backward(d_recv, x, ids, ones, plan, up, down, w_up, w_down, b_up, b_down, s, table, backs, knobs,
+                     param_grads: bool):
+    """(d_x rows, d_w_up, d_w_down, d_b_up, d_b_down) of the device plan's experts backward over the received
+    gradient rows, with the input gradient computed first (megakernel.experts_backward's ``input_first``) and its rows
+    pushed into the peers' ``backs`` on the push stream, beside the weight gradients' GEMMs; the current stream has
+    joined the push when this returns. Run within the forward's config (use_config), where beside_reason is None."""
+    from ..kernels import megakernel
+
+    RUNS["backward"] += 1
+    streams = Streams(x.device)
+    streams.start_after_current()  # the push stream follows the barrier before the pull
+
+    def push(rows):
+        done = streams.record()
+        with streams.on(streams.push):
+            streams.wait(done, streams.push)
+            transfer_rows(table, rows, backs, True, knobs, knobs.programs(len(backs)))
+
+    d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = megakernel.experts_backward(
+        d_recv, x, ids, ones, w_up, w_down, b_up, b_down, *plan, up, down, s, weights_grad=False, input_rows=d_x,
+        param_grads=param_grads, input_first=push)
+    streams.join()
+    return d_x, d_w_up, d_w_down, d_b_up, d_b_down

@@ -23,7 +23,7 @@ to the host, so the host runs ahead of the GPU as it does in a dense model:
 The backward runs the same steps reversed: the gradient rows into ``send``, pulled, the experts' backward, pushed
 back, gather_sum. Where the forward was asked for its pipeline, the experts' backward computes the input gradient
 before the weight gradients, and its rows are pushed on the push stream beside the weight gradients' GEMMs
-(_push_beside_reason). Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
+(device_pipeline.beside_reason). Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
 its source-major received rows by expert, stably), so the bits are the same for one tile configuration. One knob
 cannot run here: per_expert_mm (a cuBLAS matmul per expert) needs each expert's rows on the host, so its GEMMs take
 the other knobs' path (megakernel.device_counts_only), as in a CUDA graph capture; the heuristics pick it for few
@@ -54,7 +54,7 @@ from . import device_pipeline
 from .device_pipeline import transfer_rows
 from .plan import all_gather_flat, device_count_table, routing_plan
 from .sequential import combine_rows_backward, gather_sum
-from .transfer import Streams, window
+from .transfer import window
 
 # process group name -> (that group, a group over the same ranks that takes CPU tensors); the group is compared too: a
 # name comes back with the next process group once one is destroyed
@@ -313,28 +313,6 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     return back, row_order, slot_row, offsets, every, saved
 
 
-# backward calls that pushed d_x beside the weight gradients' GEMMs (the tests read it)
-BESIDE = {"backward": 0}
-
-
-def _push_beside_reason(saved: Saved, x, ids, w_up, w_down, b_up, b_down, s, param_grads: bool) -> str | None:
-    """None where the backward pushes the input-gradient rows beside the weight gradients' GEMMs (the forward asked
-    for the pipeline, the fused kernels run the experts' backward, there are weight gradients to run beside, and the
-    rows are pushed as the GEMM writes them: the combine of one row a slot with a weight of one is a copy where their
-    dtype is x's), else why the steps run one after another (the same GEMMs, the same bits)."""
-    from ..kernels import megakernel
-
-    if not saved.pipelined:
-        return "not asked"
-    if saved.config is None or not megakernel.use_megakernel(x, ids, w_up, w_down, b_up, b_down, [], s):
-        return "the fused kernels do not run this layer"
-    if not param_grads:
-        return "no weight gradients to push beside"
-    if w_up.dtype != x.dtype:
-        return f"the input-gradient rows ({w_up.dtype}) are not x's dtype ({x.dtype})"
-    return None
-
-
 def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved, w_up, w_down, b_up, b_down,
              spec: str, group, knobs, param_grads: bool):
     """(d_hidden, d_topk_weights, d_w_up, d_w_down, d_b_up, d_b_down) of forward + the combine; the Saved's buffers
@@ -366,25 +344,13 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     win_dx = window(group, saved.send_rows, size, dtype, x.device)
     backs = [win_dx.back(p) for p in range(world)]
     s = decode_spec(spec)
-    why = _push_beside_reason(saved, x, ids, w_up, w_down, b_up, b_down, s, param_grads)
     with megakernel.device_counts_only(), pinned:
-        if why is None:
-            # the input gradient first, its pushes on the push stream beside the weight gradients' GEMMs
-            streams = Streams(x.device)
-            streams.start_after_current()  # the push stream follows the barrier above
-
-            def push(rows):
-                done = streams.record()
-                with streams.on(streams.push):
-                    streams.wait(done, streams.push)
-                    transfer_rows(saved.table, rows, backs, True, knobs, knobs.programs(world))
-
-            d_x = torch.empty(x.shape, dtype=dtype, device=x.device)
-            _, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = megakernel.experts_backward(
-                d_recv, x, ids, ones, w_up, w_down, b_up, b_down, *plan, up, down, s,
-                weights_grad=False, input_rows=d_x, param_grads=param_grads, input_first=push)
-            BESIDE["backward"] += 1
-            streams.join()
+        why = device_pipeline.beside_reason(saved.pipelined, saved.config, x, ids, w_up, w_down, b_up, b_down, s,
+                                            param_grads)
+        if why is None:  # the input gradient first, its pushes beside the weight gradients' GEMMs
+            d_x, d_w_up, d_w_down, d_b_up, d_b_down = device_pipeline.experts_backward(
+                d_recv, x, ids, ones, plan, up, down, w_up, w_down, b_up, b_down, s, saved.table, backs, knobs,
+                param_grads)
         else:
             d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
                 d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)

@@ -87,8 +87,9 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     projection (whose row count only the run knows: an output of that shape would make Dynamo break the graph at
     the op) are kept for the backward beside the table (_keep), not saved by autograd. ``device_plan``: 1 (True)
     keeps the plan on the device (ep/device_plan.py: no host synchronization; with ``overlap`` its forward pipelines
-    its transfers with its GEMMs, device_pipeline.reason says where) where that path runs, 2 ("auto") where
-    device_choice.choose's rule says so and ``overlap`` is off, 0 never; the host table and sizes are then
+    its transfers with its GEMMs, device_pipeline.reason says where, and its backward pushes d_x beside the weight
+    gradients' GEMMs) where that path runs, 2 ("auto") where device_choice.choose's rule says so, 0 never (with
+    ``overlap``: the overlapped exchange of the synchronized path); the host table and sizes are then
     placeholders of their shapes, and the received counts are on the device as ever."""
     group = _process_group(group_name)
     if group.size() != world:
@@ -99,7 +100,7 @@ def ep_layer(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, g
     num_experts = w_up.shape[0] * world
     fused_kernels = layer_fused(hidden, topk_ids, w_up, w_down, b_up, b_down, s, world)
     auto = device_plan == device_choice.AUTO
-    if device_plan and not (auto and overlap):
+    if device_plan:
         why, tokens = device_choice.choose(hidden, topk_ids, w_up, group, auto, fused_kernels)
         from ..kernels import megakernel
         if why is None:
