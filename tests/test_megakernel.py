@@ -1002,3 +1002,45 @@ def test_quack_calls_follow_its_operand_contract(layout, monkeypatch):
                                    row_order=row_order, w=None, offsets=offsets, grad=w_down.shape, m_dim=dims[0],
                                    n_dim=dims[1])
     assert torch.equal(again, d_w_down) and "compile failed" in quack_gemm._FAILED[0]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["weighted_rows", "late_routing_weight"])
+def test_input_first_keeps_the_bits(late, monkeypatch):
+    """experts_backward's input_first (the EP device plan's pipelined backward): the input-gradient GEMM runs as soon
+    as d_up is ready and the hook gets its rows before either weight-gradient GEMM runs; the input-gradient rows and
+    every other gradient are those of the usual order, bit for bit, on both branches of the backward
+    (late_routing_weight's and the weighted rows'). Without input_rows, or with reuse_saved, it is refused."""
+    from uniep_dynamo.kernels import megakernel
+
+    args = make(29, 32, 24, 6, 2, SILU_GLU, "oi", False)
+    hidden, ids, weights, w_up, w_down = args[:5]
+    spec = args[7]
+    cfg = _late(args)[0 if late else 1]
+    events = []
+    monkeypatch.setattr(megakernel, "weight_grad", lambda *a, _f=megakernel.weight_grad, **k:
+                        events.append("wgrad") or _f(*a, **k))
+    with kconfig.use_config(cfg):
+        out, row_order, slot_row, offsets, up, down = megakernel.experts_forward(hidden, ids, weights, w_up, w_down,
+                                                                                 None, None, spec)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+
+        def backward(**kw):
+            rows = torch.empty(ids.numel(), hidden.shape[1], dtype=w_up.dtype)
+            got = megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order,
+                                              slot_row, offsets, up.clone(), down.clone(), spec, input_rows=rows,
+                                              **kw)
+            return rows, got
+        want_rows, want = backward()
+        assert events == ["wgrad", "wgrad"]
+        events.clear()
+        handed = []
+        got_rows, got = backward(input_first=lambda rows: events.append("rows") or handed.append(rows))
+        with pytest.raises(ValueError, match="input_first"):
+            megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order, slot_row,
+                                        offsets, up, down, spec, input_first=lambda rows: None)
+    assert events == ["rows", "wgrad", "wgrad"], events
+    assert handed[0].data_ptr() == got_rows.data_ptr()
+    assert torch.equal(got_rows, want_rows), "input-gradient rows"
+    assert got[0] is None and want[0] is None  # input_rows: the rows are not combined
+    for name, a, b in zip(("d_weights", "d_w_up", "d_w_down"), got[1:4], want[1:4]):
+        assert torch.equal(a, b), name

@@ -315,7 +315,7 @@ def exchange_backward(grad_back, x, up, recv_counts, table, w_up, w_down, b_up, 
         grad_back = _owned(grad_back)
     x, up = _owned(x), _owned(up)
     s = decode_spec(spec)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     local_experts, size, device = w_up.shape[0], grad_back.shape[1], grad_back.device
     grad_back = grad_back.contiguous()
     rows, counts, _ = _split_host(table)
