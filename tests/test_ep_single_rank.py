@@ -585,7 +585,8 @@ def test_device_plan_reads_no_expert_bounds_on_the_host(tmp_path, monkeypatch):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
 def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     """The device plan's pipelined forward (device_plan=True with overlap) at world size 1 in the interpreter, at 2
-    and 4 chunks of the 8 local experts (OverlapConfig.chunks), and its backward with the input-gradient rows pushed
+    and 4 chunks of the 8 local experts (OverlapConfig.chunks), and its backward with the gradient rows pulled by
+    the same chunks (each chunk's activation-gradient GEMM once its rows are in) and the input-gradient rows pushed
     before the weight gradients' GEMMs (to run beside them): the single-GPU op's bits. Where it cannot run
     (config.gated_epilogue's interleaved h) the layer says why and runs the steps one after another, with the same
     bits as the op under that knob."""
@@ -619,10 +620,11 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
             got, _ = run_layer(planned(group, json.dumps({"chunks": chunks})), case)
             assert_bitwise(got, want, f"the device plan pipelined in {chunks} chunks")
             # the forward pulls and pushes each chunk's rows of the table once (8 experts, one rank: a row an
-            # expert); the backward pulls everything at once, and pushes d_x before the weight gradients' GEMMs
+            # expert); the backward pulls them chunk by chunk too, and pushes d_x at once, before the weight
+            # gradients' GEMMs
             each = [8 // chunks] * chunks
             assert copies == [(False, n) for n in each] + [(True, n) for n in each] + \
-                [(False, 8), (True, 8), "wgrad", "wgrad"], copies
+                [(False, n) for n in each] + [(True, 8), "wgrad", "wgrad"], copies
         assert device_pipeline.RUNS["forward"] == runs + 2
         assert device_pipeline.RUNS["backward"] == beside + 2
         monkeypatch.setattr(megakernel, "INTERLEAVED_H_INTERPRETED", True)

@@ -1009,7 +1009,8 @@ def test_input_first_keeps_the_bits(late, monkeypatch):
     """experts_backward's input_first (the EP device plan's pipelined backward): the input-gradient GEMM runs as soon
     as d_up is ready and the hook gets its rows before either weight-gradient GEMM runs; the input-gradient rows and
     every other gradient are those of the usual order, bit for bit, on both branches of the backward
-    (late_routing_weight's and the weighted rows'). Without input_rows, or with reuse_saved, it is refused."""
+    (late_routing_weight's and the weighted rows'). Without input_rows, or with reuse_saved, it is refused; so is a
+    given d_act under late_routing_weight."""
     from uniep_dynamo.kernels import megakernel
 
     args = make(29, 32, 24, 6, 2, SILU_GLU, "oi", False)
@@ -1027,7 +1028,7 @@ def test_input_first_keeps_the_bits(late, monkeypatch):
         def backward(**kw):
             rows = torch.empty(ids.numel(), hidden.shape[1], dtype=w_up.dtype)
             got = megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order,
-                                              slot_row, offsets, up.clone(), down.clone(), spec, input_rows=rows,
+                                              slot_row, offsets, up, down, spec, input_rows=rows,
                                               **kw)
             return rows, got
         want_rows, want = backward()
@@ -1038,6 +1039,10 @@ def test_input_first_keeps_the_bits(late, monkeypatch):
         with pytest.raises(ValueError, match="input_first"):
             megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order, slot_row,
                                         offsets, up, down, spec, input_first=lambda rows: None)
+        if late:  # a given activation gradient is the weighted rows' GEMM: refused where the weights come later
+            with pytest.raises(ValueError, match="d_act"):
+                megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order,
+                                            slot_row, offsets, up, down, spec, d_act=torch.empty(0))
     assert events == ["rows", "wgrad", "wgrad"], events
     assert handed[0].data_ptr() == got_rows.data_ptr()
     assert torch.equal(got_rows, want_rows), "input-gradient rows"

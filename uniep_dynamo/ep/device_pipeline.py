@@ -6,10 +6,13 @@ GEMMs find the chunk's first row in the device's expert ends (rows_gemm's ``lead
 rows in the same order as the unpipelined path's experts op, by the MegaKernel's Triton GEMMs (the other GEMM
 backends' group bounds start at row 0): the same bits where that op's GEMMs are Triton's, and on a GPU where the
 project's GEMM backends agree (kernels/config.py). The backward is device_plan.py's, over the same buffers, with its
-d_x pushes beside the weight gradients' GEMMs.
+pulls by the forward's chunks (each chunk's activation-gradient GEMM, Triton's, beside the next chunk's pull) and its
+d_x pushes beside the weight gradients' GEMMs (experts_backward here).
 
-Measured (BENCHMARKS.md, 2026-11-28, 4 H200s, HF Qwen3-30B-A3B dims, 4 layers): the forward's pipeline took the step
-from 94.4 to 92.1 ms back to back, and from 107.5 to 113.9 ms synchronized (more launches on the host).
+Measured (BENCHMARKS.md, 2026-11-28, HF's 4-layer models, back to back): at 4 H200s on Qwen3-30B-A3B dims the
+forward's pipeline took the step from 94.4 to 92.1 ms, and with the backward's d_x pushed beside the weight gradients
+from 93.1 to 89.1 (synchronized 106.8 to 109.0: more launches on the host); on Mixtral-8x7B dims at 2 H200s 212.4 to
+214.6. The backward's chunked pulls came after those runs: not measured yet.
 """
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     device's expert ends, the first chunk row read from them: ``lead``), so the bits are the same as the unpipelined
     path's where its GEMMs are Triton's (GPU: the project's GEMM backends give the same bits, config.py). ``full``:
     the MegaKernel's Layer over the receive buffer ``x`` (its config, less the other GEMM backends). Returns
-    (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into)."""
+    (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into, (the
+    absolute transfer table, the chunks' expert counts): the backward's chunks)."""
     from ..kernels import megakernel
     from ..kernels.triton_gemm import GLU_FWD, STORE
     from ..kernels.triton_transfer import layout_tables
@@ -116,7 +120,7 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
                           None if c == len(sizes) - 1 else beside)
     streams.join()  # the buffers, made on the current stream, outlive the side streams' use of them
     megakernel.record_h_layout(up, False)
-    return up, None, win_y
+    return up, None, win_y, (table, sizes)
 
 
 def beside_reason(pipelined: bool, config, x, ids, w_up, w_down, b_up, b_down, s, param_grads: bool) -> str | None:
@@ -138,27 +142,58 @@ def beside_reason(pipelined: bool, config, x, ids, w_up, w_down, b_up, b_down, s
     return None
 
 
-def experts_backward(d_recv, x, ids, ones, plan, up, down, w_up, w_down, b_up, b_down, s, table, backs, knobs,
-                     param_grads: bool):
-    """(d_x rows, d_w_up, d_w_down, d_b_up, d_b_down) of the device plan's experts backward over the received
-    gradient rows, with the input gradient computed first (megakernel.experts_backward's ``input_first``) and its rows
-    pushed into the peers' ``backs`` on the push stream, beside the weight gradients' GEMMs; the current stream has
-    joined the push when this returns. Run within the forward's config (use_config), where beside_reason is None."""
+def experts_backward(d_recv, sources, x, ids, ones, plan, up, down, w_up, w_down, b_up, b_down, s, table, chunked,
+                     config, backs, knobs, param_grads: bool):
+    """(d_x rows, d_w_up, d_w_down, d_b_up, d_b_down) of the device plan's experts backward: the gradient rows pulled
+    from the peers' ``sources`` into ``d_recv``, the input gradient computed before the weight gradients
+    (megakernel.experts_backward's ``input_first``) and its rows pushed into the peers' ``backs`` on the push stream,
+    beside the weight gradients' GEMMs. ``chunked`` (the forward's pipeline ran: its absolute table and chunks, else
+    None): the pulls chunk by chunk on the pull stream, and each chunk's activation-gradient GEMM (Triton's, ``lead``,
+    as the forward's chunk GEMMs) once its rows are in, the next chunk's pull beside it; else one pull by ``table``.
+    The current stream has joined the side streams when this returns. Run within the forward's config ``config``
+    (use_config), where beside_reason is None."""
     from ..kernels import megakernel
+    from ..kernels.triton_gemm import STORE
 
     RUNS["backward"] += 1
+    world, capacity, size = len(backs), x.shape[0], x.shape[1]
     streams = Streams(x.device)
-    streams.start_after_current()  # the push stream follows the barrier before the pull
+    streams.start_after_current()  # the pulls and the pushes follow the barrier before them
+    d_act = None
+    if chunked is None:
+        transfer_rows(table, d_recv, sources, False, knobs)
+    else:
+        chunk_table, sizes = chunked
+        firsts = [0, *itertools.accumulate(sizes)]
+        beside, pulled = knobs.programs(world), []
+        with streams.on(streams.pull):
+            for c in range(len(sizes)):
+                transfer_rows(chunk_table[world * firsts[c]:world * firsts[c + 1]], d_recv, sources, False, knobs,
+                              None if c == 0 else beside)
+                pulled.append(streams.record(streams.pull))
+        cfg = config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+        ends = plan[2]
+        for c in range(len(sizes)):
+            e0, e1 = firsts[c], firsts[c + 1]
+            layer = megakernel.Layer(x, (capacity, 1), w_up[e0:e1], w_down[e0:e1], s, cfg,
+                                     up_bias=b_up is not None)
+            if d_act is None:
+                d_act = torch.empty(capacity, layer.inter, dtype=w_down.dtype, device=x.device)
+            streams.wait(pulled[c])
+            # the experts op's activation-gradient GEMM over this chunk's rows (weights of one: the rows as pulled)
+            megakernel.rows_gemm(layer, cfg.grad_act, a=d_recv, gather=False, row_order=None,
+                                 b=layer.down_eff.transpose(1, 2), n=layer.inter, k=size, epilogue=STORE, c=d_act,
+                                 offsets=ends[e0:e1], lead=e0 > 0)
 
     def push(rows):
         done = streams.record()
         with streams.on(streams.push):
             streams.wait(done, streams.push)
-            transfer_rows(table, rows, backs, True, knobs, knobs.programs(len(backs)))
+            transfer_rows(table, rows, backs, True, knobs, knobs.programs(world))
 
     d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = megakernel.experts_backward(
         d_recv, x, ids, ones, w_up, w_down, b_up, b_down, *plan, up, down, s, weights_grad=False, input_rows=d_x,
-        param_grads=param_grads, input_first=push)
+        param_grads=param_grads, input_first=push, d_act=d_act)
     streams.join()
     return d_x, d_w_up, d_w_down, d_b_up, d_b_down

@@ -23,7 +23,8 @@ to the host, so the host runs ahead of the GPU as it does in a dense model:
 The backward runs the same steps reversed: the gradient rows into ``send``, pulled, the experts' backward, pushed
 back, gather_sum. Where the forward was asked for its pipeline, the experts' backward computes the input gradient
 before the weight gradients, and its rows are pushed on the push stream beside the weight gradients' GEMMs
-(device_pipeline.beside_reason). Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
+(device_pipeline.beside_reason); where the forward's pipeline ran, the pulls go by its chunks, each chunk's
+activation-gradient GEMM beside the next chunk's pull. Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
 its source-major received rows by expert, stably), so the bits are the same for one tile configuration. One knob
 cannot run here: per_expert_mm (a cuBLAS matmul per expert) needs each expert's rows on the host, so its GEMMs take
 the other knobs' path (megakernel.device_counts_only), as in a CUDA graph capture; the heuristics pick it for few
@@ -141,6 +142,7 @@ class Saved:
     count: tuple | None = None  # (event or None, host tensor) of _received_rows_later: the received rows' count
     config: object = None  # the forward's MegaKernelConfig (the fused kernels' path): the backward's too
     pipelined: bool = False  # asked for the pipeline: the backward pushes d_x beside the weight gradients' GEMMs
+    chunked: tuple | None = None  # the forward's pipeline ran: (its table, its chunks), the backward's pulls by them
 
 
 # forward calls of this path in this process (the tests read it: which path ep_layer took)
@@ -289,8 +291,9 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     full = megakernel.Layer(x, ids, w_up, w_down, s, up_bias=b_up is not None) if fused else None
     why = device_pipeline.reason(full, w_up, w_down, s) if pipelined else "not asked"
     win_x.barrier()  # every rank's rows are in its window
+    chunked = None
     if why is None:  # the pipeline pulls chunk by chunk
-        up, down, win_y = device_pipeline.forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group,
+        up, down, win_y, chunked = device_pipeline.forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group,
                                                   win_x, send_rows, knobs)
     else:
         if pipelined:
@@ -308,7 +311,7 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     win_y.barrier()  # every rank's rows are back
     back = win_y.back(rank)[:slots].clone()  # the next call's pushes overwrite the window
     saved = Saved(None, x, up, down, ids, ones, plan, table, send_rows, fused_kernels, received,
-                  full.config if full is not None else None, pipelined)
+                  full.config if full is not None else None, pipelined, chunked)
     _EARLIER.append(weakref.ref(saved))
     return back, row_order, slot_row, offsets, every, saved
 
@@ -333,7 +336,7 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
     del d_rows, y_rows
     d_recv = _buffer(x.shape[0], x, fused_kernels)
     win_x.barrier()
-    transfer_rows(saved.table, d_recv, [win_x.send(p) for p in range(world)], False, knobs)
+    sources = [win_x.send(p) for p in range(world)]
     down = down if down is not None else d_recv.new_empty(0, size)
     saved.x = saved.up = saved.down = None
     from ..kernels import megakernel
@@ -349,9 +352,10 @@ def backward(grad_out, topk_weights, row_order, slot_row, offsets, saved: Saved,
                                             param_grads)
         if why is None:  # the input gradient first, its pushes beside the weight gradients' GEMMs
             d_x, d_w_up, d_w_down, d_b_up, d_b_down = device_pipeline.experts_backward(
-                d_recv, x, ids, ones, plan, up, down, w_up, w_down, b_up, b_down, s, saved.table, backs, knobs,
-                param_grads)
+                d_recv, sources, x, ids, ones, plan, up, down, w_up, w_down, b_up, b_down, s, saved.table,
+                saved.chunked, saved.config, backs, knobs, param_grads)
         else:
+            transfer_rows(saved.table, d_recv, sources, False, knobs)
             d_x, _, d_w_up, d_w_down, d_b_up, d_b_down, _ = torch.ops.uniep.moe_experts_backward(
                 d_recv, x, ids, ones, w_up, w_down, b_up, b_down, [], *plan, up, down, spec, False, param_grads)
             transfer_rows(saved.table, d_x, backs, True, knobs)

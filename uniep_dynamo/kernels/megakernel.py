@@ -902,7 +902,7 @@ def check_h_layout(up, interleaved: bool) -> None:
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down,
                      row_order, slot_row, offsets, up, down, spec, reuse_saved: bool = False,
                      weights_grad: bool = True, input_rows=None, param_grads: bool = True, down_saved: bool = True,
-                     input_first=None):
+                     input_first=None, d_act=None):
     """Same contract as reference.experts_backward (without post programs); with ``weights_grad=False`` the
     routing-weight gradient is not computed (zeros in its place); with ``param_grads=False`` (frozen experts) the
     two weight-gradient GEMMs and the hidden rows' gather they read are not run, and the four expert-parameter
@@ -915,7 +915,9 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     gathered, before the GEMMs' buffers. ``input_first`` (a callable, with ``input_rows`` and without reuse_saved):
     the input-gradient GEMM runs as soon as d_up is ready, before the weight gradients, and ``input_first`` is called
     with its rows then (the EP device plan launches their pushes there, to run beside the weight-gradient GEMMs). The
-    GEMMs are the same, so are the bits.
+    GEMMs are the same, so are the bits. ``d_act`` ([rows, I] of w_down's dtype): the activation-gradient GEMM's
+    rows, dY W_down^T of the weighted output-gradient rows, computed already (the EP device plan's pipelined backward
+    runs that GEMM chunk by chunk as the rows arrive); not under late_routing_weight.
 
     Memory, with reuse_saved (the in-place backward op): the saved buffers are scratch once read. ``down``
     ([rows, H]) is read by the routing-weight gradient and then holds, in turn, the weighted output-gradient
@@ -943,6 +945,8 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     if not down_saved and b_down is not None:
         raise ValueError("uniep: the experts' backward needs the forward's down rows where there is a down bias")
     late = (cfg.late_routing_weight or not down_saved) and b_down is None and weights_grad
+    if late and d_act is not None:
+        raise ValueError("uniep: experts_backward's d_act is the weighted rows' GEMM, not late_routing_weight's")
     if late or not weights_grad:
         d_weights = None
     else:
@@ -998,9 +1002,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
         del grad_out  # read for the last time (dy is the same tensor where the GEMMs gather it themselves)
         # d_act lands (rounded, like the reference's GEMM output) in the act buffer; an element-wise pass turns it
         # into d_up and act in place.
-        act = rows_gemm(layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
-                        b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE,
-                        w=weights, offsets=offsets)
+        act = d_act if d_act is not None else rows_gemm(
+            layer, cfg.grad_act, a=dy, gather=gather, a_scale=gather, row_order=row_order,
+            b=layer.down_eff.transpose(1, 2), n=layer.inter, k=layer.hidden_size, epilogue=STORE, w=weights,
+            offsets=offsets)
         act_backward(layer, d_act=act, up=up, d_up=d_up, offsets=offsets, **halves)
         early(d_up)
         if param_grads:
