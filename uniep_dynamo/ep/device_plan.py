@@ -24,11 +24,12 @@ The backward runs the same steps reversed: the gradient rows into ``send``, pull
 back, gather_sum. Where the forward was asked for its pipeline, the experts' backward computes the input gradient
 before the weight gradients, and its rows are pushed on the push stream beside the weight gradients' GEMMs
 (device_pipeline.beside_reason); where the forward's pipeline ran, the pulls go by its chunks, each chunk's
-activation-gradient GEMM beside the next chunk's pull. Each expert's GEMMs see the same rows in the same order as on the sequential path (which sorts
-its source-major received rows by expert, stably), so the bits are the same for one tile configuration. One knob
-cannot run here: per_expert_mm (a cuBLAS matmul per expert) needs each expert's rows on the host, so its GEMMs take
-the other knobs' path (megakernel.device_counts_only), as in a CUDA graph capture; the heuristics pick it for few
-experts with many rows (config.py), which the worst-case buffer's row count reaches sooner than the received rows.
+activation-gradient GEMM beside the next chunk's pull. Each expert's GEMMs see the same rows in the same order as on
+the sequential path (which sorts its source-major received rows by expert, stably), so the bits are the same for one
+tile configuration. One knob cannot run here: per_expert_mm (a cuBLAS matmul per expert) needs each expert's rows on
+the host, so its GEMMs take the other knobs' path (megakernel.device_counts_only), as in a CUDA graph capture; the
+heuristics pick it for few experts with many rows (config.py), which the worst-case buffer's row count reaches sooner
+than the received rows.
 
 The cost: the receive buffer and the experts' buffers are sized for the worst case (W * T * K rows at equal T), so
 memory grows with the EP size; the rows past the received ones cost no GEMM work. What the backward reads is not left
@@ -293,8 +294,8 @@ def forward(hidden, topk_ids, w_up, w_down, b_up, b_down, spec: str, group, knob
     win_x.barrier()  # every rank's rows are in its window
     chunked = None
     if why is None:  # the pipeline pulls chunk by chunk
-        up, down, win_y, chunked = device_pipeline.forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group,
-                                                  win_x, send_rows, knobs)
+        up, down, win_y, chunked = device_pipeline.forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down,
+                                                           s, group, win_x, send_rows, knobs)
     else:
         if pipelined:
             megakernel.warn_once("ep_layer", why, "uniep: the EP device plan runs without its pipeline: %s")

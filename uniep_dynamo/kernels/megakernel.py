@@ -915,7 +915,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, w_up, w_down, b_u
     gathered, before the GEMMs' buffers. ``input_first`` (a callable, with ``input_rows`` and without reuse_saved):
     the input-gradient GEMM runs as soon as d_up is ready, before the weight gradients, and ``input_first`` is called
     with its rows then (the EP device plan launches their pushes there, to run beside the weight-gradient GEMMs). The
-    GEMMs are the same, so are the bits. ``d_act`` ([rows, I] of w_down's dtype): the activation-gradient GEMM's
+    GEMMs are those of the same call without it, so are the bits. ``d_act`` ([rows, I] of w_down's dtype): the activation-gradient GEMM's
     rows, dY W_down^T of the weighted output-gradient rows, computed already (the EP device plan's pipelined backward
     runs that GEMM chunk by chunk as the rows arrive); not under late_routing_weight.
 
