@@ -597,7 +597,7 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
 
     use_kernels(monkeypatch, "triton")
     import uniep_dynamo  # noqa: F401
-    from uniep_dynamo.ep import device_pipeline, device_plan
+    from uniep_dynamo.ep import device_pipeline
     from uniep_dynamo.kernels import megakernel
 
     case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))

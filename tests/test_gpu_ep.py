@@ -257,11 +257,9 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
     behind it): each layer one uniep.ep_layer; in fp32, loss and gradients within 1e-4 / 1e-3 of HF's eager EP
     path; in bf16, the loss within bf16 tolerance and two compiled runs bitwise equal. The default (ep_device_plan
     "auto") runs the layer with its plan on the device here in bf16 (a tiny model on one host; fp32 is not the fused
-    kernels'), as True does; False (the
-    synchronized path) gives the same bits, and so does overlap_ep (the device plan's pipeline). Under
-    mode="reduce-overhead"
-    (three steps) CUDA graphs are captured around the EP layers, and loss and gradients are the compile's without
-    them, bit for bit."""
+    kernels'), as True does; False (the synchronized path) gives the same bits, and so does overlap_ep (the device
+    plan's pipeline). Under mode="reduce-overhead" (three steps) CUDA graphs are captured around the EP layers, and
+    loss and gradients are the compile's without them, bit for bit."""
     import tempfile
 
     from test_ep_rewrite import _hf_ep_available, _tiny_qwen3_moe, hf_ep_layer_ops

@@ -1028,8 +1028,7 @@ def test_input_first_keeps_the_bits(late, monkeypatch):
         def backward(**kw):
             rows = torch.empty(ids.numel(), hidden.shape[1], dtype=w_up.dtype)
             got = megakernel.experts_backward(grad, hidden, ids, weights, w_up, w_down, None, None, row_order,
-                                              slot_row, offsets, up, down, spec, input_rows=rows,
-                                              **kw)
+                                              slot_row, offsets, up, down, spec, input_rows=rows, **kw)
             return rows, got
         want_rows, want = backward()
         assert events == ["wgrad", "wgrad"]

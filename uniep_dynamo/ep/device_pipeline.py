@@ -48,6 +48,25 @@ def chunks(local: int, knobs) -> tuple:
     return even_chunks(local, math.ceil(local / max(1, count)))
 
 
+def triton_config(config):
+    """The chunk GEMMs' config: ``config`` with Triton's GEMMs only (the other backends' group bounds start at row 0,
+    per_expert_mm reads them on the host)."""
+    return config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+
+
+def pull_chunks(streams, table, sizes, local, sources, knobs) -> list:
+    """Each chunk's rows of the absolute ``table`` pulled from ``sources`` into ``local`` on the pull stream, the
+    first alone on the GPU (every SM), the others beside GEMMs; returns each chunk's pull event."""
+    world, firsts = len(sources), [0, *itertools.accumulate(sizes)]
+    beside, pulled = knobs.programs(world), []
+    with streams.on(streams.pull):
+        for c in range(len(sizes)):
+            transfer_rows(table[world * firsts[c]:world * firsts[c + 1]], local, sources, False, knobs,
+                          None if c == 0 else beside)
+            pulled.append(streams.record(streams.pull))
+    return pulled
+
+
 def reason(full, w_up, w_down, s) -> str | None:
     """None where the forward's pipeline runs, else why not (the device plan then runs its steps one after another,
     with the same bits on the same GEMMs). Its chunk GEMMs are the MegaKernel's Triton GEMMs (the others' group
@@ -84,7 +103,7 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     sizes = chunks(w_up.shape[0], knobs)
     firsts = [0, *itertools.accumulate(sizes)]
     _, _, _, table = layout_tables(every, rank, w_up.shape[0], firsts[:-1], size, knobs.copy_block, absolute=True)
-    cfg = full.config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+    cfg = triton_config(full.config)
     up = torch.empty(capacity, full.up_width, dtype=w_up.dtype, device=x.device)
     act = torch.empty(capacity, full.inter, dtype=w_down.dtype, device=x.device)
     down = torch.empty(capacity, size, dtype=w_down.dtype, device=x.device)
@@ -93,13 +112,7 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     streams.start_after_current()  # the pulls follow the barrier; the pushes, the peers' reads of ``back``
     sources, backs = [win_x.send(p) for p in range(world)], [win_y.back(p) for p in range(world)]
     beside = knobs.programs(world)
-    pulled = []
-    with streams.on(streams.pull):
-        for c in range(len(sizes)):
-            # the first pull alone on the GPU, the others beside GEMMs
-            transfer_rows(table[world * firsts[c]:world * firsts[c + 1]], x, sources, False, knobs,
-                          None if c == 0 else beside)
-            pulled.append(streams.record(streams.pull))
+    pulled = pull_chunks(streams, table, sizes, x, sources, knobs)
     for c in range(len(sizes)):
         e0, e1 = firsts[c], firsts[c + 1]
         layer = megakernel.Layer(x, (capacity, 1), w_up[e0:e1], w_down[e0:e1], s, cfg, up_bias=b_up is not None)
@@ -165,13 +178,8 @@ def experts_backward(d_recv, sources, x, ids, ones, plan, up, down, w_up, w_down
     else:
         chunk_table, sizes = chunked
         firsts = [0, *itertools.accumulate(sizes)]
-        beside, pulled = knobs.programs(world), []
-        with streams.on(streams.pull):
-            for c in range(len(sizes)):
-                transfer_rows(chunk_table[world * firsts[c]:world * firsts[c + 1]], d_recv, sources, False, knobs,
-                              None if c == 0 else beside)
-                pulled.append(streams.record(streams.pull))
-        cfg = config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+        pulled = pull_chunks(streams, chunk_table, sizes, d_recv, sources, knobs)
+        cfg = triton_config(config)
         ends = plan[2]
         for c in range(len(sizes)):
             e0, e1 = firsts[c], firsts[c + 1]
