@@ -196,6 +196,44 @@ def test_ep_layer_world1_bitwise_and_one_sync_on_gpu(overlap, reuse_saved, gated
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts", [16, 6], ids=["many_local_experts", "few_local_experts"])
+def test_device_plan_pipeline_world1_on_gpu(experts, tmp_path):
+    """The device plan's pipeline (ep_layer with device_plan and overlap) at world size 1 over NCCL and symmetric
+    memory, bf16: its chunk GEMMs past row 0 by device_pipeline.chunk_config (QuACK's down projection and activation
+    gradient with 16 local experts, its up projection with 6, where QuACK runs; Triton's for the rest), the
+    single-GPU op's bits (which runs CUTLASS's GEMMs here; with late_routing_weight off, as the EP layers' experts
+    ops get their rows weighted), no host synchronization after a warm-up call."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    import uniep_dynamo  # noqa: F401
+    from uniep_dynamo.ep import device_pipeline
+    from uniep_dynamo.kernels import quack_gemm
+    from uniep_dynamo.kernels.config import heuristic_config, use_config
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    tokens, hidden, inter, _, top_k = GPU_SHAPE
+    case = qwen3_like_case(tokens, hidden, inter, experts, top_k, torch.bfloat16, device)
+    spec = case[-1]
+    cfg = dataclasses.replace(heuristic_config(tokens * top_k, experts, hidden, inter, interpret=False),
+                              late_routing_weight=False)
+    with one_rank_group(device, tmp_path) as group, use_config(cfg):
+        layer = ep_layer_fn(spec, group, True, device_plan=1)
+        run_layer(layer, case)  # warm-up
+        want, _ = run_layer(single_op_fn(spec), case)
+        runs = dict(device_pipeline.RUNS)
+        counters.clear()
+        got, syncs = run_layer(layer, case, counted=host_syncs)
+    assert device_pipeline.RUNS == {"forward": runs["forward"] + 1, "backward": runs["backward"] + 1}
+    assert_bitwise(got, want, f"the device plan's pipeline at world size 1, {experts} local experts")
+    assert syncs == {"forward": [], "backward": []}, syncs
+    if quack_gemm.unavailable_reason(device) is None:  # two chunks: QuACK's GEMMs in each, as chunk_config says
+        assert counters["uniep_kernels"]["quack_gemms"] == (4 if experts >= 16 else 2), counters["uniep_kernels"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
 def test_ep_layer_world1_under_cuda_graphs(overlap, tmp_path):
     """mode="reduce-overhead" around uniep.ep_layer (what HF's AllToAllEP compiles to): the op synchronizes with the
@@ -635,6 +673,30 @@ def test_device_plan_pipeline_at_world_1(tmp_path, monkeypatch, caplog):
     assert device_pipeline.RUNS["forward"] == runs + 2
     assert "without its pipeline" in caplog.text and "gated_epilogue" in caplog.text, caplog.text
     assert_bitwise(got, run_layer(single_op_fn(spec), case)[0], "the device plan under gated_epilogue's layout")
+
+
+@pytest.mark.parametrize("local", [2, 4, 15, 16, 64])
+def test_chunk_config_picks_quack_by_local_experts(local):
+    """device_pipeline.chunk_config, the device plan pipeline's chunk GEMMs: never torch._grouped_mm or per_expert_mm
+    (a chunk starts past row 0); QuACK's down projection and activation gradient with 16 or more local experts, its
+    up projection with fewer (as measured, chunk_gemm_probe.py), Triton's for the rest; the other knobs kept."""
+    import dataclasses
+
+    from uniep_dynamo.ep import device_pipeline
+    from uniep_dynamo.kernels import config as kconfig
+
+    for full in (kconfig.heuristic_config(65536, local, 2048, 768),
+                 kconfig.heuristic_config(32768, local, 4096, 14336)):
+        cfg = device_pipeline.chunk_config(full, local)
+        quack = {"down", "grad_act"} if local >= 16 else {"up"}
+        for g in kconfig.GEMMS:
+            gemm, was = getattr(cfg, g), getattr(full, g)
+            assert not gemm.grouped_mm and not gemm.per_expert_mm, g
+            assert gemm.quack == (kconfig.QUACK_CONFIGS[g] if g in quack else ""), (g, gemm.quack)
+            assert dataclasses.replace(gemm, quack="", grouped_mm=False, per_expert_mm=False) == \
+                dataclasses.replace(was, quack="", grouped_mm=False, per_expert_mm=False), g
+        assert (cfg.late_routing_weight, cfg.tma, cfg.gated_epilogue) == \
+            (full.late_routing_weight, full.tma, full.gated_epilogue)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")

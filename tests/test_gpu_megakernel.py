@@ -159,6 +159,79 @@ def test_quack_gemms_are_bitwise_neutral(case, in_place, sweep):
         assert torch.equal(a, b) and torch.equal(a, c), f"quack {sweep} changed tensor {i}"
 
 
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def run_expert_runs(x, w_up, w_down, spec, cfg, counts, runs, lead: bool):
+    """The EP device plan pipeline's chunk GEMMs (device_pipeline.forward's up and down, its backward's activation
+    gradient) over runs of experts [e0, e1) of a buffer in expert order (``counts``: each expert's rows), into
+    buffers filled with NaN first: (up, act, down, grad_act). Each run must leave every row outside its own unchanged
+    (checked after it). ``lead`` False: one run over every expert (``runs`` ignored)."""
+    from uniep_dynamo.kernels import megakernel
+    from uniep_dynamo.kernels.triton_gemm import GLU_FWD, STORE
+
+    capacity, size = x.shape
+    inter = w_down.shape[2]
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    ends = torch.tensor(starts[1:], device=x.device)
+    out = [torch.full((capacity, n), float("nan"), dtype=x.dtype, device=x.device)
+           for n in (2 * inter, inter, size, inter)]
+    up, act, down, d_act = out
+    for e0, e1 in (runs if lead else [(0, w_up.shape[0])]):
+        before = [t.clone() for t in out]
+        layer = megakernel.Layer(x, (capacity, 1), w_up[e0:e1], w_down[e0:e1], spec, cfg)
+        offsets, first = ends[e0:e1], lead and e0 > 0
+        megakernel.rows_gemm(layer, cfg.up, a=x, gather=False, row_order=None, b=layer.up_eff, n=layer.inter,
+                             k=size, epilogue=GLU_FWD, c=up, d=act, offsets=offsets, lead=first,
+                             **layer.weight_halves())
+        megakernel.rows_gemm(layer, cfg.down, a=act, gather=False, row_order=None, b=layer.down_eff, n=size,
+                             k=layer.inter, epilogue=STORE, c=down, offsets=offsets, lead=first)
+        megakernel.rows_gemm(layer, cfg.grad_act, a=x, gather=False, row_order=None,
+                             b=layer.down_eff.transpose(1, 2), n=layer.inter, k=size, epilogue=STORE, c=d_act,
+                             offsets=offsets, lead=first)
+        lo, hi = starts[e0], starts[e1]
+        for name, t, b in zip(("up", "act", "down", "grad_act"), out, before):
+            assert torch.equal(_bits(t[:lo]), _bits(b[:lo])) and torch.equal(_bits(t[hi:]), _bits(b[hi:])), \
+                f"{name}: the run of experts {e0}-{e1} wrote rows outside its own ({lo}-{hi})"
+    return out
+
+
+def test_quack_over_runs_of_experts_past_row_0():
+    """rows_gemm's ``lead`` by QuACK (the EP device plan pipeline's chunk GEMMs): each run of experts past row 0
+    writes its rows only (rows past the routed end and none of another run's), with the bits of the same GEMMs over
+    every expert at once, by QuACK and by Triton; an expert with no rows and a run of one expert included."""
+    from uniep_dynamo.kernels import quack_gemm
+
+    reason = quack_gemm.unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"QuACK does not run here: {reason}")
+    E, H, I = 8, 512, 384
+    counts = [500, 0, 130, 700, 1, 400, 269, 1000]
+    capacity = sum(counts) + 77  # rows past the routed end stay NaN
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(capacity, H, device="cuda", generator=g).bfloat16()
+    w_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05).bfloat16()
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) * 0.05).bfloat16()
+    spec = ExpertsSpec("oi", "oi", SILU_GLU, torch.bfloat16)
+    triton = kconfig.heuristic_config(capacity, E, H, I).replace_gemms(grouped_mm=False, per_expert_mm=False,
+                                                                       quack="")
+    quack = dataclasses.replace(triton, **{g: dataclasses.replace(getattr(triton, g), quack=kconfig.QUACK_CONFIGS[g])
+                                           for g in kconfig.GEMMS})
+    runs = [(0, 3), (3, 4), (4, 8)]
+    counters.clear()
+    whole = run_expert_runs(x, w_up, w_down, spec, triton, counts, runs, lead=False)
+    by_quack = run_expert_runs(x, w_up, w_down, spec, quack, counts, runs, lead=True)
+    assert counters["uniep_kernels"]["quack_gemms"] == 3 * len(runs) and quack_gemm.failure() is None
+    routed = sum(counts)
+    for name, a, b in zip(("up", "act", "down", "grad_act"), by_quack, whole):
+        assert torch.equal(a[:routed], b[:routed]), f"{name}: QuACK by runs differs from Triton over every expert"
+        assert a[routed:].isnan().all() and b[routed:].isnan().all(), f"{name}: rows past the routed end written"
+    by_triton = run_expert_runs(x, w_up, w_down, spec, triton, counts, runs, lead=True)
+    for name, a, b in zip(("up", "act", "down", "grad_act"), by_triton, whole):
+        assert torch.equal(a[:routed], b[:routed]) and a[routed:].isnan().all(), name
+
+
 def _gated_configs(case, late: bool):
     """(knob off, gated_epilogue on) over QuACK's configs for every GEMM, for a CASES shape."""
     base = kconfig.heuristic_config(case[0] * case[4], case[3], case[1], case[2]).replace_gemms(grouped_mm=False)

@@ -897,17 +897,19 @@ class _FakeQuackConfig:
         self.__dict__.update(kwargs)
 
 
-def _fake_quack_gemm(calls):
+def _fake_quack_gemm(calls, first_row_zero: bool = True):
     """QuACK's gemm_tuned.fn contract (quack 0.4.1's gemm_interface/gemm.py), computed by torch in fp32: varlen_m --
-    A k-major, out n-major, out[r] = A[A_idx[r] or r] @ B[e(r)]; varlen_k -- A [M, K rows] m-major, B [K rows, N]
-    n-major, out[e] = A[:, A_idx[k] or k over e's rows] @ B[e's rows]; gather needs cluster_n == 1."""
+    A k-major, out n-major, out[r] = A[A_idx[r] or r] @ B[e(r)] for the rows of each group (cu[e] to cu[e + 1]; the
+    rows before cu[0] and from cu[-1] on are not written, and cu[0] is 0 unless ``first_row_zero`` is False);
+    varlen_k -- A [M, K rows] m-major, B [K rows, N] n-major, out[e] = A[:, A_idx[k] or k over e's rows] @ B[e's
+    rows]; gather needs cluster_n == 1."""
     def gemm(A, B, out, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, config=None):
         calls.append("m" if cu_seqlens_m is not None else "k")
         assert A_idx is None or (config.cluster_n == 1 and A_idx.dtype == torch.int32)
         bounds = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
         assert bounds.dtype == torch.int32 and (cu_seqlens_m is None) != (cu_seqlens_k is None)
         cu = bounds.tolist()
-        assert cu[0] == 0
+        assert cu[0] == 0 or (not first_row_zero and cu_seqlens_m is not None), cu
         if cu_seqlens_m is not None:  # its shape assertions: out [A_idx's or A's rows, B's columns]
             assert A.stride(-1) == 1 and out.stride(-1) == 1
             assert tuple(out.shape) == ((A_idx if A_idx is not None else A).shape[0], B.shape[-1])
@@ -922,6 +924,64 @@ def _fake_quack_gemm(calls):
             for e in range(len(cu) - 1):
                 out[e] = (cols[:, cu[e]:cu[e + 1]] @ B[cu[e]:cu[e + 1]].float()).to(out.dtype)
     return gemm
+
+
+@pytest.mark.parametrize("quack", [False, True], ids=["triton", "quack_contract"])
+def test_gemms_over_runs_of_experts_past_row_0(quack, monkeypatch):
+    """rows_gemm's ``lead`` (the EP device plan pipeline's chunk GEMMs: up with its activation, down, the activation
+    gradient): each run of experts past row 0 writes its own rows only (test_gpu_megakernel.run_expert_runs checks
+    after each run) and, over the runs, the bits of the same GEMMs over every expert at once; an expert with no rows
+    and a run of one expert included. By Triton (fp32), and by QuACK where a config asks for it (here a stand-in for
+    QuACK's GEMM that keeps its contract, taking the run's group bounds from its first row; bf16 as QuACK takes)."""
+    from test_gpu_megakernel import run_expert_runs
+    from uniep_dynamo.kernels import megakernel, quack_gemm
+    from uniep_dynamo.kernels.triton_gemm import STORE
+
+    E, H, I = 5, 32, 16
+    counts = [7, 0, 20, 1, 13]
+    capacity = sum(counts) + 5
+    dtype = torch.bfloat16 if quack else torch.float32
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(capacity, H, generator=g).to(dtype)
+    w_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dtype)
+    w_down = (torch.randn(E, H, I, generator=g) * 0.2).to(dtype)
+    spec = ExpertsSpec("oi", "oi", SILU_GLU, dtype)
+    cfg = kconfig.heuristic_config(capacity, E, H, I, interpret=True)
+    calls = []
+    if quack:  # QuACK's configs on the GEMMs, run as on a GPU by the stand-in
+        cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), quack=kconfig.QUACK_CONFIGS[g])
+                                          for g in kconfig.GEMMS})
+        monkeypatch.setattr(quack_gemm, "unavailable_reason", lambda device: None)
+        monkeypatch.setattr(quack_gemm, "_module", lambda: ((_fake_quack_gemm(calls, first_row_zero=False),
+                                                             _FakeQuackConfig), None))
+        plain = megakernel.Layer
+
+        class OnGpu(plain):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.interpret = False  # as on a GPU: QuACK's path
+
+        monkeypatch.setattr(megakernel, "Layer", OnGpu)
+    runs = [(0, 2), (2, 3), (3, 5)]
+    whole = run_expert_runs(x, w_up, w_down, spec, cfg, counts, runs, lead=False)
+    by_runs = run_expert_runs(x, w_up, w_down, spec, cfg, counts, runs, lead=True)
+    assert len(calls) == (3 + 3 * len(runs) if quack else 0)
+    routed = sum(counts)
+    for name, a, b in zip(("up", "act", "down", "grad_act"), by_runs, whole):
+        assert torch.equal(a[:routed], b[:routed]), name
+        assert a[routed:].isnan().all() and b[routed:].isnan().all(), f"{name}: rows past the routed end written"
+    # the activation pass of a run past row 0 leaves the rows before it (here marked 7) alone
+    layer = megakernel.Layer(x, (capacity, 1), w_up[2:], w_down[2:], spec, cfg)
+    ends = torch.tensor(counts).cumsum(0)
+    act = by_runs[1].clone()
+    act[:counts[0]] = 7
+    megakernel._act_forward(layer, up=by_runs[0], act=act, offsets=ends[2:], lead=True, **layer.weight_halves())
+    assert torch.equal(act[counts[0]:routed], by_runs[1][counts[0]:routed]) and (act[:counts[0]] == 7).all()
+    # torch._grouped_mm's and per_expert_mm's group bounds start at row 0: a run past it refuses them
+    for knob in ("grouped_mm", "per_expert_mm"):
+        with pytest.raises(ValueError, match="lead"):
+            megakernel.rows_gemm(layer, dataclasses.replace(cfg.down, **{knob: True}), a=x[:, :I], gather=False,
+                                 row_order=None, b=layer.down_eff, n=H, k=I, epilogue=STORE, offsets=ends[2:], lead=True)
 
 
 @pytest.mark.parametrize("layout", ["oi", "io"])

@@ -210,6 +210,13 @@ def main():
             else:
                 ids_r = ids
             tok, cu = plan(ids_r, E)
+            counts = (cu[1:] - cu[:-1]).long()
+            tiles = {m: int(((counts + m - 1) // m).sum()) for m in (64, 128, 192, 256)}
+            fill = {m: round(float(counts.sum()) / (t * m), 3) for m, t in tiles.items()}
+            print(f"{shape:<14} {routing:<8} rows an expert {int(counts.min())}-{int(counts.max())}; row tiles "
+                  + ", ".join(f"{m}: {t} ({100 * fill[m]:.1f}% of rows used)" for m, t in tiles.items()), flush=True)
+            results.setdefault("tiles", []).append(dict(shape=shape, routing=routing, min_rows=int(counts.min()),
+                                                        max_rows=int(counts.max()), tiles=tiles, fill=fill))
             for gname in args.gemms.split(","):
                 flops, runs = cases(gname, x, tok, cu, w_up, w_down, E, routing == "uniform", configs)
                 ref = None

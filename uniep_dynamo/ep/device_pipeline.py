@@ -3,11 +3,11 @@ the pull of a chunk's rows, its up and down GEMMs and the push of its results, o
 transfers run beside another's GEMMs. The counts stay on the device as in device_plan.py: each chunk's transfers are
 its rows of a transfer table made on the device (local rows counted from the receive buffer's first row), and its
 GEMMs find the chunk's first row in the device's expert ends (rows_gemm's ``lead``). Each expert's GEMMs see the same
-rows in the same order as the unpipelined path's experts op, by the MegaKernel's Triton GEMMs (the other GEMM
-backends' group bounds start at row 0): the same bits where that op's GEMMs are Triton's, and on a GPU where the
-project's GEMM backends agree (kernels/config.py). The backward is device_plan.py's, over the same buffers, with its
-pulls by the forward's chunks (each chunk's activation-gradient GEMM, Triton's, beside the next chunk's pull) and its
-d_x pushes beside the weight gradients' GEMMs (experts_backward here).
+rows in the same order as the unpipelined path's experts op, by the MegaKernel's Triton GEMMs or QuACK's (chunk_config;
+torch._grouped_mm's group bounds start at row 0): the same bits where that op's GEMMs are Triton's, and on a GPU where
+the project's GEMM backends agree (kernels/config.py). The backward is device_plan.py's, over the same buffers, with
+its pulls by the forward's chunks (each chunk's activation-gradient GEMM beside the next chunk's pull) and its d_x
+pushes beside the weight gradients' GEMMs (experts_backward here).
 
 Measured (BENCHMARKS.md, 2026-11-28, HF's 4-layer models, back to back): at 4 H200s on Qwen3-30B-A3B dims the
 forward's pipeline took the step from 94.4 to 92.1 ms, and with the backward's d_x pushed beside the weight gradients
@@ -16,6 +16,7 @@ from 93.1 to 89.1 (synchronized 106.8 to 109.0: more launches on the host); on M
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -48,10 +49,30 @@ def chunks(local: int, knobs) -> tuple:
     return even_chunks(local, math.ceil(local / max(1, count)))
 
 
-def triton_config(config):
-    """The chunk GEMMs' config: ``config`` with Triton's GEMMs only (the other backends' group bounds start at row 0,
-    per_expert_mm reads them on the host)."""
-    return config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+# The chunk GEMMs' engines. torch._grouped_mm's group bounds start at row 0 and per_expert_mm reads them on the host,
+# so a run of experts past row 0 (rows_gemm's ``lead``) takes Triton's GEMM or QuACK's (its group bounds from the run's
+# first row; the same bits, as the backends give on the GPUs measured). Which, from benchmarks/probes/chunk_gemm_probe.py
+# on an H200 (bf16, T = 8192 a rank, two chunks, a rank's receive buffer at 2 and 4 ranks; BENCHMARKS.md 2026-11-29),
+# ms Triton / QuACK: with 16 or more local experts (Qwen3-30B-A3B, OLMoE) QuACK's down projection 0.415 / 0.328,
+# 0.442 / 0.308, 0.560 / 0.415, 0.581 / 0.409 and activation gradient 0.377 / 0.347, 0.339 / 0.301, 0.504 / 0.431,
+# 0.516 / 0.425, while Triton's up projection with its fused activation beat QuACK's GEMM and the activation pass
+# (0.785 / 0.813, 0.778 / 0.971, 1.079 / 1.097, 1.109 / 1.290); with 2 or 4 (Mixtral-8x7B) the reverse for the up
+# projection (7.012 / 6.506, 6.929 / 6.814), Triton's down projection (2.804 / 2.877, 2.715 / 2.852), and the
+# activation gradient split (2.867 / 2.914, 2.975 / 2.808: Triton's kept).
+MANY_LOCAL_EXPERTS = 16
+CHUNK_QUACK = {True: ("down", "grad_act"), False: ("up",)}  # by local experts >= MANY_LOCAL_EXPERTS
+
+
+def chunk_config(config, local_experts: int):
+    """The chunk GEMMs' config: ``config`` without torch._grouped_mm and per_expert_mm, with QuACK's GEMM
+    (config.QUACK_CONFIGS) where it led for this many local experts (CHUNK_QUACK) and Triton's elsewhere; where QuACK
+    does not run (not installed, not a Hopper GPU, not bf16) rows_gemm takes Triton's."""
+    from ..kernels.config import QUACK_CONFIGS
+
+    base = config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)
+    quack = CHUNK_QUACK[local_experts >= MANY_LOCAL_EXPERTS]
+    return dataclasses.replace(base, **{g: dataclasses.replace(getattr(base, g), quack=QUACK_CONFIGS[g])
+                                        for g in quack})
 
 
 def pull_chunks(streams, table, sizes, local, sources, knobs) -> list:
@@ -69,8 +90,8 @@ def pull_chunks(streams, table, sizes, local, sources, knobs) -> list:
 
 def reason(full, w_up, w_down, s) -> str | None:
     """None where the forward's pipeline runs, else why not (the device plan then runs its steps one after another,
-    with the same bits on the same GEMMs). Its chunk GEMMs are the MegaKernel's Triton GEMMs (the others' group
-    bounds start at row 0), with h in halves, and it pushes the down rows themselves as the results (the combine of
+    with the same bits on the same GEMMs). Its chunk GEMMs are the MegaKernel's Triton GEMMs or QuACK's
+    (chunk_config), with h in halves, and it pushes the down rows themselves as the results (the combine of
     one row a slot with a weight of one is a copy where the output dtype is theirs). ``full``: the MegaKernel's
     Layer over the receive buffer, None where the fused kernels do not run it."""
     if full is None:
@@ -88,10 +109,11 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     """The forward's pull, experts and push, pipelined by chunks of local experts: chunk c's pull (the transfer kernel
     over the chunk's rows of an absolute table) on the pull stream, its up and down GEMMs on the current stream once
     pulled, its push on the push stream once computed, so a chunk's transfers run beside another's GEMMs. Each
-    expert's GEMMs are the experts op's Triton GEMMs over the same rows in the same order (the tile schedule from the
-    device's expert ends, the first chunk row read from them: ``lead``), so the bits are the same as the unpipelined
-    path's where its GEMMs are Triton's (GPU: the project's GEMM backends give the same bits, config.py). ``full``:
-    the MegaKernel's Layer over the receive buffer ``x`` (its config, less the other GEMM backends). Returns
+    expert's GEMMs are the experts op's Triton or QuACK GEMMs (chunk_config) over the same rows in the same order
+    (the chunk's first row read from the device's expert ends: ``lead``), so the bits are the same as the unpipelined
+    path's where its GEMMs are those (GPU: the project's GEMM backends give the same bits, config.py). ``full``: the
+    MegaKernel's Layer over the receive buffer ``x`` (its config, less the GEMM backends that cannot start past row
+    0). Returns
     (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into, (the
     absolute transfer table, the chunks' expert counts): the backward's chunks)."""
     from ..kernels import megakernel
@@ -103,7 +125,7 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     sizes = chunks(w_up.shape[0], knobs)
     firsts = [0, *itertools.accumulate(sizes)]
     _, _, _, table = layout_tables(every, rank, w_up.shape[0], firsts[:-1], size, knobs.copy_block, absolute=True)
-    cfg = triton_config(full.config)
+    cfg = chunk_config(full.config, w_up.shape[0])
     up = torch.empty(capacity, full.up_width, dtype=w_up.dtype, device=x.device)
     act = torch.empty(capacity, full.inter, dtype=w_down.dtype, device=x.device)
     down = torch.empty(capacity, size, dtype=w_down.dtype, device=x.device)
@@ -161,8 +183,9 @@ def experts_backward(d_recv, sources, x, ids, ones, plan, up, down, w_up, w_down
     from the peers' ``sources`` into ``d_recv``, the input gradient computed before the weight gradients
     (megakernel.experts_backward's ``input_first``) and its rows pushed into the peers' ``backs`` on the push stream,
     beside the weight gradients' GEMMs. ``chunked`` (the forward's pipeline ran: its absolute table and chunks, else
-    None): the pulls chunk by chunk on the pull stream, and each chunk's activation-gradient GEMM (Triton's, ``lead``,
-    as the forward's chunk GEMMs) once its rows are in, the next chunk's pull beside it; else one pull by ``table``.
+    None): the pulls chunk by chunk on the pull stream, and each chunk's activation-gradient GEMM (``lead``, by
+    chunk_config as the forward's chunk GEMMs) once its rows are in, the next chunk's pull beside it; else one pull by
+    ``table``.
     The current stream has joined the side streams when this returns. Run within the forward's config ``config``
     (use_config), where beside_reason is None."""
     from ..kernels import megakernel
@@ -179,7 +202,7 @@ def experts_backward(d_recv, sources, x, ids, ones, plan, up, down, w_up, w_down
         chunk_table, sizes = chunked
         firsts = [0, *itertools.accumulate(sizes)]
         pulled = pull_chunks(streams, chunk_table, sizes, d_recv, sources, knobs)
-        cfg = triton_config(config)
+        cfg = chunk_config(config, w_up.shape[0])
         ends = plan[2]
         for c in range(len(sizes)):
             e0, e1 = firsts[c], firsts[c + 1]

@@ -261,12 +261,18 @@ class Layer:
         """The host's copy of ``offsets`` (each expert's end row), where the caller has it (the EP layout)."""
         self._host_bounds = (offsets, [0, *ends])
 
-    def cu_seqlens(self, offsets):
-        """[0, each expert's end row] as int32: the group bounds QuACK's variable-length GEMMs take; once a call."""
-        if self._cu_seqlens is None or self._cu_seqlens[0] is not offsets:
+    def cu_seqlens(self, offsets, lead: bool = False):
+        """[0, each expert's end row] as int32: the group bounds QuACK's variable-length GEMMs take; once a call.
+        ``lead`` (rows_gemm's): ``offsets`` is a view past the first element of a longer offsets tensor, and the
+        bounds start at the element before it (the first expert's first row) instead of 0."""
+        if self._cu_seqlens is None or self._cu_seqlens[0] is not offsets or self._cu_seqlens[2] != lead:
             from .triton_routing import int32_index
 
-            self._cu_seqlens = (offsets, int32_index(offsets, lead_zero=True))
+            if lead:
+                bounds = int32_index(_with_lead(offsets))
+            else:
+                bounds = int32_index(offsets, lead_zero=True)
+            self._cu_seqlens = (offsets, bounds, lead)
         return self._cu_seqlens[1]
 
     def token_rows(self, row_order):
@@ -455,13 +461,15 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
 
     ``lead``: ``offsets`` is a view of a longer offsets tensor past its first element, whose element before the view
     is the first expert's first row (a run of experts [e0, e1) of a buffer in expert order, with ``b`` and ``bias``
-    their slices): by Triton only, the other GEMMs' group bounds start at row 0 (the EP device plan's pipeline)."""
+    their slices; the EP device plan's pipeline): by QuACK where ``cfg.quack`` asks and it runs (its group bounds
+    taken from that element on), else by Triton; torch._grouped_mm's group bounds start at row 0 and per_expert_mm
+    reads them on the host, so neither may be asked. Only the run's rows of ``c`` and ``d`` are written."""
     from .triton_gemm import GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
-    if lead and (interleaved or cfg.per_expert_mm or cfg.quack or cfg.grouped_mm):
-        raise ValueError("uniep: a GEMM over a run of experts that starts past row 0 (lead) runs by Triton only, "
-                         "over h in halves")
+    if lead and (interleaved or cfg.per_expert_mm or cfg.grouped_mm):
+        raise ValueError("uniep: a GEMM over a run of experts that starts past row 0 (lead) runs by QuACK or Triton "
+                         "only, over h in halves")
     if interleaved:
         return _rows_gemm_interleaved(layer, cfg, a=a, gather=gather, row_order=row_order, b=b, n=n, k=k,
                                       epilogue=epilogue, c=c, d=d, w=w, a_scale=a_scale, bias=bias, offsets=offsets,
@@ -498,7 +506,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
 
         out = c if c is not None else torch.empty(layer.num_slots, width, dtype=b.dtype, device=a.device)
         try:
-            quack_gemm.rows(a, b, out, layer.cu_seqlens(offsets), cfg.quack,
+            quack_gemm.rows(a, b, out, layer.cu_seqlens(offsets, lead), cfg.quack,
                             a_idx=layer.token_rows(row_order) if gather else None)
         except Exception as exc:  # noqa: BLE001 -- a QuACK call that raises: the knob goes off, the other path runs
             quack_gemm.failed(exc)
@@ -506,7 +514,7 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
             counters["uniep_kernels"]["quack_gemms"] += 1
             if epilogue == GLU_FWD:
                 _act_forward(layer, up=out, act=d, offsets=offsets, two_halves=two_halves, col_mult=col_mult,
-                             up_shift=up_shift)
+                             up_shift=up_shift, lead=lead)
             return out
     if c is None and plain and _use_grouped_mm(layer, cfg, width, a, b):
         counters["uniep_kernels"]["grouped_mm_gemms"] += 1
@@ -632,21 +640,30 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
             and row_stride > 0)
 
 
-def _act_pass(layer: Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift):
+def _act_pass(layer: Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift, **lead):
     """Launch an element-wise activation kernel of triton_gemm.py over the routed rows and the activation's
-    columns; ``tensors`` are its leading (tensor, row stride) arguments."""
+    columns; ``tensors`` are its leading (tensor, row stride) arguments. ``lead`` (LEAD=True, _act_forward only):
+    the rows from the element before ``offsets`` (rows_gemm's ``lead``)."""
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (_cdiv(max(layer.num_slots, 1), block_r), _cdiv(layer.inter, block_c))
     launch(kernel, grid, *(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter,
            up_shift, COL_MULT=col_mult, TWO_HALVES=two_halves, ACT=layer.act, act_alpha=layer.act_params[0],
            act_limit=layer.act_params[1], act_up_add=layer.act_params[2], BLOCK_R=block_r, BLOCK_C=block_c,
-           num_warps=4)
+           num_warps=4, **lead)
 
 
-def _act_forward(layer: Layer, *, up, act, **halves):
+def _act_forward(layer: Layer, *, up, act, lead: bool = False, **halves):
+    """act(h) into ``act`` over the routed rows (from the element before ``offsets`` where ``lead``)."""
     from .triton_gemm import _act_forward as kernel
 
-    _act_pass(layer, kernel, (up, act), **halves)
+    _act_pass(layer, kernel, (up, act), **halves, **({"LEAD": True} if lead else {}))
+
+
+def _with_lead(offsets):
+    """``offsets`` (a 1-D view past the first element of a longer tensor) with the element before it."""
+    if offsets.dim() != 1 or offsets.storage_offset() < offsets.stride(0):
+        raise ValueError("uniep: a lead GEMM's offsets must be a view past the first element of their tensor")
+    return offsets.as_strided((offsets.shape[0] + 1,), offsets.stride(), offsets.storage_offset() - offsets.stride(0))
 
 
 def act_backward(layer: Layer, *, d_act, up, d_up, act=None, **halves):

@@ -469,12 +469,17 @@ def _sum_weight_grad_parts(part_ptr, row_order_ptr, d_w_ptr, num_rows, num_parts
 @triton.jit
 def _act_forward(h_ptr, stride_hm, act_ptr, stride_am, offsets_ptr, num_experts, N,
                  UP_SHIFT, COL_MULT: tl.constexpr, TWO_HALVES: tl.constexpr, ACT: tl.constexpr,
-                 act_alpha, act_limit, act_up_add, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """act(h) over the routed rows, element-wise, from the stored (rounded) h: the GLU_FWD epilogue's values."""
+                 act_alpha, act_limit, act_up_add, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                 LEAD: tl.constexpr = False):
+    """act(h) over the routed rows, element-wise, from the stored (rounded) h: the GLU_FWD epilogue's values. With
+    LEAD the rows from offsets_ptr[-1] on (a run of experts past row 0, as _tile_schedule's LEAD)."""
     routed_rows = tl.load(offsets_ptr + num_experts - 1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = (rows < routed_rows)[:, None]
+    if LEAD:
+        row_ok = ((rows < routed_rows) & (rows >= tl.load(offsets_ptr - 1)))[:, None]
+    else:
+        row_ok = (rows < routed_rows)[:, None]
     mask = row_ok & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     g, u = _load_halves(h_ptr, stride_hm, rows64, cols, row_ok, N, UP_SHIFT, COL_MULT, TWO_HALVES)
