@@ -307,6 +307,50 @@ def test_ep_ops_are_marked_cudagraph_unsafe_and_the_experts_ops_are_not():
         assert tagged == (name in ep_ops), name
 
 
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.parametrize("op", ["moe_experts", "ep_layer", "ep_layer_overlap", "ep_layer_device_plan"])
+def test_ops_take_no_zero_gradients_for_their_buffer_outputs(op, tmp_path, monkeypatch):
+    """Called outside a compiled graph, the ops whose extra outputs are buffers for their backward (the plan, h, the
+    rows) get no zero-filled gradients for them (ctx.set_materialize_grads(False)): autograd makes no tensor before
+    the backward op runs (it used to fill an [S, H] and an [S, 2I] zeros for moe_experts, an [S, H] one for
+    ep_layer). The gradients are unchanged (the world-1 tests compare them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from test_ep import use_kernels
+
+    use_kernels(monkeypatch, "triton")  # (the reference's Python cannot run under a dispatch mode)
+    import uniep_dynamo  # noqa: F401
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    case = qwen3_like_case(*CPU_SHAPE, torch.float32, torch.device("cpu"))
+    hidden, ids, weights, w_up, w_down, grad, spec = case
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        fn = single_op_fn(spec) if op == "moe_experts" else \
+            ep_layer_fn(spec, group, op == "ep_layer_overlap", device_plan=int(op == "ep_layer_device_plan"))
+        leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
+        out = fn(leaves[0], ids, *leaves[1:])
+        record = Record()
+        with record:
+            out.backward(grad)
+    backward_op = next(i for i, name in enumerate(record.ops) if name.startswith("uniep."))
+    made = [name for name in record.ops[:backward_op] if not name.startswith("aten.detach")]
+    assert made == [], f"autograd made {made} before {record.ops[backward_op]}"
+    assert all(t.grad is not None for t in leaves)
+    if op == "moe_experts":  # a loss of the saved h alone: the op's backward runs, and no gradient reaches its inputs
+        leaves = [t.clone().requires_grad_() for t in (hidden, weights, w_up, w_down)]
+        outs = torch.ops.uniep.moe_experts(leaves[0], ids, *leaves[1:], None, None, [], spec)
+        outs[4].float().sum().backward()
+        assert all(t.grad is None for t in leaves)
+
+
 CPU_CASES = [
     # (UNIEP_KERNELS, dtype, overlap), what it stresses
     ("reference", torch.bfloat16, False),  # CPU's default path, in the GPU test's dtype

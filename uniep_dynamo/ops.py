@@ -219,6 +219,9 @@ def _moe_experts_backward_combine_fake(input_rows, after, hidden, topk_ids, topk
 def _setup_context(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec, *given_plan = inputs
     _, row_order, slot_row, expert_offsets, up, down = output
+    # the outputs after the first are the backward's buffers, whose gradients it never reads: no zeros for them
+    # (autograd fills one for each by default, an [S, H] and an [S, 2I] memset a call outside a compiled graph)
+    ctx.set_materialize_grads(False)
     # Autograd wants one gradient per argument passed (defaults left out), and the plan is passed whole
     # (the lowering's plan_row_order=, plan_slot_row=, plan_offsets=) or not at all.
     ctx.num_plan_inputs = 3 if given_plan and given_plan[0] is not None else 0
@@ -241,9 +244,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, *_unused_grads):
+    if grad_out is None:  # the output took no gradient: none flows to the inputs
+        return (None,) * 7 + ([None] * ctx.num_operands, None) + (None,) * ctx.num_plan_inputs
     saved = list(ctx.saved_tensors)
     head, operands, plan = saved[:7], saved[7:7 + ctx.num_operands], saved[7 + ctx.num_operands:]
-    grad_out = grad_out if grad_out is not None else torch.zeros_like(head[0])
     weights_grad = ctx.needs_input_grad[2]  # False for weights that need none (the ones of an EP layer's rows)
     param_grads = any(ctx.needs_input_grad[3:7])  # False for frozen experts: their weight-gradient GEMMs are skipped
     if not ctx.down_saved:  # an empty stand-in of w_up's dtype (the in-place op's check)

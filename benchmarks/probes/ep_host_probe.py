@@ -9,6 +9,8 @@ warnings; tests/test_ep_single_rank.py asserts at most one). Providers:
   moe_experts         the single-GPU op
   ep_layer            overlap off (the all-to-alls around the experts op: HF's default, overlap_ep=False)
   ep_layer_overlap    the overlapped exchange (symmetric memory)
+  ep_layer_device_plan      the device plan (ep_device_plan=True: the counts on the device, no host synchronization)
+  ep_layer_device_pipeline  the device plan's pipeline (ep_device_plan=True with overlap_ep: ep/device_pipeline.py)
 
     python benchmarks/probes/ep_host_probe.py [--shape qwen3-30b-a3b] [--tokens 8192] [--calls 50]
 
@@ -151,6 +153,7 @@ def main():
     parser.add_argument("--hidden", type=int, help="H instead of the shape's (small on CPU: the kernels' work)")
     parser.add_argument("--inter", type=int, help="I instead of the shape's")
     parser.add_argument("--profile", default="", help="providers (comma-separated) whose calls cProfile profiles")
+    parser.add_argument("--providers", default="", help="comma-separated; default: all")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_host_probe.json"))
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -179,7 +182,13 @@ def main():
                                                                  False, "")[0],
         "ep_layer_overlap": lambda h, tw, a, b: torch.ops.uniep.ep_layer(h, ids, tw, a, b, None, None, spec,
                                                                          group_name, 1, True, "")[0],
+        "ep_layer_device_plan": lambda h, tw, a, b: torch.ops.uniep.ep_layer(h, ids, tw, a, b, None, None, spec,
+                                                                             group_name, 1, False, "", 1)[0],
+        "ep_layer_device_pipeline": lambda h, tw, a, b: torch.ops.uniep.ep_layer(h, ids, tw, a, b, None, None, spec,
+                                                                                 group_name, 1, True, "", 1)[0],
     }
+    if args.providers:
+        providers = {n: providers[n] for n in args.providers.split(",")}
     results = {}
     try:
         for name, fn in providers.items():

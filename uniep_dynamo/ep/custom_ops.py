@@ -84,6 +84,7 @@ def _ep_dispatch_backward_fake(d_rows, slot_row, expert_offsets, num_tokens, top
 
 def _dispatch_setup_context(ctx, inputs, output):
     hidden, topk_ids = inputs[0], inputs[1]
+    ctx.set_materialize_grads(False)  # no zeros for the plan's outputs
     ctx.save_for_backward(output[4], output[5])
     ctx.num_tokens, ctx.top_k = hidden.shape[0], topk_ids.shape[1]
     ctx.num_inputs = len(inputs)
@@ -287,6 +288,7 @@ def _ep_exchange_backward_fake(grad_back, x, up, recv_counts, table, w_up, w_dow
 
 def _exchange_setup_context(ctx, inputs, output):
     send, recv_counts, w_up, w_down, b_up, b_down, spec, group_name, send_sizes, recv_sizes, *rest = inputs
+    ctx.set_materialize_grads(False)  # no zeros for the outputs after the first (the received rows and h among them)
     ctx.save_for_backward(output[1], output[2], recv_counts, output[3], w_up, w_down, b_up, b_down)
     # the backward takes the path the forward's host table records, so ``sequential`` is not handed on; where the
     # forward was told to take the sequential steps the backward sends the gradient rows in an op of their own

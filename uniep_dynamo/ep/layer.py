@@ -229,6 +229,7 @@ def _ep_layer_backward_fake(grad_out, topk_weights, row_order, slot_row, expert_
 def _setup_context(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, group_name, world, *rest = inputs
     _, _y_rows, row_order, slot_row, offsets, recv, table, sizes = output  # y_rows is kept in _SAVED
+    ctx.set_materialize_grads(False)  # no zeros for the outputs after the first ([S, H] y_rows among them)
     ctx.save_for_backward(topk_weights, row_order, slot_row, offsets, recv, table, sizes, hidden[:0], w_up,
                           w_down, b_up, b_down)
     ctx.args = (spec, group_name, bool(rest[0]) if rest else False, rest[1] if len(rest) > 1 else "")  # not device_plan
