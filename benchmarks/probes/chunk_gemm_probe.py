@@ -31,24 +31,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_layer import SHAPES  # noqa: E402
-
-
-def back_to_back_ms(run, calls: int, rounds: int) -> float:
-    for _ in range(2):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    times.sort()
-    return times[len(times) // 2]
+from gemm_schedule_probe import back_to_back_ms  # noqa: E402
 
 
 def main():

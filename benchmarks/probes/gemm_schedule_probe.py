@@ -31,7 +31,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_layer import SHAPES, make_inputs  # noqa: E402
+from quack_probe import plan  # noqa: E402  (uniep's stable plan: each row's token, the group bounds)
 
 
 def back_to_back_ms(run, calls: int, rounds: int) -> float:
@@ -75,13 +77,14 @@ def quack_call(a, b, out, config: str, swizzle: int, cu_seqlens_m=None, cu_seqle
     return run
 
 
-def plan(ids, num_experts):
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    ends = torch.bincount(flat, minlength=num_experts).cumsum(0)
-    tok = (order // ids.shape[1]).to(torch.int32)
-    cu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-    return tok, cu
+def quack_variants(runs, quack, default: str, configs) -> None:
+    """The gathered GEMM's QuACK rows: uniep's config at each swizzle group, on pre-gathered rows, at ``configs``."""
+    for s in (8, 1, 2, 4, 16, 32):
+        runs[f"quack s{s}"] = quack(default, s)
+    runs["quack nogather"] = quack(default, 8, gather=False)
+    for other in configs:
+        if other != default:
+            runs[f"quack {other}"] = quack(other, 8)
 
 
 def gather_config(text: str) -> str:
@@ -116,12 +119,7 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
                                 a_idx=tok if gather else None)
             return lambda: (launch(), out)[1]
         default = QUACK_CONFIGS["up"]
-        for s in (8, 1, 2, 4, 16, 32):
-            runs[f"quack s{s}"] = quack(default, s)
-        runs["quack nogather"] = quack(default, 8, gather=False)
-        for other in configs:
-            if other != default:
-                runs[f"quack {other}"] = quack(other, 8)
+        quack_variants(runs, quack, default, configs)
         if uniform:
             from uniep_dynamo.kernels import quack_gemm as q
             from quack.gemm_interface import gemm_tuned
@@ -144,13 +142,7 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
                                 gather_config(config) if gather else config, swizzle, cu_seqlens_k=cu,
                                 a_idx=tok if gather else None)
             return lambda: (launch(), grad)[1]
-        default = QUACK_CONFIGS["wgrad_up"]
-        for s in (8, 1, 2, 4, 16, 32):
-            runs[f"quack s{s}"] = quack(default, s)
-        runs["quack nogather"] = quack(default, 8, gather=False)
-        for other in configs:
-            if other != default:
-                runs[f"quack {other}"] = quack(other, 8)
+        quack_variants(runs, quack, QUACK_CONFIGS["wgrad_up"], configs)
     elif name == "down":  # [R, H] = act @ W_down[e]^T; W_down [E, H, I]
         I = w_down.shape[2]
         flops = 2.0 * R * H * I
