@@ -317,8 +317,8 @@ def test_hf_all_to_all_ep_model_on_gpus(world, tmp_path):
             for name, want in first["grads"].items():
                 assert torch.equal(graphs["grads"][name], want), f"rank {rank} {dtype}: {name} under CUDA graphs"
             # overlap_ep under the default "auto": the device plan's pipeline (forward chunks, the backward's d_x
-            # pushed beside the weight gradients), the device plan's bits (its chunk GEMMs are Triton's: the
-            # backends give the same bits on this GPU, as the layer test checks)
+            # pushed beside the weight gradients), the device plan's bits (its chunk GEMMs are Triton's or QuACK's,
+            # device_pipeline.chunk_config: the backends give the same bits on this GPU, as the layer test checks)
             piped = r[(dtype, "uniep_overlap")]
             if fp32:  # the synchronized path's overlapped exchange, which runs its steps in turn in fp32
                 assert piped["device_plan_calls"] == 0, piped["device_plan_calls"]
@@ -501,9 +501,9 @@ def test_ep_layer_device_plan_on_gpus(case, world, pipelined, tmp_path):
     """uniep.ep_layer with device_plan=True (the compile's ep_device_plan) over NCCL and symmetric memory: no host
     synchronization in its forward or its backward (torch's sync debug mode, after a first call), the counts never
     on the host, and output and every gradient the single-GPU op's bits, twice. ``pipelined`` (overlap on): the
-    forward pipelined (ep/device_pipeline.py), its chunk GEMMs by Triton where the single-GPU op's config runs
-    CUTLASS's, and the backward's d_x pushed beside its weight gradients' GEMMs: the same bits, as the backends'
-    probes found."""
+    forward pipelined (ep/device_pipeline.py), its chunk GEMMs by Triton or QuACK (chunk_config) where the
+    single-GPU op's config runs CUTLASS's, the backward's gradient rows pulled by the same chunks and its d_x pushed
+    beside its weight gradients' GEMMs: the same bits, as the backends' probes found."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, found {torch.cuda.device_count()}")
     from test_ep import run_workers
