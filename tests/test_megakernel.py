@@ -948,6 +948,7 @@ def test_gemms_over_runs_of_experts_past_row_0(quack, monkeypatch):
     spec = ExpertsSpec("oi", "oi", SILU_GLU, dtype)
     cfg = kconfig.heuristic_config(capacity, E, H, I, interpret=True)
     calls = []
+    monkeypatch.setattr(quack_gemm, "_FAILED", [])  # nothing has turned the knob off
     if quack:  # QuACK's configs on the GEMMs, run as on a GPU by the stand-in
         cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), quack=kconfig.QUACK_CONFIGS[g])
                                           for g in kconfig.GEMMS})
@@ -977,6 +978,11 @@ def test_gemms_over_runs_of_experts_past_row_0(quack, monkeypatch):
     act[:counts[0]] = 7
     megakernel._act_forward(layer, up=by_runs[0], act=act, offsets=ends[2:], lead=True, **layer.weight_halves())
     assert torch.equal(act[counts[0]:routed], by_runs[1][counts[0]:routed]) and (act[:counts[0]] == 7).all()
+    # offsets that are no view past the first element of their tensor: refused before any GEMM (QuACK's knob stays on)
+    with pytest.raises(ValueError, match="view past the first element"):
+        megakernel.rows_gemm(layer, cfg.down, a=x[:, :I].contiguous(), gather=False, row_order=None,
+                             b=layer.down_eff, n=H, k=I, epilogue=STORE, offsets=ends[2:].clone(), lead=True)
+    assert quack_gemm.failure() is None
     # torch._grouped_mm's and per_expert_mm's group bounds start at row 0: a run past it refuses them
     for knob in ("grouped_mm", "per_expert_mm"):
         with pytest.raises(ValueError, match="lead"):

@@ -66,7 +66,9 @@ CHUNK_QUACK = {True: ("down", "grad_act"), False: ("up",)}  # by local experts >
 def chunk_config(config, local_experts: int):
     """The chunk GEMMs' config: ``config`` without torch._grouped_mm and per_expert_mm, with QuACK's GEMM
     (config.QUACK_CONFIGS) where it led for this many local experts (CHUNK_QUACK) and Triton's elsewhere; where QuACK
-    does not run (not installed, not a Hopper GPU, not bf16) rows_gemm takes Triton's."""
+    does not run (not installed, not a Hopper GPU, not bf16) rows_gemm takes Triton's. ``config``'s own QuACK
+    choices (the heuristics', a tuned or a use_config one) apply to the unpipelined path, not to these chunks:
+    UNIEP_QUACK=0 turns QuACK off here too. Only the scheduling changes: the backends give the same bits."""
     from ..kernels.config import QUACK_CONFIGS
 
     base = config.replace_gemms(grouped_mm=False, quack="", per_expert_mm=False)

@@ -470,6 +470,8 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
     if lead and (interleaved or cfg.per_expert_mm or cfg.grouped_mm):
         raise ValueError("uniep: a GEMM over a run of experts that starts past row 0 (lead) runs by QuACK or Triton "
                          "only, over h in halves")
+    if lead:  # the caller's contract, checked before any path reads the element before ``offsets``
+        _with_lead(offsets)
     if interleaved:
         return _rows_gemm_interleaved(layer, cfg, a=a, gather=gather, row_order=row_order, b=b, n=n, k=k,
                                       epilogue=epilogue, c=c, d=d, w=w, a_scale=a_scale, bias=bias, offsets=offsets,
