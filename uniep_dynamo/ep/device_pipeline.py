@@ -115,9 +115,8 @@ def forward(every, rank, x, full, ends, w_up, w_down, b_up, b_down, s, group, wi
     (the chunk's first row read from the device's expert ends: ``lead``), so the bits are the same as the unpipelined
     path's where its GEMMs are those (GPU: the project's GEMM backends give the same bits, config.py). ``full``: the
     MegaKernel's Layer over the receive buffer ``x`` (its config, less the GEMM backends that cannot start past row
-    0). Returns
-    (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into, (the
-    absolute transfer table, the chunks' expert counts): the backward's chunks)."""
+    0). Returns (up [capacity, up_width], None: the buffers the backward reads, the window the rows were pushed into,
+    (the absolute transfer table, the chunks' expert counts): the backward's chunks)."""
     from ..kernels import megakernel
     from ..kernels.triton_gemm import GLU_FWD, STORE
     from ..kernels.triton_transfer import layout_tables

@@ -467,11 +467,11 @@ def rows_gemm(layer: Layer, cfg, *, a, gather, row_order, b, n, k, epilogue, c=N
     from .triton_gemm import GLU_FWD, STORE
     from .triton_gemm import _rows_gemm as kernel
 
-    if lead and (interleaved or cfg.per_expert_mm or cfg.grouped_mm):
-        raise ValueError("uniep: a GEMM over a run of experts that starts past row 0 (lead) runs by QuACK or Triton "
-                         "only, over h in halves")
-    if lead:  # the caller's contract, checked before any path reads the element before ``offsets``
-        _with_lead(offsets)
+    if lead:
+        if interleaved or cfg.per_expert_mm or cfg.grouped_mm:
+            raise ValueError("uniep: a GEMM over a run of experts that starts past row 0 (lead) runs by QuACK or "
+                             "Triton only, over h in halves")
+        _with_lead(offsets)  # the caller's contract, checked before any path reads the element before ``offsets``
     if interleaved:
         return _rows_gemm_interleaved(layer, cfg, a=a, gather=gather, row_order=row_order, b=b, n=n, k=k,
                                       epilogue=epilogue, c=c, d=d, w=w, a_scale=a_scale, bias=bias, offsets=offsets,
@@ -644,8 +644,8 @@ def _tma_2d(t, rows: int, row_stride: int, col_stride: int) -> bool:
 
 def _act_pass(layer: Layer, kernel, tensors, *, offsets, two_halves, col_mult, up_shift, **lead):
     """Launch an element-wise activation kernel of triton_gemm.py over the routed rows and the activation's
-    columns; ``tensors`` are its leading (tensor, row stride) arguments. ``lead`` (LEAD=True, _act_forward only):
-    the rows from the element before ``offsets`` (rows_gemm's ``lead``)."""
+    columns; ``tensors`` are its leading (tensor, row stride) arguments. ``lead``: _act_forward's LEAD (the rows
+    from the element before ``offsets``: rows_gemm's ``lead``), which the other activation kernels do not take."""
     block_r, block_c = (16, 32) if layer.interpret else (16, 256)
     grid = (_cdiv(max(layer.num_slots, 1), block_r), _cdiv(layer.inter, block_c))
     launch(kernel, grid, *(x for t in tensors for x in (t, t.stride(0))), offsets, layer.num_experts, layer.inter,
@@ -658,7 +658,7 @@ def _act_forward(layer: Layer, *, up, act, lead: bool = False, **halves):
     """act(h) into ``act`` over the routed rows (from the element before ``offsets`` where ``lead``)."""
     from .triton_gemm import _act_forward as kernel
 
-    _act_pass(layer, kernel, (up, act), **halves, **({"LEAD": True} if lead else {}))
+    _act_pass(layer, kernel, (up, act), **halves, LEAD=lead)
 
 
 def _with_lead(offsets):
