@@ -12,7 +12,8 @@ bench_moe_layer.py, each GEMM by:
                  run side by side before the next row of tiles; a runtime argument, the same compiled kernel)
   quack nogather QuACK at uniep's config on pre-gathered rows (no A_idx)
   quack batched  QuACK's batched (not varlen) GEMM over equal experts (uniform routing only)
-  quack <cfg>    QuACK varlen at another config (``--configs``)
+  quack <cfg>    QuACK varlen at another config (``--configs``), and on pre-gathered rows ("<cfg> nogather")
+  gather copy    the token rows' gather that "nogather" reads (index_select into a [rows, H] buffer)
 
 ms a call from CUDA events around ``--calls`` calls back to back (median of ``--rounds``), TF/s, and whether the output
 equals the first QuACK row's bit for bit (scheduling must not change bits). Writes $OUT/gemm_schedule_probe.json.
@@ -77,14 +78,21 @@ def quack_call(a, b, out, config: str, swizzle: int, cu_seqlens_m=None, cu_seqle
     return run
 
 
-def quack_variants(runs, quack, default: str, configs) -> None:
-    """The gathered GEMM's QuACK rows: uniep's config at each swizzle group, on pre-gathered rows, at ``configs``."""
-    for s in (8, 1, 2, 4, 16, 32):
+SWIZZLES = (8, 1, 2, 4, 16, 32)
+
+
+def quack_variants(runs, quack, default: str, configs, gathered=True) -> None:
+    """QuACK's rows: uniep's config at each swizzle group (``SWIZZLES``), on pre-gathered rows (``gathered``), at
+    ``configs``."""
+    for s in SWIZZLES:
         runs[f"quack s{s}"] = quack(default, s)
-    runs["quack nogather"] = quack(default, 8, gather=False)
+    if gathered:
+        runs["quack nogather"] = quack(default, 8, gather=False)
     for other in configs:
         if other != default:
             runs[f"quack {other}"] = quack(other, 8)
+        if gathered and (other != default or not SWIZZLES):
+            runs[f"quack {other} nogather"] = quack(other, 8, gather=False)
 
 
 def gather_config(text: str) -> str:
@@ -111,6 +119,8 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
             xe = xs.view(E, R // E, H)
             runs["bmm"] = lambda: torch.bmm(xe, b)
         runs["grouped_mm"] = lambda: mm(xs, b, offs=offs)
+        rows, tok_l = torch.empty_like(xs), tok.long()
+        runs["gather copy"] = lambda: torch.index_select(x, 0, tok_l, out=rows)  # what nogather needs first
 
         def quack(config, swizzle, gather=True):
             out = torch.empty(R, I2, dtype=x.dtype, device=x.device)
@@ -157,8 +167,7 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
             out = torch.empty(R, H, dtype=x.dtype, device=x.device)
             launch = quack_call(act, b, out, config, swizzle, cu_seqlens_m=cu)
             return lambda: (launch(), out)[1]
-        for s in (8, 1, 4, 16):
-            runs[f"quack s{s}"] = quack(QUACK_CONFIGS["down"], s)
+        quack_variants(runs, quack, QUACK_CONFIGS["down"], configs, gathered=False)
     else:
         raise SystemExit(f"unknown GEMM {name}")
     return flops, runs
@@ -172,10 +181,13 @@ def main():
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--routings", default="uniform,bench")
-    parser.add_argument("--configs", default="", help="other QuACK configs for up and wgrad_up, comma-separated "
-                        "('space': tuner.QUACK_SPACE); each compiles once (tens of seconds)")
+    parser.add_argument("--configs", default="", help="other QuACK configs, comma-separated ('space': "
+                        "tuner.QUACK_SPACE); each compiles once (tens of seconds); a gathered GEMM turns 1xN into 1x1")
+    parser.add_argument("--swizzles", default="8,1,2,4,16,32", help="the scheduler's swizzle groups at uniep's config")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_schedule_probe.json"))
     args = parser.parse_args()
+    global SWIZZLES
+    SWIZZLES = tuple(int(v) for v in args.swizzles.split(","))
     dtype, dev = torch.bfloat16, torch.device("cuda")
     if args.configs == "space":
         from uniep_dynamo.tuner import QUACK_SPACE
