@@ -21,6 +21,8 @@ reproducible run to run.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -211,12 +213,45 @@ def glue(name: str, device: torch.device):
     return _COMPILED_GLUE[name]
 
 
+# functorch's dispatch keys. A Python dispatch handler that runs an op (a TorchDispatchMode's __torch_dispatch__:
+# AOT autograd's custom-op aliasing check on a compiled graph's first call, which compiled autograd makes of every
+# backward, or a user's FlopCounterMode) runs it with every key above the Python key excluded, functorch's among
+# them. torch.func.vjp's wrapped tensors then reach the CPU kernel ("Cannot access storage of TensorWrapper").
+_FUNCTORCH_KEYS = functools.reduce(
+    lambda a, b: a | b, (torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in (
+        "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchGradWrapper",
+        "FuncTorchBatched", "FuncTorchVmapMode")))
+
+
+@contextlib.contextmanager
+def functorch_dispatch():
+    """torch.func usable inside a custom op's kernel: functorch's keys taken out of the thread's excluded keys (they
+    are excluded there only under a Python dispatch handler), everything else as it is."""
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    if not exclude.has(torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode):
+        yield
+        return
+    with torch._C._ForceDispatchKeyGuard(include, exclude - _FUNCTORCH_KEYS):
+        yield
+
+
+def _with_functorch(backward):
+    @functools.wraps(backward)
+    def run(*args):
+        with functorch_dispatch():
+            return backward(*args)
+    return run
+
+
 def _program_glue(program: str, device: torch.device, make):
-    if not _compile_glue_on(device):
-        return make(program)
-    if program not in _COMPILED_GLUE:
-        _COMPILED_GLUE[program] = tuple(torch.compile(f, fullgraph=True, dynamic=None) for f in make(program))
-    return _COMPILED_GLUE[program]
+    """(forward, backward) of a program; the backward takes torch.func (functorch_dispatch)."""
+    if _compile_glue_on(device):
+        if program not in _COMPILED_GLUE:
+            forward, backward = (torch.compile(f, fullgraph=True, dynamic=None) for f in make(program))
+            _COMPILED_GLUE[program] = forward, _with_functorch(backward)
+        return _COMPILED_GLUE[program]
+    forward, backward = make(program)
+    return forward, _with_functorch(backward)
 
 
 def gate_glue(program: str, device: torch.device):

@@ -1,0 +1,79 @@
+"""uniep's ops where a Python dispatch handler runs them: compiled autograd (the backward traced and compiled by the
+backend; AOT autograd checks each compiled graph's custom ops for aliasing on its first call, from inside a
+TorchDispatchMode) and a user's mode (a FLOP counter, a debug mode). Such a handler runs an op with functorch's dispatch keys
+excluded; the reference backward takes torch.func, whose wrapped tensors then reached the CPU kernel ("Cannot
+access storage of TensorWrapper"). Each case checks that the rewrite fired and that loss and gradients match eager."""
+import collections
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import uniep_dynamo  # noqa: F401
+from conftest import TOLERANCE, max_rel_err
+from hf_models import build_model
+from test_models import loss_and_grads
+from test_reference import GPT_OSS, SILU_GLU, make
+from uniep_dynamo import report
+from uniep_dynamo.ops import moe_experts_out
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_hf_model_under_compiled_autograd(kernels, monkeypatch):
+    """Compiled autograd with uniep as its compiler (``torch._dynamo.compiled_autograd._enable``, what
+    ``torch._dynamo.config.compiled_autograd`` turns on around a compiled backward): the backward is traced and
+    compiled by uniep too, and runs the backward ops of the forward's rewrite (the reference, or the fused kernels in
+    Triton's interpreter)."""
+    if kernels == "triton":
+        pytest.importorskip("triton", reason="the fused kernels run in Triton's interpreter here")
+        monkeypatch.setenv("UNIEP_KERNELS", "triton")
+    model = build_model("qwen3_moe")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss, logits, grads = loss_and_grads(model, ids)
+    compiled = torch.compile(model, backend="uniep")
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="uniep")), report.recording() as rec:
+        c_loss, c_logits, c_grads = loss_and_grads(model, ids, compiled)
+        again = loss_and_grads(model, ids, compiled)  # the compiled backward's second call (no aliasing check)
+    assert counters["compiled_autograd"]["captures"] >= 1
+    assert counters["uniep"]["moe_experts"] == 2 and counters["uniep"]["unfused"] == 0
+    # the compiled-autograd graph, compiled by uniep as a graph of its own, calls the two layers' backward ops
+    backward_calls = sum(n.get("moe_experts_backward", 0) for g in rec.graphs for n in (g.aot_graphs or {}).values())
+    assert backward_calls >= 2, [g.aot_graphs for g in rec.graphs]
+    assert max_rel_err(c_loss, loss) <= TOLERANCE[torch.float32]
+    assert max_rel_err(c_logits, logits) <= TOLERANCE[torch.float32]
+    assert c_grads.keys() == grads.keys()
+    for name in grads:
+        assert max_rel_err(c_grads[name], grads[name]) <= 1e-4, name
+        assert torch.equal(again[2][name], c_grads[name]), name
+
+
+class OpsSeen(TorchDispatchMode):
+    """A user's mode: counts the ops it runs, by name (as a FLOP counter or a debug mode does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", [(13, 16, 8, 4, 2, SILU_GLU, "oi", False), (11, 8, 4, 4, 2, GPT_OSS, "io", True)])
+def test_op_under_a_users_dispatch_mode(case):
+    """A user's TorchDispatchMode around forward and backward of the op (eager; Dynamo does not run a compiled
+    region under a dispatch mode): its handler runs the uniep ops; output and gradients are those without it."""
+    T, H, I, E, K, gate, layout, bias = case
+    hidden, ids, weights, w_up, w_down, b_up, b_down, spec = make(T, H, I, E, K, gate, layout, bias)
+    leaves = [t.requires_grad_() for t in (hidden, weights, w_up, w_down, b_up, b_down) if t is not None]
+
+    def run():
+        out = moe_experts_out(hidden, ids, weights, w_up, w_down, b_up, b_down, spec.encode())
+        return (out, *torch.autograd.grad(out.square().sum(), leaves))
+    expected = run()
+    with OpsSeen() as seen:
+        got = run()
+    assert seen.ops["uniep.moe_experts"] == 1 and seen.ops["uniep.moe_experts_backward"] == 1, seen.ops
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
