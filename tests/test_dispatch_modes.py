@@ -77,3 +77,23 @@ def test_op_under_a_users_dispatch_mode(case):
     assert seen.ops["uniep.moe_experts"] == 1 and seen.ops["uniep.moe_experts_backward"] == 1, seen.ops
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_hf_model_under_compiled_autograd():
+    """On CUDA in bf16 (the fused kernels, QuACK's GEMMs where installed): compiled autograd runs the ops' backward
+    with the gradients of the same compile without it, within bf16's tolerance, and the same bits twice."""
+    model = build_model("qwen3_moe", dtype=torch.bfloat16).cuda()
+    ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(7)).cuda()
+    options = {"inner_backend": "aot_eager"}
+    compiled = torch.compile(model, backend="uniep", options=options)
+    plain = loss_and_grads(model, ids, compiled)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="uniep", options=options)):
+        first = loss_and_grads(model, ids, compiled)
+        second = loss_and_grads(model, ids, compiled)
+    assert counters["compiled_autograd"]["captures"] >= 1 and counters["uniep"]["moe_experts"] == 2
+    assert counters["uniep_kernels"]["triton_backward"] == 6  # 2 layers, 3 steps: the fused backward each time
+    assert torch.equal(first[0], plain[0])  # the forward is the same compiled graph
+    for name in plain[2]:
+        assert max_rel_err(first[2][name], plain[2][name]) <= TOLERANCE[torch.bfloat16], name
+        assert torch.equal(second[2][name], first[2][name]), name
