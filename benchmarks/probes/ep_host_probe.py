@@ -17,7 +17,8 @@ warnings; tests/test_ep_single_rank.py asserts at most one). Providers:
 ``--device cpu``: the same calls on CPU tensors over a one-rank gloo group, float32, the kernels UNIEP_KERNELS says
 (the reference on CPU either way): no GPU number, but the Python around the kernels is the same, so with a small
 ``--hidden``/``--inter`` (the kernels' work negligible, E and K kept) it shows what the layer adds on the host
-(``--profile PROVIDER``: cProfile of its calls, the top frames by own and by cumulative time). On CPU the reference's
+(``--profile PROVIDER``: cProfile of its calls, the top frames by own and by cumulative time; ``--trace PROVIDER``:
+torch.profiler's kernel launches a call and ops by own CPU time). On CPU the reference's
 grouped GEMM loops over the experts, so the kernels still take most of the time there; no sync counts.
 
     python benchmarks/probes/ep_host_probe.py --device cpu --hidden 64 --inter 32 --tokens 512 --calls 200 \
@@ -121,6 +122,68 @@ def profile_calls(fn, leaves, grad, calls: int, top: int = 30) -> str:
     return text.getvalue()
 
 
+def trace_calls(fn, leaves, grad, calls: int = 3, top: int = 25, stacks: str = "") -> str:
+    """torch.profiler (CPU and CUDA activity) of ``calls`` forward and backward calls, each traced alone with the GPU
+    synchronized outside: per call, the kernel launches (the CUDA runtime's and driver's launch calls: Triton's,
+    QuACK's and torch's kernels alike), and the ops and launch calls by their own CPU time, forward then backward.
+    Unlike cProfile it sees inside the custom ops' C++ dispatch. With ``stacks`` (comma-separated path fragments, e.g.
+    "uniep_dynamo,triton"): Python's frames too (the profiler's Python tracer, which adds its own cost to every
+    call), the functions whose path holds a fragment by inclusive time, and where the allocator's and synchronizing
+    CUDA calls come from."""
+    from torch.profiler import ProfilerActivity, profile
+
+    text = io.StringIO()
+    for phase in ("forward", "backward"):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(stacks)) as prof:
+            for _ in range(calls):
+                inputs = [t.detach().requires_grad_() for t in leaves]
+                if phase == "backward":
+                    out = fn(*inputs)
+                _synchronize()
+                with torch.profiler.record_function(f"probe_{phase}"):
+                    if phase == "forward":
+                        fn(*inputs)
+                    else:
+                        out.backward(grad)
+                _synchronize()
+                out = None  # this call's graph and buffers freed before the next call, as in host_times
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                             "cudaLaunchKernelExC"))
+        phase_us = sum(e.cpu_time_total for e in events if e.key == f"probe_{phase}") / calls
+        print(f"{phase}: {phase_us:.0f} µs of host time a call (profiled), {launches / calls:.1f} kernel launches a "
+              "call", file=text)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=top), file=text)
+        if stacks:
+            for e in prof.key_averages(group_by_stack_n=12):
+                if e.key in ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaEventSynchronize"):
+                    print(f"{e.key} x{e.count / calls:.1f} a call, {e.cpu_time_total / calls:.0f} µs a call, from:",
+                          file=text)
+                    print("    " + "\n    ".join(e.stack), file=text)
+            with tempfile.TemporaryDirectory() as tmp:  # the Python tracer's frames are in the trace only
+                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                with open(os.path.join(tmp, "trace.json")) as f:
+                    trace = json.load(f)["traceEvents"]
+            frames = {}
+            for ev in trace:
+                name = ev.get("name", "")
+                if ev.get("cat") == "python_function" and any(m in name for m in stacks.split(",")):
+                    total, count = frames.get(name, (0.0, 0))
+                    frames[name] = (total + ev.get("dur", 0.0), count + 1)
+            python = [ev for ev in trace if ev.get("cat") == "python_function" and "dur" in ev]
+            for ev in trace:  # the Python frames around each allocator call, innermost first
+                if ev.get("name") in ("cudaMalloc", "cudaFree", "cudaHostAlloc") and "dur" in ev:
+                    around = [f for f in python if f.get("tid") == ev.get("tid") and f["ts"] <= ev["ts"]
+                              and f["ts"] + f["dur"] >= ev["ts"] + ev["dur"]]
+                    around.sort(key=lambda f: f["dur"])
+                    print(f"{ev['name']} {ev['dur']:.0f} µs in: " + " < ".join(f["name"] for f in around[:8]),
+                          file=text)
+            print(f"{'µs a call (incl.)':>18} {'calls a call':>12}  Python function", file=text)
+            for name, (total, count) in sorted(frames.items(), key=lambda kv: -kv[1][0])[:3 * top]:
+                print(f"{total / calls:18.0f} {count / calls:12.1f}  {name}", file=text)
+    return text.getvalue()
+
+
 def forward_no_grad(fn, leaves, calls: int, warmup: int = 5):
     """Median host µs of the forward without autograd: what a compiled graph's call of the op costs (AOTAutograd
     runs the forward graph below autograd), against host_times' eager call through the op's autograd formula."""
@@ -153,6 +216,9 @@ def main():
     parser.add_argument("--hidden", type=int, help="H instead of the shape's (small on CPU: the kernels' work)")
     parser.add_argument("--inter", type=int, help="I instead of the shape's")
     parser.add_argument("--profile", default="", help="providers (comma-separated) whose calls cProfile profiles")
+    parser.add_argument("--trace", default="", help="providers (comma-separated) whose calls torch.profiler traces")
+    parser.add_argument("--trace-stacks", default="", help="with --trace: Python frames whose path holds one of "
+                        "these comma-separated fragments, by inclusive time (e.g. uniep_dynamo,triton)")
     parser.add_argument("--providers", default="", help="comma-separated; default: all")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ep_host_probe.json"))
     args = parser.parse_args()
@@ -203,6 +269,8 @@ def main():
                   f"forward without autograd {no_grad_us:9.1f} µs", flush=True)
             if name in args.profile.split(","):
                 print(profile_calls(fn, leaves, grad, args.calls), flush=True)
+            if name in args.trace.split(","):
+                print(trace_calls(fn, leaves, grad, stacks=args.trace_stacks), flush=True)
     finally:
         dist.destroy_process_group()
     report = {"shape": args.shape, "hidden": H, "inter": I, "tokens": args.tokens, "calls": args.calls,
