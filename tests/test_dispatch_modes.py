@@ -19,7 +19,7 @@ from uniep_dynamo import report
 from uniep_dynamo.ops import moe_experts_out
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference"])  # the fused kernels: test_gpu_bf16_hf_model_under_compiled_autograd
 def test_hf_model_under_compiled_autograd(kernels, monkeypatch):
     """Compiled autograd with uniep as its compiler (``torch._dynamo.compiled_autograd._enable``, what
     ``torch._dynamo.config.compiled_autograd`` turns on around a compiled backward): the backward is traced and
@@ -76,6 +76,24 @@ def test_op_under_a_users_dispatch_mode(case):
         got = run()
     assert seen.ops["uniep.moe_experts"] == 1 and seen.ops["uniep.moe_experts_backward"] == 1, seen.ops
     for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_ep_layer_at_world_size_1_under_a_users_dispatch_mode(overlap, tmp_path):
+    """uniep.ep_layer (a one-rank gloo group, the reference kernels) forward and backward under a user's mode: the
+    mode runs the EP op and its backward, whose experts backward takes torch.func; output and gradients are the same
+    bits as without the mode."""
+    from test_ep_single_rank import ep_layer_fn, one_rank_group, qwen3_like_case, run_layer
+
+    case = qwen3_like_case(12, 8, 6, 4, 2, torch.float32, torch.device("cpu"))
+    with one_rank_group(torch.device("cpu"), tmp_path) as group:
+        fn = ep_layer_fn(case[-1], group, overlap)
+        want, _ = run_layer(fn, case)
+        with OpsSeen() as seen:
+            got, _ = run_layer(fn, case)
+    assert seen.ops["uniep.ep_layer"] == 1 and seen.ops["uniep.ep_layer_backward"] == 1, seen.ops
+    for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
