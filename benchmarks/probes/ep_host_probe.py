@@ -164,13 +164,12 @@ def trace_calls(fn, leaves, grad, calls: int = 3, top: int = 25, stacks: str = "
                 prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
                 with open(os.path.join(tmp, "trace.json")) as f:
                     trace = json.load(f)["traceEvents"]
-            frames = {}
-            for ev in trace:
-                name = ev.get("name", "")
-                if ev.get("cat") == "python_function" and any(m in name for m in stacks.split(",")):
-                    total, count = frames.get(name, (0.0, 0))
-                    frames[name] = (total + ev.get("dur", 0.0), count + 1)
             python = [ev for ev in trace if ev.get("cat") == "python_function" and "dur" in ev]
+            frames = {}
+            for ev in python:
+                if any(m in ev["name"] for m in stacks.split(",")):
+                    total, count = frames.get(ev["name"], (0.0, 0))
+                    frames[ev["name"]] = (total + ev["dur"], count + 1)
             for ev in trace:  # the Python frames around each allocator call, innermost first
                 if ev.get("name") in ("cudaMalloc", "cudaFree", "cudaHostAlloc") and "dur" in ev:
                     around = [f for f in python if f.get("tid") == ev.get("tid") and f["ts"] <= ev["ts"]

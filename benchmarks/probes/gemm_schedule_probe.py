@@ -78,20 +78,18 @@ def quack_call(a, b, out, config: str, swizzle: int, cu_seqlens_m=None, cu_seqle
     return run
 
 
-SWIZZLES = (8, 1, 2, 4, 16, 32)
-
-
-def quack_variants(runs, quack, default: str, configs, gathered=True) -> None:
-    """QuACK's rows: uniep's config at each swizzle group (``SWIZZLES``), on pre-gathered rows (``gathered``), at
-    ``configs``."""
-    for s in SWIZZLES:
+def quack_variants(runs, quack, default: str, configs, swizzles, gathered=True) -> None:
+    """QuACK's rows: uniep's config at each swizzle group of ``swizzles``, and at each other config of ``configs``;
+    each config also on pre-gathered rows where the GEMM gathers (``gathered``)."""
+    for s in swizzles:
         runs[f"quack s{s}"] = quack(default, s)
     if gathered:
         runs["quack nogather"] = quack(default, 8, gather=False)
     for other in configs:
-        if other != default:
-            runs[f"quack {other}"] = quack(other, 8)
-        if gathered and (other != default or not SWIZZLES):
+        if other == default:
+            continue
+        runs[f"quack {other}"] = quack(other, 8)
+        if gathered:
             runs[f"quack {other} nogather"] = quack(other, 8, gather=False)
 
 
@@ -101,7 +99,7 @@ def gather_config(text: str) -> str:
     return f"{tile}/{kind}/{cluster if cluster.endswith('x1') else '1x1'}"
 
 
-def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
+def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=(), swizzles=(8, 1, 2, 4, 16, 32)):
     """(flops, {label: run}) for GEMM ``name``; every run writes its output into a fresh tensor it returns."""
     from uniep_dynamo.kernels.config import QUACK_CONFIGS
 
@@ -129,7 +127,7 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
                                 a_idx=tok if gather else None)
             return lambda: (launch(), out)[1]
         default = QUACK_CONFIGS["up"]
-        quack_variants(runs, quack, default, configs)
+        quack_variants(runs, quack, default, configs, swizzles)
         if uniform:
             from uniep_dynamo.kernels import quack_gemm as q
             from quack.gemm_interface import gemm_tuned
@@ -152,7 +150,7 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
                                 gather_config(config) if gather else config, swizzle, cu_seqlens_k=cu,
                                 a_idx=tok if gather else None)
             return lambda: (launch(), grad)[1]
-        quack_variants(runs, quack, QUACK_CONFIGS["wgrad_up"], configs)
+        quack_variants(runs, quack, QUACK_CONFIGS["wgrad_up"], configs, swizzles)
     elif name == "down":  # [R, H] = act @ W_down[e]^T; W_down [E, H, I]
         I = w_down.shape[2]
         flops = 2.0 * R * H * I
@@ -167,7 +165,7 @@ def cases(name, x, tok, cu, w_up, w_down, E, uniform, configs=()):
             out = torch.empty(R, H, dtype=x.dtype, device=x.device)
             launch = quack_call(act, b, out, config, swizzle, cu_seqlens_m=cu)
             return lambda: (launch(), out)[1]
-        quack_variants(runs, quack, QUACK_CONFIGS["down"], configs, gathered=False)
+        quack_variants(runs, quack, QUACK_CONFIGS["down"], configs, swizzles, gathered=False)
     else:
         raise SystemExit(f"unknown GEMM {name}")
     return flops, runs
@@ -186,8 +184,7 @@ def main():
     parser.add_argument("--swizzles", default="8,1,2,4,16,32", help="the scheduler's swizzle groups at uniep's config")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_schedule_probe.json"))
     args = parser.parse_args()
-    global SWIZZLES
-    SWIZZLES = tuple(int(v) for v in args.swizzles.split(","))
+    swizzles = tuple(int(v) for v in args.swizzles.split(","))
     dtype, dev = torch.bfloat16, torch.device("cuda")
     if args.configs == "space":
         from uniep_dynamo.tuner import QUACK_SPACE
@@ -222,7 +219,8 @@ def main():
             results.setdefault("tiles", []).append(dict(shape=shape, routing=routing, min_rows=int(counts.min()),
                                                         max_rows=int(counts.max()), tiles=tiles, fill=fill))
             for gname in args.gemms.split(","):
-                flops, runs = cases(gname, x, tok, cu, w_up, w_down, E, routing == "uniform", configs)
+                flops, runs = cases(gname, x, tok, cu, w_up, w_down, E, routing == "uniform", configs,
+                                    swizzles)
                 ref = None
                 for label, run in runs.items():
                     try:
