@@ -137,12 +137,15 @@ def test_int32_index_kernel():
     assert torch.equal(int32_index(row_order[::3], 8), torch.div(row_order[::3], 8, rounding_mode="floor").int())
 
 
-def test_routing_plan_kernel_equals_reference():
+@pytest.mark.parametrize("tokens", [625, 256, 40, 3, 1])
+def test_routing_plan_kernel_equals_reference(tokens):
+    """2500 slots: three plan blocks, the last one partial; 1024: one whole block; fewer: one block of as many sort
+    lanes as the slots need (160 -> 256; 12 and 4 -> the 16 lanes of MIN_SORT_BLOCK); ids out of range in both
+    directions."""
     from uniep_dynamo.kernels import triton_routing
 
     g = torch.Generator().manual_seed(3)
-    # 2500 slots: three plan blocks, the last one partial; ids out of range in both directions.
-    ids = torch.randint(-2, 70, (625, 4), generator=g)
+    ids = torch.randint(-2, 70, (tokens, 4), generator=g)
     for clamp in (False, True):
         plan = triton_routing.routing_plan(ids, 64, clamp=clamp)
         expected = reference.routing_plan(ids.clamp(0, 63) if clamp else ids, 64)

@@ -34,6 +34,7 @@ from .config import next_pow2 as _next_pow2
 from .launch import launch
 
 PLAN_BLOCK = 1024      # slots per histogram/scatter program: one tl.sort of 1024 keys
+MIN_SORT_BLOCK = 16    # the fewest lanes a plan program sorts (a plan of fewer slots pads to it)
 MAX_SLOTS = 2**31 - PLAN_BLOCK  # counts, bases and in-block ranks are int32
 COMBINE_BLOCK_H = 256  # hidden columns per combine program
 GRAD_W_BLOCK_H = 256   # hidden columns per step of the routing-weight gradient
@@ -79,7 +80,8 @@ def _plan_scan(hist_ptr, base_ptr, offsets_ptr, num_blocks, num_experts, NUM_KEY
 @triton.jit
 def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num_experts, slots_per_block,
                   CLAMP: tl.constexpr, BLOCK: tl.constexpr, NUM_KEYS: tl.constexpr):
-    """Block b holds slots [b * slots_per_block, (b + 1) * slots_per_block), slots_per_block <= BLOCK."""
+    """Block b holds slots [b * slots_per_block, (b + 1) * slots_per_block); BLOCK >= the slots it holds
+    (min(slots_per_block, num_slots): a plan of few slots sorts no more lanes than it has slots)."""
     b = tl.program_id(0)
     local = tl.arange(0, BLOCK)
     slots = b * slots_per_block + local
@@ -143,8 +145,12 @@ def plan_from_histogram(flat_ids, hist, slots_per_block: int, num_experts: int, 
     num_blocks, num_keys = hist.shape
     base = torch.empty_like(hist)
     launch(_plan_scan, (1,), hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
-    launch(_plan_scatter, (num_blocks,), flat_ids, base, row_order, slot_row, flat_ids.numel(), num_experts,
-           slots_per_block, CLAMP=clamp, BLOCK=_next_pow2(slots_per_block), NUM_KEYS=num_keys)
+    num_slots = flat_ids.numel()
+    # the sort's lanes: the most slots a block holds (a plan of few slots, a decode step's, sorts that many, not a
+    # whole block's; the result is the same permutation)
+    block = max(MIN_SORT_BLOCK, _next_pow2(min(slots_per_block, num_slots)))
+    launch(_plan_scatter, (num_blocks,), flat_ids, base, row_order, slot_row, num_slots, num_experts,
+           slots_per_block, CLAMP=clamp, BLOCK=block, NUM_KEYS=num_keys)
     return plan
 
 
@@ -156,11 +162,12 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     if num_slots == 0:
         return plan
     num_keys = plan_num_keys(num_experts)
-    num_blocks = _cdiv(num_slots, PLAN_BLOCK)
+    block = min(PLAN_BLOCK, max(MIN_SORT_BLOCK, _next_pow2(num_slots)))  # fewer slots than a block: one, that size
+    num_blocks = _cdiv(num_slots, block)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
-    launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
+    launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=block,
            NUM_KEYS=num_keys)
-    return plan_from_histogram(flat, hist, PLAN_BLOCK, num_experts, clamp, plan)
+    return plan_from_histogram(flat, hist, block, num_experts, clamp, plan)
 
 
 RECEIVED_BLOCK_R = 256  # rows a step of a received-plan program
