@@ -13,6 +13,7 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
                            and the configs that won uniep's GEMMs): a tuned SonicMoE at a fraction of the full
                            space's compile time
   sort_grouped_mm_graphs   sort_grouped_mm_inductor under mode="reduce-overhead" (inductor's CUDA graphs)
+  hf_grouped_mm_graphs     hf_grouped_mm_inductor under mode="reduce-overhead"
   uniep                    the same HF module under torch.compile(backend="uniep") (the Triton MegaKernel)
   uniep_graphs             the same under mode="reduce-overhead": the step replayed as CUDA graphs, so a
                            synchronized step does not wait for the host to issue its kernels
@@ -39,6 +40,11 @@ over the median), peak memory above the inputs, and whether two runs give bitwis
     python benchmarks/bench_moe_layer.py --shapes mixtral,qwen3-30b-a3b,qwen3-30b-a3b@32768 --out results.json
 
 A shape may carry its own token count after "@"; --tokens sets the others.
+
+``--inference``: the forward alone under torch.no_grad() (generate()'s experts call; decode steps are small token
+counts: ``--shapes qwen3-30b-a3b@1,qwen3-30b-a3b@64``). Each row then also gives the weight bandwidth: the bytes of
+the experts that the routing touches (each read once at least) over the time, ``{provider}_weight_tbps`` (a decode
+step's floor is reading them: about 4.8 TB/s on an H200).
 """
 from __future__ import annotations
 
@@ -222,6 +228,8 @@ def providers(experts, sonicmoe_autotune=True):
     ref = torch.compile(sort_grouped_mm)
     out["sort_grouped_mm_inductor"] = lambda x, ids, w: ref(x, ids, w, experts.gate_up_proj, experts.down_proj)
     ref_graphs = torch.compile(sort_grouped_mm, mode="reduce-overhead")
+    hf_graphs = torch.compile(experts, mode="reduce-overhead")
+    out["hf_grouped_mm_graphs"] = lambda x, ids, w: hf_graphs(x, ids, w)
     out["sort_grouped_mm_graphs"] = lambda x, ids, w: ref_graphs(x, ids, w, experts.gate_up_proj, experts.down_proj)
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
@@ -260,7 +268,9 @@ def providers(experts, sonicmoe_autotune=True):
     return out
 
 
-def step(fn, experts, x, ids, w, grad_out):
+def step(fn, experts, x, ids, w, grad_out, inference=False):
+    """One step of ``fn``: forward + backward, returning the output and the gradients; with ``inference`` the forward
+    alone under torch.no_grad(), returning the output."""
     def run():
         for p in experts.parameters():
             p.grad = None
@@ -274,6 +284,9 @@ def step(fn, experts, x, ids, w, grad_out):
         try:
             torch.compiler.cudagraph_mark_step_begin()  # a new step for the *_graphs providers' CUDA graphs
             with around():
+                if inference:
+                    with torch.no_grad():
+                        return (fn(x, ids, w),)
                 out = fn(xx, ids, ww)
                 out.backward(grad_out)
         finally:
@@ -361,7 +374,7 @@ def time_provider(row, pname, run, iters, warmup, flops, peak_tflops, peak_back_
 
 
 def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_providers=(), peak_tflops=None,
-                sonicmoe_autotune=True, frozen_experts=False, peak_back_to_back=None):
+                sonicmoe_autotune=True, frozen_experts=False, peak_back_to_back=None, inference=False):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no automatic-dynamic carry-over from the previous shape
@@ -371,9 +384,12 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
     for p in experts.parameters():  # --frozen-experts: no weight gradients (LoRA fine-tuning), 2 GEMMs of 6 fewer
         p.requires_grad_(not frozen_experts)
     x, ids, w, grad_out = make_inputs(H, I, E, K, T, dtype, device)
-    flops = (2 if frozen_experts else 3) * 2 * T * K * 3 * H * I
+    flops = (1 if inference else 2 if frozen_experts else 3) * 2 * T * K * 3 * H * I
     row = {"shape": name if T == 8192 else f"{name}@{T}", "T": T, "H": H, "I": I, "E": E, "K": K,
-           "dtype": str(dtype).replace("torch.", ""), "frozen_experts": frozen_experts}
+           "dtype": str(dtype).replace("torch.", ""), "frozen_experts": frozen_experts, "inference": inference}
+    # the experts the routing touches: their weights ([2I, H] and [H, I] each) are read at least once a forward
+    row["experts_touched"] = int(torch.unique(ids).numel())
+    weight_bytes = row["experts_touched"] * 3 * H * I * torch.finfo(dtype).bits // 8
     reference = None
     for pname, fn in providers(experts, sonicmoe_autotune).items():
         if pname in skip:
@@ -381,7 +397,7 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
         print(f"# {time.strftime('%H:%M:%S')} {row['shape']} {pname}", flush=True)
         counters["uniep_kernels"].clear()
         try:
-            run = step(fn, experts, x, ids, w, grad_out)
+            run = step(fn, experts, x, ids, w, grad_out, inference)
             t0 = time.time()
             first = run()  # compile
             row[f"{pname}_first_call_s"] = round(time.time() - t0, 2)
@@ -403,6 +419,8 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
             del first
             if verified:
                 time_provider(row, pname, run, iters, warmup, flops, peak_tflops, peak_back_to_back)
+                if inference:
+                    row[f"{pname}_weight_tbps"] = round(weight_bytes / (row[f"{pname}_ms"] * 1e-3) / 1e12, 3)
                 print(f"#   {row[f'{pname}_ms']} ms, bitwise {row[f'{pname}_bitwise']}", flush=True)
                 if pname == "uniep":
                     row["uniep_rewrites"] = counters["uniep"]["moe_experts"]
@@ -421,14 +439,17 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
 
 def print_table(rows):
     names = [k[:-3] for k in rows[0] if k.endswith("_ms") and not k.endswith("_back_to_back_ms")] if rows else []
-    print("ms synchronized per step (back to back), TFLOP/s of the synchronized time")
+    print("ms synchronized per step (back to back), TFLOP/s of the synchronized time (--inference: TB/s of the "
+          "touched experts' weights)")
     print(f"{'shape':16s} " + " ".join(f"{n:>36s}" for n in names))
     for row in rows:
         cells = []
         for n in names:
             ms, b2b = row.get(f"{n}_ms"), row.get(f"{n}_back_to_back_ms")
-            cells.append(f"{ms:9.3f} ({b2b:9.3f}) ms {row.get(f'{n}_tflops', 0):6.1f} TF/s"
-                         if isinstance(ms, float) and isinstance(b2b, float) else "ERR")
+            rate = f"{row[f'{n}_weight_tbps']:6.3f} TB/s" if f"{n}_weight_tbps" in row else \
+                f"{row.get(f'{n}_tflops', 0):6.1f} TF/s"
+            cells.append(f"{ms:9.3f} ({b2b:9.3f}) ms {rate}" if isinstance(ms, float) and isinstance(b2b, float)
+                         else "ERR")
         print(f"{row['shape']:16s} " + " ".join(f"{c:>36s}" for c in cells))
 
 
@@ -443,6 +464,9 @@ def main():
     parser.add_argument("--frozen-experts", action="store_true",
                         help="the expert weights need no gradient (LoRA fine-tuning): fwd + the input and routing-"
                              "weight gradients, 4 GEMMs of the 6 (TFLOP/s counts those)")
+    parser.add_argument("--inference", action="store_true",
+                        help="the forward alone under torch.no_grad() (generate()'s experts call); rows add the "
+                             "weight bandwidth of the experts the routing touches")
     parser.add_argument("--sonicmoe-default-configs", action="store_true",
                         help="run SonicMoE's GEMMs at QuACK's default config instead of autotuning them per shape "
                              "(its autotuning of Qwen3-30B-A3B's first shape outlasted a 560 s call on an H200 on "
@@ -479,7 +503,8 @@ def main():
                           profile_providers=tuple(filter(None, args.profile.split(","))),
                           peak_tflops=meta["bf16_matmul_tflops"],
                           peak_back_to_back=meta["bf16_matmul_tflops_back_to_back"],
-                          sonicmoe_autotune=not args.sonicmoe_default_configs, frozen_experts=args.frozen_experts)
+                          sonicmoe_autotune=not args.sonicmoe_default_configs, frozen_experts=args.frozen_experts,
+                          inference=args.inference)
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(args.out, "w") as f:  # after every shape: a run stopped at its time limit keeps what it measured

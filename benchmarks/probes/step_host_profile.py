@@ -6,7 +6,10 @@ steps without the profiler), then the functions with the most own (tottime) and 
 both to $OUT/step_host_profile.json. A step is host-bound back to back when its host time exceeds its GPU time.
 
     python benchmarks/probes/step_host_profile.py --shape qwen3-30b-a3b --steps 20 [--provider uniep]
-        [--callees _dgated_late,experts_forward]
+        [--callees _dgated_late,experts_forward] [--inference --tokens 32]
+
+``--inference``: the forward alone under torch.no_grad() (bench_moe_layer.py --inference's step). The host calls that
+synchronize with the GPU in one step are counted too (torch.cuda.set_sync_debug_mode("warn")'s warnings).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import os
 import pstats
 import sys
 import time
+import warnings
 
 import torch
 
@@ -34,15 +38,24 @@ def main():
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--callees", default="",
                         help="comma-separated function-name patterns: what each calls, with its times (pstats)")
+    parser.add_argument("--inference", action="store_true", help="the forward alone under torch.no_grad()")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "step_host_profile.json"))
     args = parser.parse_args()
     H, I, E, K = SHAPES[args.shape]
     experts = hf_experts(H, I, E, K, torch.bfloat16, "cuda")
     x, ids, w, grad_out = make_inputs(H, I, E, K, args.tokens, torch.bfloat16, "cuda")
-    run = step(providers(experts)[args.provider], experts, x, ids, w, grad_out)
+    run = step(providers(experts)[args.provider], experts, x, ids, w, grad_out, args.inference)
     for _ in range(5):
         run()
     torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(c.message).splitlines()[0][:160] for c in caught if "synchroniz" in str(c.message)]
     host, gpu = [], []
     for _ in range(args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -64,9 +77,11 @@ def main():
         prof.disable()
     torch.cuda.synchronize()
     data = {"device": torch.cuda.get_device_name(), "shape": args.shape, "T": args.tokens, "provider": args.provider,
-            "host_ms_median": round(host[len(host) // 2], 3), "gpu_ms_median": round(gpu[len(gpu) // 2], 3)}
-    print(f"# {data['device']} {args.shape} T={args.tokens} {args.provider}: host {data['host_ms_median']} ms a step, "
-          f"GPU (start to end, synchronized) {data['gpu_ms_median']} ms")
+            "inference": args.inference, "host_ms_median": round(host[len(host) // 2], 3),
+            "gpu_ms_median": round(gpu[len(gpu) // 2], 3), "synchronizing_calls": syncs}
+    print(f"# {data['device']} {args.shape} T={args.tokens} {args.provider}{' inference' if args.inference else ''}: "
+          f"host {data['host_ms_median']} ms a step, GPU (start to end, synchronized) {data['gpu_ms_median']} ms, "
+          f"{len(syncs)} synchronizing calls a step {syncs[:4]}")
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         stats = pstats.Stats(prof, stream=buf)
