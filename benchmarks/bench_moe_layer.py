@@ -27,6 +27,11 @@ Providers (bf16, HF weight layout [E, 2I, H] / [E, H, I], routing from a softmax
   uniep_gated              the same compiled module with UNIEP_GATED_EPILOGUE=1 (the numerics knob gated_epilogue
                            on: the SwiGLU and its backward in QuACK's gated and dgated GEMMs' epilogues), for its A/B
   uniep_reference          the same compiled module with UNIEP_KERNELS=reference (the PyTorch reference op)
+  uniep_triton             the module compiled apart, run with the heuristics' config for the shape but its GEMMs
+                           by Triton (grouped_mm and quack off, scheduling knobs: the same bits; per_expert_mm, a
+                           numerics knob, as the heuristics set it)
+  uniep_triton_fused       the same with fuse_gather (the token rows gathered inside the GEMMs: no gathered copy)
+  uniep_triton_graphs, uniep_triton_fused_graphs   those two under mode="reduce-overhead", each compiled apart
 
 The first provider that runs (hf_grouped_mm unless skipped) is the reference: every other provider's output and
 gradients are compared with it (max_rel: max |diff| / max |ref|; rel_err: ||diff|| / ||ref||). A provider named in
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -260,6 +266,30 @@ def providers(experts, sonicmoe_autotune=True):
     out["uniep_late_off"] = with_env("UNIEP_LATE_ROUTING_WEIGHT", "0", torch.compile(experts_again, backend="uniep"))
     out["uniep_gated"] = with_env("UNIEP_GATED_EPILOGUE", "1")
     out["uniep_reference"] = with_env("UNIEP_KERNELS", "reference")
+
+    # every GEMM by Triton (bench_shape sets each one's config for the shape): a function of its own each, so that
+    # each keeps its own Dynamo cache entries and CUDA graphs
+    def experts_triton(x, ids, w):
+        return experts(x, ids, w)
+
+    def experts_triton_fused(x, ids, w):
+        return experts(x, ids, w)
+
+    def experts_triton_graphs(x, ids, w):
+        return experts(x, ids, w)
+
+    def experts_triton_fused_graphs(x, ids, w):
+        return experts(x, ids, w)
+
+    for fn, fused, mode in ((experts_triton, False, None), (experts_triton_fused, True, None),
+                            (experts_triton_graphs, False, "reduce-overhead"),
+                            (experts_triton_fused_graphs, True, "reduce-overhead")):
+        compiled_fn = torch.compile(fn, backend="uniep", mode=mode)
+
+        def run(x, ids, w, compiled_fn=compiled_fn):
+            return compiled_fn(x, ids, w)
+        run.triton_gemms = fused  # bench_shape: the config (fuse_gather) to run it under
+        out["uniep_" + fn.__name__[len("experts_"):]] = run
     try:
         out["sonicmoe"] = sonicmoe_experts(experts, "full" if sonicmoe_autotune else "default")
         out["sonicmoe_small"] = sonicmoe_experts(experts, "small")
@@ -396,6 +426,12 @@ def bench_shape(name, T, iters, warmup, dtype, device, skip=(), profile_provider
             continue
         print(f"# {time.strftime('%H:%M:%S')} {row['shape']} {pname}", flush=True)
         counters["uniep_kernels"].clear()
+        if hasattr(fn, "triton_gemms"):  # the heuristics' config for this shape with every GEMM by Triton
+            from uniep_dynamo.kernels import config as kconfig
+
+            cfg = kconfig.heuristic_config(T * K, E, H, I).replace_gemms(grouped_mm=False, quack="")
+            cfg = dataclasses.replace(cfg, fuse_gather=fn.triton_gemms)
+            fn.around = lambda cfg=cfg: kconfig.use_config(cfg)
         try:
             run = step(fn, experts, x, ids, w, grad_out, inference)
             t0 = time.time()

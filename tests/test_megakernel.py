@@ -826,6 +826,19 @@ def test_per_expert_mm_is_a_numerics_knob_and_the_heuristics_pick_it_for_few_lar
                    for g in kconfig.GEMMS)
 
 
+def test_heuristics_run_decode_sized_forward_gemms_by_triton():
+    """Decode-sized calls (one to 63 rows an expert on average) run the forward's up and down GEMMs by Triton and the
+    backward's by torch._grouped_mm; fewer rows than experts (one token over many experts) and training-sized calls
+    run all six by torch._grouped_mm (or QuACK). Scheduling only: the numerics key is the same either way."""
+    for rows, experts in ((256, 128), (2048, 128), (64, 8), (8, 8), (8191, 128)):  # Qwen3 T=32 / 256, Mixtral T=32
+        cfg = kconfig.heuristic_config(rows, experts, 2048, 768)
+        assert [getattr(cfg, g).grouped_mm for g in kconfig.GEMMS] == [False, False, True, True, True, True], rows
+        assert cfg.numerics_key() == cfg.replace_gemms(grouped_mm=True).numerics_key()
+    for rows, experts in ((8, 128), (2, 8), (8192, 128), (65536, 128), (16384, 8)):
+        cfg = kconfig.heuristic_config(rows, experts, 2048, 768)
+        assert cfg.up.grouped_mm and cfg.down.grouped_mm, (rows, experts)
+
+
 def test_quack_knob_config_and_heuristics(monkeypatch):
     """The quack knob: its config strings parse or are refused with the expected form; it is a scheduling knob
     (not in numerics_key); the GPU heuristics set it on every GEMM of many-expert shapes and on none of the Mixtral

@@ -231,7 +231,13 @@ def heuristic_config(num_rows: int, num_experts: int, hidden: int, inter: int,
     # (256 rows, hidden 7168) 48.09 -> 45.40 with every GEMM, 44.69 with its grad_act and grad_input by Triton,
     # which led on those two alone by 14% and 5% (benchmarks/probes/gemm_bits_probe.py).
     triton_row_bwd = num_rows <= 1024 * num_experts and hidden >= 4096
-    cutlass = {g for g in GEMMS if not (triton_row_bwd and g in ("grad_act", "grad_input"))}
+    # Decode-sized calls (at least one row an expert on average, fewer than 64): the forward's two GEMMs by Triton.
+    # On an H200 (bf16, the forward alone under no_grad, in CUDA graphs, back to back; BENCHMARKS.md, 2026-11-29
+    # twenty-second session): Qwen3-30B-A3B at T = 32 / 256 0.424 -> 0.304 / 0.450 -> 0.360 ms, Mixtral-8x7B at
+    # T = 32 1.053 -> 0.694; at T = 1 (8 rows over 128 experts) torch._grouped_mm led, 0.182 against 0.227.
+    triton_forward = num_experts <= num_rows < 64 * num_experts
+    cutlass = {g for g in GEMMS if not (triton_row_bwd and g in ("grad_act", "grad_input"))
+               and not (triton_forward and g in ("up", "down"))}
     gemms = dict(up=up, down=wide, grad_act=deep, grad_input=deep, wgrad_up=dataclasses.replace(wgrad, num_stages=4),
                  wgrad_down=wgrad)
     # One cuBLAS matmul per expert (per_expert_mm) where the experts are few and large: on an H200 (bf16, the

@@ -1,7 +1,8 @@
 """Triton kernels around the grouped GEMMs: the routing plan, the combine and the routing-weight gradient.
 
 Routing plan: a deterministic counting sort of the S = T*K slots (slot s = t*K + k) by expert key,
-stable by slot index, so rows are ordered by (expert, token, k). Three launches, no host sync:
+stable by slot index, so rows are ordered by (expert, token, k). Three launches, no host sync (one, _plan_single,
+where the slots fit in one block: up to PLAN_BLOCK, a decode step's):
 
     _plan_histogram   program b counts the keys of slots [b*B, (b+1)*B) -> hist[b, key]
     _plan_scan        one program: per key, the rows before block b (a sequential pass over blocks,
@@ -96,6 +97,22 @@ def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num
     tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=valid)
 
 
+@triton.jit
+def _plan_single(ids_ptr, row_order_ptr, slot_row_ptr, offsets_ptr, num_slots, num_experts, CLAMP: tl.constexpr,
+                 BLOCK: tl.constexpr, NUM_KEYS: tl.constexpr):
+    """The whole plan of at most BLOCK slots in one program (one launch instead of the three): with one block, the
+    scan's base is 0 for every key, so a slot's row is its place among the sorted (key, slot) pairs, and the expert
+    offsets are the histogram's running sum."""
+    local = tl.arange(0, BLOCK)
+    key = _plan_key(ids_ptr, local, num_slots, num_experts, CLAMP, NUM_KEYS - 1)
+    keys = tl.arange(0, NUM_KEYS)
+    tl.store(offsets_ptr + keys, tl.cumsum(tl.histogram(key, NUM_KEYS), 0).to(tl.int64), mask=keys < num_experts)
+    slot = tl.sort(key * BLOCK + local) % BLOCK
+    valid = slot < num_slots
+    tl.store(row_order_ptr + local, slot.to(tl.int64), mask=valid)
+    tl.store(slot_row_ptr + slot, local.to(tl.int64), mask=valid)
+
+
 INDEX_BLOCK = 1024  # elements a program of _int32_index
 
 
@@ -138,14 +155,25 @@ def plan_buffers(num_slots: int, num_experts: int, device):
     return row_order, slot_row, offsets
 
 
+def _single_plan(flat_ids, num_experts: int, clamp: bool, plan):
+    """The plan of at most PLAN_BLOCK slots by _plan_single, into ``plan``."""
+    num_slots = flat_ids.numel()
+    launch(_plan_single, (1,), flat_ids, *plan, num_slots, num_experts, CLAMP=clamp,
+           BLOCK=max(MIN_SORT_BLOCK, _next_pow2(num_slots)), NUM_KEYS=plan_num_keys(num_experts))
+    return plan
+
+
 def plan_from_histogram(flat_ids, hist, slots_per_block: int, num_experts: int, clamp: bool, plan):
     """Finish a plan whose per-block histograms are computed (by _plan_histogram, or by the router's
-    select kernel in the same pass as the ids): the scan and the scatter. Fills `plan` in place."""
+    select kernel in the same pass as the ids): the scan and the scatter, or, for one block of at most PLAN_BLOCK
+    slots, _plan_single (which counts them again: one launch instead of two). Fills `plan` in place."""
     row_order, slot_row, offsets = plan
     num_blocks, num_keys = hist.shape
+    num_slots = flat_ids.numel()
+    if num_blocks == 1 and num_slots <= PLAN_BLOCK:  # one block: the single program's plan (its own histogram)
+        return _single_plan(flat_ids, num_experts, clamp, plan)
     base = torch.empty_like(hist)
     launch(_plan_scan, (1,), hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
-    num_slots = flat_ids.numel()
     # the sort's lanes: the most slots a block holds (a plan of few slots, a decode step's, sorts that many, not a
     # whole block's; the result is the same permutation)
     block = max(MIN_SORT_BLOCK, _next_pow2(min(slots_per_block, num_slots)))
@@ -162,7 +190,9 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     if num_slots == 0:
         return plan
     num_keys = plan_num_keys(num_experts)
-    block = min(PLAN_BLOCK, max(MIN_SORT_BLOCK, _next_pow2(num_slots)))  # fewer slots than a block: one, that size
+    if num_slots <= PLAN_BLOCK:  # one block: one launch (a decode step's plan)
+        return _single_plan(flat, num_experts, clamp, plan)
+    block = PLAN_BLOCK
     num_blocks = _cdiv(num_slots, block)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
     launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=block,
