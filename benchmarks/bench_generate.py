@@ -1,0 +1,133 @@
+"""Inference end to end: generate() of an HF MoE model at real dimensions (random weights, a few decoder layers),
+eager, compiled by inductor and compiled by uniep, in the same run on the same model.
+
+Greedy decoding of --new-tokens tokens after a --prompt-tokens prompt, --batch sequences, bf16, an HF static cache
+(``StaticCache``: each decode step has the same shapes, so a compiled forward is traced for the prefill and once for
+the decode steps). The model's forward is compiled as HF's docs show
+(``model.forward = torch.compile(model.forward, ...)``), with the default mode or with ``mode="reduce-overhead"``
+(CUDA graphs, HF's advice for decoding) where ``--graphs`` is given. On torch 2.11 (one H200, 2026-11-29) ``--graphs``
+failed for both compiled backends: inductor's raised "accessing tensor output of CUDAGraphs that has been overwritten"
+(generate() reads an output after the next call), uniep's process died in inductor's Triton launcher inside a
+cudagraph-trees partition (BENCHMARKS.md, twenty-second session); the option is kept to reproduce that. Per backend: the prefill's time (generate() of
+one token), the whole generate()'s, the decode step's (the difference over the remaining tokens), tokens a second,
+and how many of the generated tokens equal eager's (in bf16 a near-tie may fork a sequence; the tokens after a fork
+see other prefixes).
+
+    python benchmarks/bench_generate.py --model qwen3-30b-a3b --layers 4 --batch 8 --prompt-tokens 256 \
+        --new-tokens 64 [--graphs]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_train_step import MODELS, build  # noqa: E402
+
+
+def timed_generate(model, input_ids, new_tokens: int, iters: int, cache_len: int):
+    """(median seconds of generate() over ``iters`` runs after one untimed, its output sequences). Each run gets a
+    new static cache of ``cache_len`` positions, made before its clock starts: the prefill-only runs and the whole
+    ones see the same cache shapes, so the compiled forward is not traced again for them."""
+    from transformers import StaticCache
+
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    def generate():
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, past_key_values=cache, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    with torch.no_grad():
+        generate()  # traces and compiles (and records the CUDA graphs) where asked
+        runs = [generate() for _ in range(iters)]
+    return statistics.median(t for t, _ in runs), runs[-1][1]
+
+
+def run_backend(args, backend: str, input_ids, eager_tokens) -> dict:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(args.model, args.layers, args.prompt_tokens + args.new_tokens, torch.bfloat16).eval()
+    if backend != "eager":
+        options = {"mode": "reduce-overhead"} if args.graphs else {}
+        model.forward = torch.compile(model.forward, backend=backend, **options)
+    t0 = time.time()
+    cache_len = args.prompt_tokens + args.new_tokens
+    prefill_s, _ = timed_generate(model, input_ids, 1, args.iters, cache_len)
+    total_s, out = timed_generate(model, input_ids, args.new_tokens, args.iters, cache_len)
+    row = {"backend": backend, "first_calls_s": round(time.time() - t0, 1),
+           "prefill_ms": round(prefill_s * 1e3, 3), "generate_ms": round(total_s * 1e3, 3),
+           "decode_step_ms": round((total_s - prefill_s) / (args.new_tokens - 1) * 1e3, 3),
+           "tokens_per_s": round(args.batch * args.new_tokens / total_s, 1)}
+    new = out[:, input_ids.shape[1]:]
+    if eager_tokens is not None:
+        row["tokens_equal_to_eager"] = f"{int((new == eager_tokens).sum())}/{new.numel()}"
+    if backend == "uniep":
+        row["rewrites"] = {k: v for k, v in counters["uniep"].items() if k in ("moe_experts", "moe_router")}
+        row["kernels"] = dict(counters["uniep_kernels"])
+    del model
+    torch.cuda.empty_cache()
+    return row, new
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--graphs", action="store_true", help='compile with mode="reduce-overhead" (CUDA graphs)')
+    parser.add_argument("--backends", default="eager,inductor,uniep")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_generate.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_generate: needs a CUDA GPU")
+    if args.new_tokens < 2:
+        sys.exit("bench_generate: --new-tokens >= 2 (the decode step is timed from the difference with one token)")
+    import transformers
+
+    import uniep_dynamo  # noqa: F401  (registers the backend)
+
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
+            **{k: v for k, v in vars(args).items() if k != "out"}}
+    print(json.dumps(meta), flush=True)
+    vocab = MODELS[args.model][1]["vocab_size"]
+    input_ids = torch.randint(0, vocab, (args.batch, args.prompt_tokens), device="cuda",
+                              generator=torch.Generator("cuda").manual_seed(0))
+    rows, eager_tokens = [], None
+    for backend in args.backends.split(","):
+        print(f"# {time.strftime('%H:%M:%S')} {backend}", flush=True)
+        try:
+            row, tokens = run_backend(args, backend, input_ids, eager_tokens)
+        except Exception as exc:  # noqa: BLE001
+            row, tokens = {"backend": backend, "error": repr(exc)[:400]}, None
+        if backend == "eager":
+            eager_tokens = tokens
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{'backend':10s} {'prefill ms':>11s} {'decode step ms':>15s} {'generate ms':>12s} {'tokens/s':>10s}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['backend']:10s} ERR {row['error'][:100]}")
+        else:
+            print(f"{row['backend']:10s} {row['prefill_ms']:11.3f} {row['decode_step_ms']:15.3f} "
+                  f"{row['generate_ms']:12.3f} {row['tokens_per_s']:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
