@@ -192,12 +192,11 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     num_keys = plan_num_keys(num_experts)
     if num_slots <= PLAN_BLOCK:  # one block: one launch (a decode step's plan)
         return _single_plan(flat, num_experts, clamp, plan)
-    block = PLAN_BLOCK
-    num_blocks = _cdiv(num_slots, block)
+    num_blocks = _cdiv(num_slots, PLAN_BLOCK)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
-    launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=block,
+    launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
            NUM_KEYS=num_keys)
-    return plan_from_histogram(flat, hist, block, num_experts, clamp, plan)
+    return plan_from_histogram(flat, hist, PLAN_BLOCK, num_experts, clamp, plan)
 
 
 RECEIVED_BLOCK_R = 256  # rows a step of a received-plan program
