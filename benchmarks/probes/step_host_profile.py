@@ -55,7 +55,9 @@ def main():
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(c.message).splitlines()[0][:160] for c in caught if "synchroniz" in str(c.message)]
+    # (torch's notice that the debug mode is a prototype is a warning too: only the operations it flags count)
+    syncs = [str(c.message).splitlines()[0][:160] for c in caught
+             if "called a synchronizing CUDA operation" in str(c.message)]
     host, gpu = [], []
     for _ in range(args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
