@@ -36,7 +36,7 @@ class EPPlan:
 
 def routing_plan(topk_ids: torch.Tensor, num_experts: int, fused_kernels: bool):
     """(row_order, slot_row, expert_offsets) of the single-rank op: with ``fused_kernels`` its Triton counting sort
-    (three launches), else the reference's stable sort; the same integers either way."""
+    (three launches; one for at most 1024 slots), else the reference's stable sort; the same integers either way."""
     from ..kernels import megakernel
 
     if fused_kernels and num_experts <= megakernel.MAX_EXPERTS:

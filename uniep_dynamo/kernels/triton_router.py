@@ -226,7 +226,8 @@ def _launch(num_tokens, num_experts):
 def router_forward(hidden, weight, bias, score_bias, spec):
     """(logits, weights, ids, row_order, slot_row, expert_offsets): the logits from cuBLAS; weights, ids
     and the histograms of the routing plan from one _router_select launch; with spec.plan, the plan's
-    scan and scatter after it (else the plan tensors are empty)."""
+    scan and scatter after it, or for one block of at most 1024 slots the one-program plan (else the plan tensors
+    are empty)."""
     from .triton_routing import plan_buffers, plan_from_histogram, plan_num_keys
 
     num_tokens = hidden.shape[0]

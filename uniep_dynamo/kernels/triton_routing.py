@@ -82,7 +82,7 @@ def _plan_scan(hist_ptr, base_ptr, offsets_ptr, num_blocks, num_experts, NUM_KEY
 def _plan_scatter(ids_ptr, base_ptr, row_order_ptr, slot_row_ptr, num_slots, num_experts, slots_per_block,
                   CLAMP: tl.constexpr, BLOCK: tl.constexpr, NUM_KEYS: tl.constexpr):
     """Block b holds slots [b * slots_per_block, (b + 1) * slots_per_block); BLOCK >= the slots it holds
-    (min(slots_per_block, num_slots): a plan of few slots sorts no more lanes than it has slots)."""
+    (min(slots_per_block, num_slots))."""
     b = tl.program_id(0)
     local = tl.arange(0, BLOCK)
     slots = b * slots_per_block + local
@@ -174,8 +174,8 @@ def plan_from_histogram(flat_ids, hist, slots_per_block: int, num_experts: int, 
         return _single_plan(flat_ids, num_experts, clamp, plan)
     base = torch.empty_like(hist)
     launch(_plan_scan, (1,), hist, base, offsets, num_blocks, num_experts, NUM_KEYS=num_keys)
-    # the sort's lanes: the most slots a block holds (a plan of few slots, a decode step's, sorts that many, not a
-    # whole block's; the result is the same permutation)
+    # the sort's lanes: the most slots a block holds (one block of more than PLAN_BLOCK slots, a router's with
+    # K >= 17, sorts no more lanes than it has slots; the same permutation)
     block = max(MIN_SORT_BLOCK, _next_pow2(min(slots_per_block, num_slots)))
     launch(_plan_scatter, (num_blocks,), flat_ids, base, row_order, slot_row, num_slots, num_experts,
            slots_per_block, CLAMP=clamp, BLOCK=block, NUM_KEYS=num_keys)
