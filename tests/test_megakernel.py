@@ -146,6 +146,7 @@ def test_routing_plan_kernel_equals_reference(tokens):
 
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(-2, 70, (tokens, 4), generator=g)
+    ids[0, :2] = torch.tensor([2**32 + 1, -(2**31) - 5])  # int64 ids past int32's range: dropped or clamped, not wrapped
     for clamp in (False, True):
         plan = triton_routing.routing_plan(ids, 64, clamp=clamp)
         expected = reference.routing_plan(ids.clamp(0, 63) if clamp else ids, 64)

@@ -43,11 +43,12 @@ GRAD_W_BLOCK_H = 256   # hidden columns per step of the routing-weight gradient
 
 @triton.jit
 def _plan_key(ids_ptr, slots, num_slots, num_experts, CLAMP: tl.constexpr, PAD_KEY: tl.constexpr):
-    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=0).to(tl.int32)
+    # compared in the ids' own dtype, then narrowed: an int64 id at or past 2**31 must not wrap into [0, E)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=0)
     if CLAMP:
-        key = tl.minimum(tl.maximum(ids, 0), num_experts - 1)
+        key = tl.minimum(tl.maximum(ids, 0), num_experts - 1).to(tl.int32)
     else:
-        key = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+        key = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
     return tl.where(slots < num_slots, key, PAD_KEY)
 
 
