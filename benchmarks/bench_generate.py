@@ -3,18 +3,23 @@ eager, compiled by inductor and compiled by uniep, in the same run on the same m
 
 Greedy decoding of --new-tokens tokens after a --prompt-tokens prompt, --batch sequences, bf16, an HF static cache
 (``StaticCache``: each decode step has the same shapes, so a compiled forward is traced for the prefill and once for
-the decode steps). The model's forward is compiled as HF's docs show
-(``model.forward = torch.compile(model.forward, ...)``), with the default mode or with ``mode="reduce-overhead"``
-(CUDA graphs, HF's advice for decoding) where ``--graphs`` is given. On torch 2.11 (one H200, 2026-11-29) ``--graphs``
-failed for both compiled backends: inductor's raised "accessing tensor output of CUDAGraphs that has been overwritten"
-(generate() reads an output after the next call), uniep's process died in inductor's Triton launcher inside a
-cudagraph-trees partition (BENCHMARKS.md, twenty-second session); the option is kept to reproduce that. Per backend: the prefill's time (generate() of
-one token), the whole generate()'s, the decode step's (the difference over the remaining tokens), tokens a second,
-and how many of the generated tokens equal eager's (in bf16 a near-tie may fork a sequence; the tokens after a fork
-see other prefixes).
+the decode steps). Two ways to compile, as HF's docs show them:
+
+- ``--compile forward`` (default): ``model.forward = torch.compile(model.forward, ...)``, the default mode or
+  ``mode="reduce-overhead"`` (CUDA graphs) where ``--graphs`` is given; generate() gets ``disable_compile=True``.
+  Without it HF compiles ``__call__`` again for the decode steps whenever the cache is a static one on a GPU (by
+  inductor, "reduce-overhead"), around the user's compiled forward; the twenty-second session's runs left that on, so
+  its "eager" row decoded through inductor and the compiled rows through two nested compiles.
+- ``--compile hf``: generate()'s own compilation, ``compile_config=CompileConfig(backend=...)``: HF compiles the decode
+  steps' ``__call__`` (``--graphs``: mode "reduce-overhead", HF's default; without it the default mode) and runs the
+  prefill eager, so the compiled rows' prefill is eager's.
+
+Per backend: the prefill's time (generate() of one token), the whole generate()'s, the decode step's (the
+difference over the remaining tokens), tokens a second, and how many of the generated tokens equal eager's (in bf16
+a near-tie may fork a sequence; the tokens after a fork see other prefixes).
 
     python benchmarks/bench_generate.py --model qwen3-30b-a3b --layers 4 --batch 8 --prompt-tokens 256 \
-        --new-tokens 64 [--graphs]
+        --new-tokens 64 [--graphs] [--compile hf]
 """
 from __future__ import annotations
 
@@ -31,13 +36,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_train_step import MODELS, build  # noqa: E402
 
 
-def timed_generate(model, input_ids, new_tokens: int, iters: int, cache_len: int):
+def timed_generate(model, input_ids, new_tokens: int, iters: int, cache_len: int, compile_kwargs: dict):
     """(median seconds of generate() over ``iters`` runs after one untimed, its output sequences). Each run gets a
     new static cache of ``cache_len`` positions, made before its clock starts: the prefill-only runs and the whole
     ones see the same cache shapes, so the compiled forward is not traced again for them."""
     from transformers import StaticCache
 
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  **compile_kwargs)
 
     def generate():
         cache = StaticCache(config=model.config, max_cache_len=cache_len)
@@ -59,13 +65,19 @@ def run_backend(args, backend: str, input_ids, eager_tokens) -> dict:
     torch._dynamo.reset()
     counters.clear()
     model = build(args.model, args.layers, args.prompt_tokens + args.new_tokens, torch.bfloat16).eval()
-    if backend != "eager":
+    compile_kwargs = {"disable_compile": True}
+    if backend != "eager" and args.compile == "forward":
         options = {"mode": "reduce-overhead"} if args.graphs else {}
         model.forward = torch.compile(model.forward, backend=backend, **options)
+    elif backend != "eager":
+        from transformers import CompileConfig
+
+        compile_kwargs = {"compile_config": CompileConfig(backend=backend,
+                                                          mode="reduce-overhead" if args.graphs else "default")}
     t0 = time.time()
     cache_len = args.prompt_tokens + args.new_tokens
-    prefill_s, _ = timed_generate(model, input_ids, 1, args.iters, cache_len)
-    total_s, out = timed_generate(model, input_ids, args.new_tokens, args.iters, cache_len)
+    prefill_s, _ = timed_generate(model, input_ids, 1, args.iters, cache_len, compile_kwargs)
+    total_s, out = timed_generate(model, input_ids, args.new_tokens, args.iters, cache_len, compile_kwargs)
     row = {"backend": backend, "first_calls_s": round(time.time() - t0, 1),
            "prefill_ms": round(prefill_s * 1e3, 3), "generate_ms": round(total_s * 1e3, 3),
            "decode_step_ms": round((total_s - prefill_s) / (args.new_tokens - 1) * 1e3, 3),
@@ -90,6 +102,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--graphs", action="store_true", help='compile with mode="reduce-overhead" (CUDA graphs)')
+    parser.add_argument("--compile", choices=("forward", "hf"), default="forward",
+                        help="forward: model.forward compiled by the user; hf: generate()'s compile_config")
     parser.add_argument("--backends", default="eager,inductor,uniep")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_generate.json"))
     args = parser.parse_args()

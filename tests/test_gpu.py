@@ -89,6 +89,42 @@ def test_gpt_oss_dynamic_bf16_rewrites_with_scalar_operands():
     assert counters["uniep"]["moe_experts"] >= 2 and counters["uniep"]["unfused"] == 0
 
 
+def test_generate_with_hf_compile_config_under_cuda_graphs():
+    """generate()'s own compilation as HF documents it: a static cache and ``compile_config=CompileConfig(backend=...)``
+    in HF's default mode, "reduce-overhead" (CUDA graphs around the decode steps' forward; the prefill runs eager).
+    uniep's decode graph runs the fused router and experts ops in every decode step and its scores are as close to
+    eager's as inductor's under the same config, while the runs chose the same tokens."""
+    from transformers import CompileConfig
+
+    ids = torch.randint(0, 96, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                  cache_implementation="static")
+    runs = {}
+    for backend in ("eager", "inductor", "uniep"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model("qwen3_moe", dtype=torch.bfloat16).cuda().eval()
+        config = dict(disable_compile=True) if backend == "eager" else dict(compile_config=CompileConfig(backend=backend))
+        with torch.no_grad():
+            runs[backend] = model.generate(ids, **kwargs, **config)
+            if backend == "uniep":
+                again = model.generate(ids, **kwargs, **config)  # replays the recorded graphs
+                assert torch.equal(again.sequences, runs[backend].sequences)
+                assert all(torch.equal(a, b) for a, b in zip(again.scores, runs[backend].scores))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and counters["uniep"]["moe_experts"] == counters["uniep"]["moe_router"] == 2 * graphs
+    assert counters["uniep"]["unfused"] == 0
+    want, baseline, got = runs["eager"], runs["inductor"], runs["uniep"]
+    start = ids.shape[1]
+    for step in range(1, len(got.scores)):  # step 0 is the eager prefill's
+        prefix = start + step
+        if not (torch.equal(got.sequences[:, :prefix], want.sequences[:, :prefix])
+                and torch.equal(baseline.sequences[:, :prefix], want.sequences[:, :prefix])):
+            break
+        err, inductor_err = (max_rel_err(run.scores[step], want.scores[step]) for run in (got, baseline))
+        assert err <= max(2 * inductor_err, TOLERANCE[torch.bfloat16]), (step, err, inductor_err)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_generate_bf16_runs_the_fused_ops_in_prefill_and_decode(family):
     """generate() on the GPU, bf16, the model compiled in place: the prefill and every decode step (two tokens a step,

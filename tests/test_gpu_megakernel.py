@@ -428,6 +428,26 @@ def test_quack_gemms_record_into_a_cuda_graph(warm, gated, monkeypatch):
         assert torch.equal(a, b), f"tensor {i}"
 
 
+@pytest.mark.parametrize("slots", [1, 3, 16, 31, 100, 128, 1000, 1024, 1025, 5000])
+def test_routing_plan_on_the_gpu_equals_reference(slots):
+    """The routing plan's kernels on a GPU at every size class: the one-launch plan of <= 1024 slots at sort widths
+    smaller than a program's threads (the interpreter runs tl.histogram and tl.sort on as many lanes as asked, a GPU
+    spreads them over its warps), and the three-launch plan past it; clamped and not, ids out of range both ways,
+    int64 ids past int32's range."""
+    from uniep_dynamo.kernels import reference, triton_routing
+
+    g = torch.Generator().manual_seed(slots)
+    ids = torch.randint(-2, 70, (slots,), generator=g)
+    if slots >= 3:
+        ids[:2] = torch.tensor([2**32 + 1, -(2**31) - 5])
+    ids = ids.cuda()
+    for clamp in (False, True):
+        plan = triton_routing.routing_plan(ids, 64, clamp=clamp)
+        expected = reference.routing_plan((ids.clamp(0, 63) if clamp else ids).cpu(), 64)
+        for a, b in zip(plan, expected):
+            assert torch.equal(a.cpu(), b)
+
+
 @pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])
 def test_per_expert_mm_matches_the_grouped_gemms_bits(reuse_saved, monkeypatch):
     """per_expert_mm (one cuBLAS matmul per expert) on every GEMM of a Mixtral-like layer with an idle expert: close
