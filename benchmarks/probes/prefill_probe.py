@@ -21,12 +21,15 @@ from bench_train_step import MODELS, build  # noqa: E402
 
 
 def prefill(model, input_ids, cache_len):
+    """One prefill forward into a new static cache (as generate() makes one; a cache written once is full: the
+    model appends where its last call ended)."""
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=cache_len)
-    position = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return lambda: model(input_ids, past_key_values=cache, cache_position=position, use_cache=True,
-                         logits_to_keep=1).logits
+    def run():
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        return model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+
+    return run
 
 
 def main():
@@ -35,7 +38,7 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--backends", default="inductor,uniep")
+    parser.add_argument("--backends", default="uniep,inductor,eager")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill_probe.json"))
