@@ -219,14 +219,16 @@ def test_generate_with_a_compiled_model_matches_eager(family, implementation, sp
     assert counters["uniep"]["unfused"] == 0
 
 
-def test_generate_with_hf_compile_config_matches_eager():
+@pytest.mark.parametrize("family,implementation", [("qwen3_moe", "grouped_mm"), ("mixtral", "batched_mm"),
+                                                   ("gpt_oss", "grouped_mm")])
+def test_generate_with_hf_compile_config_matches_eager(family, implementation):
     """generate()'s own compilation (a static cache and ``compile_config=CompileConfig(backend="uniep")``): HF
     compiles the decode steps' forward (its prefill runs eager); the decode graph runs both layers' router and experts
     ops and greedy decoding gives eager's tokens and scores. HF compiles only on GPUs unless ``_compile_all_devices``;
     the GPU case (test_gpu.py) runs HF's default mode, "reduce-overhead"."""
     from transformers import CompileConfig
 
-    model = build_model("qwen3_moe").eval()
+    model = build_model(family, implementation=implementation).eval()
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
     kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
                   cache_implementation="static")
@@ -238,6 +240,7 @@ def test_generate_with_hf_compile_config_matches_eager():
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.scores, want.scores)):
         assert max_rel_err(a, b) <= TOLERANCE[torch.float32], step
-    assert counters["stats"]["unique_graphs"] == 1  # the decode step's
-    assert counters["uniep"]["moe_experts"] == counters["uniep"]["moe_router"] == 2
+    graphs = counters["stats"]["unique_graphs"]  # the decode step's; GPT-OSS: again, its sliding cache's length int changed
+    assert 1 <= graphs <= 2
+    assert counters["uniep"]["moe_experts"] == counters["uniep"]["moe_router"] == 2 * graphs
     assert counters["uniep"]["unfused"] == 0
