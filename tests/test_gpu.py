@@ -104,7 +104,7 @@ def test_generate_with_hf_compile_config_under_cuda_graphs():
         torch._dynamo.reset()
         counters.clear()
         model = build_model("qwen3_moe", dtype=torch.bfloat16).cuda().eval()
-        config = dict(disable_compile=True) if backend == "eager" else dict(compile_config=CompileConfig(backend=backend))
+        config = {"disable_compile": True} if backend == "eager" else {"compile_config": CompileConfig(backend=backend)}
         with torch.no_grad():
             runs[backend] = model.generate(ids, **kwargs, **config)
             if backend == "uniep":
