@@ -2,8 +2,8 @@
 eager, compiled by inductor and compiled by uniep, in the same run on the same model.
 
 Greedy decoding of --new-tokens tokens after a --prompt-tokens prompt, --batch sequences, bf16, an HF static cache
-(``StaticCache``: each decode step has the same shapes, so a compiled forward is traced for the prefill and once for
-the decode steps). Two ways to compile, as HF's docs show them:
+(``StaticCache``: each decode step has the same shapes, so a compiled forward is traced once for the decode steps,
+and once for the prefill where that is compiled too). Two ways to compile, as HF's docs show them:
 
 - ``--compile forward`` (default): ``model.forward = torch.compile(model.forward, ...)``, the default mode or
   ``mode="reduce-overhead"`` (CUDA graphs) where ``--graphs`` is given; generate() gets ``disable_compile=True``.
@@ -15,8 +15,9 @@ the decode steps). Two ways to compile, as HF's docs show them:
   prefill eager, so the compiled rows' prefill is eager's.
 
 Per backend: the prefill's time (generate() of one token), the whole generate()'s, the decode step's (the
-difference over the remaining tokens), tokens a second, and how many of the generated tokens equal eager's (in bf16
-a near-tie may fork a sequence; the tokens after a fork see other prefixes).
+difference over the remaining tokens), tokens a second, and how many of the generated tokens equal eager's where
+``eager`` comes first in --backends (in bf16 a near-tie may fork a sequence; the tokens after a fork see other
+prefixes).
 
     python benchmarks/bench_generate.py --model qwen3-30b-a3b --layers 4 --batch 8 --prompt-tokens 256 \
         --new-tokens 64 [--graphs] [--compile hf]
