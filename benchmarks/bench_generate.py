@@ -8,8 +8,8 @@ and once for the prefill where that is compiled too). Two ways to compile, as HF
 - ``--compile forward`` (default): ``model.forward = torch.compile(model.forward, ...)``, the default mode or
   ``mode="reduce-overhead"`` (CUDA graphs) where ``--graphs`` is given; generate() gets ``disable_compile=True``.
   Without it HF compiles ``__call__`` again for the decode steps whenever the cache is a static one on a GPU (by
-  inductor, "reduce-overhead"), around the user's compiled forward; the twenty-second session's runs left that on, so
-  its "eager" row decoded through inductor and the compiled rows through two nested compiles.
+  inductor, "reduce-overhead"), around the user's compiled forward. The twenty-second session's runs left that on:
+  an "eager" row would have decoded through inductor, and the compiled rows ran inside that second compile.
 - ``--compile hf``: generate()'s own compilation, ``compile_config=CompileConfig(backend=...)``: HF compiles the decode
   steps' ``__call__`` (``--graphs``: mode "reduce-overhead", HF's default; without it the default mode) and runs the
   prefill eager, so the compiled rows' prefill is eager's.
