@@ -17,7 +17,8 @@ and once for the prefill where that is compiled too). Two ways to compile, as HF
 Per backend: the prefill's time (generate() of one token), the whole generate()'s, the decode step's (the
 difference over the remaining tokens), tokens a second, and how many of the generated tokens equal eager's where
 ``eager`` comes first in --backends (in bf16 a near-tie may fork a sequence; the tokens after a fork see other
-prefixes).
+prefixes). Each backend runs in a process of its own (a crash, such as the twenty-third session's under
+``--graphs``, then ends its row only; ``--in-process`` runs them all in this one).
 
     python benchmarks/bench_generate.py --model qwen3-30b-a3b --layers 4 --batch 8 --prompt-tokens 256 \
         --new-tokens 64 [--graphs] [--compile hf]
@@ -27,8 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -94,6 +98,23 @@ def run_backend(args, backend: str, input_ids, eager_tokens) -> dict:
     return row, new
 
 
+def run_child(backend: str, work: str):
+    """(row, generated tokens or None) of ``backend`` run by this script in a process of its own (the same arguments,
+    that one backend); a process that dies (a signal) or fails gives a row with the error."""
+    folder = os.path.join(work, backend)
+    os.makedirs(folder, exist_ok=True)
+    code = subprocess.call([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--backends", backend,
+                            "--child", folder])
+    if code == 0 and os.path.exists(os.path.join(folder, "row.json")):
+        with open(os.path.join(folder, "row.json")) as f:
+            return json.load(f), torch.load(os.path.join(folder, "tokens.pt")).cuda()
+    try:
+        why = f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
+    except ValueError:
+        why = f"signal {-code}"
+    return {"backend": backend, "error": f"its process ended with {why}"}, None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
@@ -107,6 +128,8 @@ def main():
                         help="forward: model.forward compiled by the user; hf: generate()'s compile_config")
     parser.add_argument("--backends", default="eager,inductor,uniep")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_generate.json"))
+    parser.add_argument("--in-process", action="store_true", help="every backend in this process (a crash ends all)")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # a folder: run one backend, leave its row there
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_generate: needs a CUDA GPU")
@@ -118,19 +141,33 @@ def main():
 
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
             **{k: v for k, v in vars(args).items() if k != "out"}}
-    print(json.dumps(meta), flush=True)
+    if not args.child:
+        print(json.dumps(meta), flush=True)
     vocab = MODELS[args.model][1]["vocab_size"]
     input_ids = torch.randint(0, vocab, (args.batch, args.prompt_tokens), device="cuda",
                               generator=torch.Generator("cuda").manual_seed(0))
-    rows, eager_tokens = [], None
+    if args.child:  # one backend, in the process the parent started: its row and tokens into the folder given
+        eager_path = os.path.join(args.child, "..", "eager_tokens.pt")
+        eager_tokens = torch.load(eager_path).cuda() if os.path.exists(eager_path) else None
+        row, tokens = run_backend(args, args.backends, input_ids, eager_tokens)
+        torch.save(tokens.cpu(), os.path.join(args.child, "tokens.pt"))
+        with open(os.path.join(args.child, "row.json"), "w") as f:
+            json.dump(row, f)
+        return
+    rows, eager_tokens, work = [], None, tempfile.mkdtemp(prefix="bench_generate_")
     for backend in args.backends.split(","):
         print(f"# {time.strftime('%H:%M:%S')} {backend}", flush=True)
-        try:
-            row, tokens = run_backend(args, backend, input_ids, eager_tokens)
-        except Exception as exc:  # noqa: BLE001
-            row, tokens = {"backend": backend, "error": repr(exc)[:400]}, None
+        if args.in_process:
+            try:
+                row, tokens = run_backend(args, backend, input_ids, eager_tokens)
+            except Exception as exc:  # noqa: BLE001
+                row, tokens = {"backend": backend, "error": repr(exc)[:400]}, None
+        else:
+            row, tokens = run_child(backend, work)
         if backend == "eager":
             eager_tokens = tokens
+            if tokens is not None:
+                torch.save(tokens.cpu(), os.path.join(work, "eager_tokens.pt"))
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(args.out, "w") as f:
