@@ -11,6 +11,9 @@ for the host until the op's first launch). Median µs a call over --calls calls,
   routing_plan     the routing plan's buffers and three launches
   up_gemm          the up projection (torch._grouped_mm and the activation pass), down_gemm, combine
   to_first_launch  from the op call to its first Triton launch
+  router           torch.ops.uniep.moe_router (Qwen3-MoE's softmax top-k router, with the routing plan, as the
+                   lowering asks for it), router_impl its implementation called directly, router_forward the
+                   fused kernels' host function
 
     python benchmarks/probes/op_host_probe.py [--shape qwen3-30b-a3b] [--calls 200]
 """
@@ -52,7 +55,8 @@ def main():
     from uniep_dynamo.kernels import megakernel, triton_routing
     from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
     from uniep_dynamo.kernels.triton_gemm import GLU_FWD, STORE
-    from uniep_dynamo.spec import ExpertsSpec, decode_spec
+    from uniep_dynamo.kernels import triton_router
+    from uniep_dynamo.spec import ExpertsSpec, RouterSpec, decode_router_spec, decode_spec
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-30b-a3b")
@@ -68,6 +72,10 @@ def main():
     text = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
     spec = decode_spec(text)
     impl = getattr(ops.moe_experts, "_init_fn", None)
+    router_weight = torch.randn(E, H, device=dev, dtype=dtype) * 0.02
+    router_text = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=dtype, plan=True).encode()
+    router_spec = decode_router_spec(router_text)
+    router_impl = getattr(ops.moe_router, "_init_fn", None)
     layer = megakernel.Layer(x, ids, w_up, w_down, spec)
     plan = triton_routing.routing_plan(ids, E, False)
     row_order, slot_row, offsets = plan
@@ -106,7 +114,11 @@ def main():
         "combine": lambda: triton_routing.combine(down_rows, slot_row, w, offsets, args.tokens, K, dtype),
         "gather_rows": lambda: triton_routing.gather_rows(x, row_order, K),
         "empty": lambda: torch.empty(ids.numel(), I, dtype=dtype, device=dev),
+        "router": lambda: torch.ops.uniep.moe_router(x, router_weight, None, None, router_text),
+        "router_forward": lambda: triton_router.router_forward(x, router_weight, None, None, router_spec),
     }
+    if router_impl is not None:
+        pieces["router_impl"] = lambda: router_impl(x, router_weight, None, None, router_text)
     if impl is not None:
         pieces["impl"] = lambda: impl(x, ids, w, w_up, w_down, None, None, [], text)
     results = {name: median_us(fn, args.calls) for name, fn in pieces.items()}
