@@ -219,6 +219,22 @@ def test_generate_with_a_compiled_model_matches_eager(family, implementation, sp
     assert counters["uniep"]["unfused"] == 0
 
 
+def test_generate_under_inference_mode_with_beam_search_matches_eager():
+    """generate() inside ``torch.inference_mode()`` (inference tensors, not only no_grad) with beam search (the cache
+    reordered between steps), the forward compiled: eager's sequences, the router and experts ops in every graph."""
+    model = build_model("qwen3_moe").eval()
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, num_beams=3)
+    with torch.inference_mode():
+        want = model.generate(ids, **kwargs)
+        model.forward = torch.compile(model.forward, backend="uniep", options={"inner_backend": "eager"})
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got, want)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2 and counters["uniep"]["moe_experts"] == counters["uniep"]["moe_router"] == 2 * graphs
+    assert counters["uniep"]["unfused"] == 0
+
+
 @pytest.mark.parametrize("family,implementation", [("qwen3_moe", "grouped_mm"), ("mixtral", "batched_mm"),
                                                    ("gpt_oss", "grouped_mm")])
 def test_generate_with_hf_compile_config_matches_eager(family, implementation):
