@@ -6,10 +6,9 @@ uniep: a static cache and ``compile_config=CompileConfig(backend="uniep")``, as 
 
 HF compiles the decode steps' forward (the prefill runs eager) and uniep rewrites each decoder layer's router and
 experts in it. Prints both runs' tokens, how many agree (on a CPU in fp32, 24 of 24; in bf16 a near-tie may fork a
-sequence), each
-generate()'s time (the first compiled call traces and compiles, so the compiled one runs twice and the second is
-timed), and what uniep rewrote.
-On a CPU HF compiles only when asked to (``_compile_all_devices``), and this example asks.
+sequence), each generate()'s time (the first compiled call traces and compiles, so the compiled one runs twice and
+the second is timed), and what uniep rewrote. On a CPU HF compiles only when asked to (``_compile_all_devices``),
+and this example asks.
 """
 import argparse
 import time
