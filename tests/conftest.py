@@ -25,6 +25,18 @@ def max_rel_err(actual, expected) -> float:
     return ((actual[finite] - expected[finite]).abs().max() / scale).item()
 
 
+def assert_routing_plan_equals_reference(ids, num_experts: int) -> None:
+    """triton_routing.routing_plan of ``ids`` (on any device), clamped and not, equals the reference's plan of the
+    same ids on the CPU, tensor for tensor (row_order, slot_row, expert_offsets)."""
+    from uniep_dynamo.kernels import reference, triton_routing
+
+    for clamp in (False, True):
+        plan = triton_routing.routing_plan(ids, num_experts, clamp=clamp)
+        expected = reference.routing_plan((ids.clamp(0, num_experts - 1) if clamp else ids).cpu(), num_experts)
+        for a, b in zip(plan, expected):
+            assert torch.equal(a.cpu(), b), clamp
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     from torch._dynamo.utils import counters

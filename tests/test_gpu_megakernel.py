@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import TOLERANCE, max_rel_err
+from conftest import TOLERANCE, assert_routing_plan_equals_reference, max_rel_err
 from test_reference import GELU_GLU, GELU_TANH_GLU, GPT_OSS, RELU2, SILU_GLU, make
 from uniep_dynamo.kernels import config as kconfig
 from uniep_dynamo.spec import ExpertsSpec
@@ -434,18 +434,11 @@ def test_routing_plan_on_the_gpu_equals_reference(slots):
     smaller than a program's threads (the interpreter runs tl.histogram and tl.sort on as many lanes as asked, a GPU
     spreads them over its warps), and the three-launch plan past it; clamped and not, ids out of range both ways,
     int64 ids past int32's range."""
-    from uniep_dynamo.kernels import reference, triton_routing
-
     g = torch.Generator().manual_seed(slots)
     ids = torch.randint(-2, 70, (slots,), generator=g)
     if slots >= 3:
         ids[:2] = torch.tensor([2**32 + 1, -(2**31) - 5])
-    ids = ids.cuda()
-    for clamp in (False, True):
-        plan = triton_routing.routing_plan(ids, 64, clamp=clamp)
-        expected = reference.routing_plan((ids.clamp(0, 63) if clamp else ids).cpu(), 64)
-        for a, b in zip(plan, expected):
-            assert torch.equal(a.cpu(), b)
+    assert_routing_plan_equals_reference(ids.cuda(), 64)
 
 
 @pytest.mark.parametrize("reuse_saved", [False, True], ids=["out_of_place", "in_place"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import TOLERANCE, max_rel_err
+from conftest import TOLERANCE, assert_routing_plan_equals_reference, max_rel_err
 from test_reference import GELU_GLU, GELU_TANH_GLU, GPT_OSS, RELU2, SILU_GLU, SILU_INTERLEAVED, make
 from uniep_dynamo.kernels import config as kconfig
 from uniep_dynamo.kernels import gate_program, reference
@@ -142,16 +142,10 @@ def test_routing_plan_kernel_equals_reference(tokens):
     """2500 slots: three plan blocks, the last one partial; 1024: one whole block; fewer: one block of as many sort
     lanes as the slots need (160 -> 256; 12 and 4 -> the 16 lanes of MIN_SORT_BLOCK); ids out of range in both
     directions."""
-    from uniep_dynamo.kernels import triton_routing
-
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(-2, 70, (tokens, 4), generator=g)
     ids[0, :2] = torch.tensor([2**32 + 1, -(2**31) - 5])  # int64 ids past int32's range: dropped or clamped, not wrapped
-    for clamp in (False, True):
-        plan = triton_routing.routing_plan(ids, 64, clamp=clamp)
-        expected = reference.routing_plan(ids.clamp(0, 63) if clamp else ids, 64)
-        for a, b in zip(plan, expected):
-            assert torch.equal(a, b)
+    assert_routing_plan_equals_reference(ids, 64)
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])

@@ -190,9 +190,9 @@ def routing_plan(topk_ids: torch.Tensor, num_experts: int, clamp: bool):
     plan = plan_buffers(num_slots, num_experts, flat.device)
     if num_slots == 0:
         return plan
-    num_keys = plan_num_keys(num_experts)
     if num_slots <= PLAN_BLOCK:  # one block: one launch (a decode step's plan)
         return _single_plan(flat, num_experts, clamp, plan)
+    num_keys = plan_num_keys(num_experts)
     num_blocks = _cdiv(num_slots, PLAN_BLOCK)
     hist = torch.empty(num_blocks, num_keys, dtype=torch.int32, device=flat.device)
     launch(_plan_histogram, (num_blocks,), flat, hist, num_slots, num_experts, CLAMP=clamp, BLOCK=PLAN_BLOCK,
