@@ -4,6 +4,12 @@ backend: its wall time against its kernels' time (profiler), the kernels with th
 with the most own time, and dynamo's graph count (a recompile or a graph break would show there).
 
     python benchmarks/probes/prefill_probe.py --model qwen3-30b-a3b --layers 2 --batch 8 --prompt-tokens 128
+
+``--decode`` times one decode forward instead (one new token a sequence, after a prefill into the static cache),
+as generate() runs it with the forward compiled in the default mode. Transformers 5.17 writes the step at the fixed
+``cache_position`` given; from 5.2x the static cache advances its own length, so the cache has room for every
+call. ``--cprofile N`` adds the Python functions with the most own time over N more calls (cProfile's overhead
+inflates every number; the ranking is what it is for).
 """
 from __future__ import annotations
 
@@ -32,6 +38,39 @@ def prefill(model, input_ids, cache_len):
     return run
 
 
+def decode(model, input_ids, cache_len):
+    """One decode forward (a token a sequence) at a fixed position of a static cache that a prefill filled."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    with torch.no_grad():
+        model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    step_ids = input_ids[:, -1:].contiguous()
+    position = torch.tensor([input_ids.shape[1]], device=input_ids.device)
+
+    def run():
+        return model(step_ids, past_key_values=cache, use_cache=True, cache_position=position, logits_to_keep=1).logits
+
+    return run
+
+
+def python_profile(run, calls, top):
+    """(function, calls, own ms, cumulative ms) of the Python functions with the most own time over ``calls`` calls."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", v[1], v[2] * 1e3 / calls, v[3] * 1e3 / calls)
+                   for k, v in stats.items()), key=lambda r: -r[2])
+    return [(name, n, round(own, 4), round(cum, 4)) for name, n, own, cum in rows[:top]]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
@@ -41,6 +80,8 @@ def main():
     parser.add_argument("--backends", default="uniep,inductor,eager")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--decode", action="store_true", help="time a decode forward (a token a sequence)")
+    parser.add_argument("--cprofile", type=int, default=0, help="Python functions by own time over N more calls")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill_probe.json"))
     args = parser.parse_args()
     import uniep_dynamo  # noqa: F401
@@ -56,7 +97,8 @@ def main():
         model = build(args.model, args.layers, args.prompt_tokens + 8, torch.bfloat16).eval()
         if backend != "eager":
             model.forward = torch.compile(model.forward, backend=backend)
-        run = prefill(model, ids, args.prompt_tokens + 8)
+        calls = 3 + 2 * args.iters + 1 + args.cprofile  # every call of run() below
+        run = (decode if args.decode else prefill)(model, ids, args.prompt_tokens + 8 + (calls if args.decode else 0))
         with torch.no_grad():
             for _ in range(3):
                 run()
@@ -78,6 +120,7 @@ def main():
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run()
                 torch.cuda.synchronize()
+            py = python_profile(run, args.cprofile, args.top * 2) if args.cprofile else []
         events = prof.key_averages()
         # the kernels' own events only: a CPU op's self device time is its kernels' again
         cuda_total = sum(e.self_device_time_total for e in events
@@ -89,15 +132,20 @@ def main():
                "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
                "uniep": dict(counters["uniep"]), "uniep_kernels": dict(counters["uniep_kernels"]),
                "kernels": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in kernels],
-               "host": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in host]}
+               "host": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in host],
+               "python": py}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "host")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "host", "python")}), flush=True)
         print("  kernels (name, calls, self CUDA ms):")
         for k in row["kernels"]:
             print(f"    {k[2]:8.3f} {k[1]:4d}  {k[0]}")
         print("  host (name, calls, self CPU ms):")
         for k in row["host"]:
             print(f"    {k[2]:8.3f} {k[1]:4d}  {k[0]}")
+        if py:
+            print("  Python (function, calls, own ms a call, cumulative ms a call; cProfile):")
+            for name, n, own, cum in py:
+                print(f"    {own:8.4f} {cum:8.4f} {n:6d}  {name}")
         del model, run
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
