@@ -16,6 +16,11 @@ for the host until the op's first launch). Median µs a call over --calls calls,
                    fused kernels' host function
 
     python benchmarks/probes/op_host_probe.py [--shape qwen3-30b-a3b] [--calls 200]
+
+``--cprofile N`` also prints the Python functions under N calls of the experts op and N of the router op (cProfile;
+its overhead inflates every number, the ranking is what it is for), by own and by cumulative time, and
+``--back-to-back`` times each piece over --calls calls with no synchronization between them (µs a call: the host's
+rate while the GPU keeps up).
 """
 from __future__ import annotations
 
@@ -46,6 +51,37 @@ def median_us(fn, calls):
     return round(times[len(times) // 2] * 1e6, 1)
 
 
+def back_to_back_us(fn, calls):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return round(elapsed / calls * 1e6, 1)
+
+
+def python_profile(fn, name, calls):
+    """Print the Python functions under ``calls`` calls of ``fn`` by own and by cumulative time (µs a call)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    rows = [(f"{os.path.basename(k[0])}:{k[1]}:{k[2]}", v[1] / calls, v[2] * 1e6 / calls, v[3] * 1e6 / calls)
+            for k, v in pstats.Stats(prof).stats.items()]
+    for title, column in (("own", 2), ("cumulative", 3)):
+        print(f"-- {name}: Python functions by {title} time (calls a call, own µs, cumulative µs a call; cProfile)")
+        for row in sorted(rows, key=lambda r: -r[column])[:40]:
+            print(f"   {row[2]:8.1f} {row[3]:8.1f} {row[1]:5.1f}  {row[0]}")
+
+
 def main():
     import bench_moe_layer as bench
 
@@ -62,6 +98,8 @@ def main():
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--cprofile", type=int, default=0)
+    parser.add_argument("--back-to-back", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "op_host_probe.json"))
     args = parser.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -122,6 +160,8 @@ def main():
     if impl is not None:
         pieces["impl"] = lambda: impl(x, ids, w, w_up, w_down, None, None, [], text)
     results = {name: median_us(fn, args.calls) for name, fn in pieces.items()}
+    if args.back_to_back:
+        results.update({f"{name}_b2b": back_to_back_us(fn, args.calls) for name, fn in pieces.items()})
     # every module that imported launch by name gets the timed one for this measurement
     patched = [m for m in list(sys.modules.values())
                if getattr(m, "__name__", "").startswith("uniep_dynamo") and getattr(m, "launch", None) is real_launch]
@@ -138,6 +178,9 @@ def main():
         for m in patched:
             m.launch = real_launch
     print(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(0), "us": results}, indent=1))
+    if args.cprofile:
+        for name in ("op", "router"):
+            python_profile(pieces[name], name, args.cprofile)
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "us": results}, f, indent=1)
 
