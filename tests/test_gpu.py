@@ -158,3 +158,109 @@ def test_generate_bf16_runs_the_fused_ops_in_prefill_and_decode(family):
     assert counters["uniep_kernels"]["triton_forward"] == 2 * steps  # the prefill and each decode step, both layers
     assert counters["uniep_kernels"]["triton_router"] == 2 * steps
     scores_as_close_as_inductors(runs, ids.shape[1])
+
+
+def _op_graph_case(E=16, H=256, I=128, seed=0):
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
+    from uniep_dynamo.spec import ExpertsSpec
+
+    g = torch.Generator("cuda").manual_seed(seed)
+    w_up = torch.randn(E, 2 * I, H, device="cuda", generator=g).bfloat16() * 0.05
+    w_down = torch.randn(E, H, I, device="cuda", generator=g).bfloat16() * 0.05
+    gate = encode("chunk", SILU_GLU_EXPR)
+    specs = [ExpertsSpec("oi", "oi", gate, torch.bfloat16, inference=flag).encode() for flag in (False, True)]
+    return w_up, w_down, specs, g
+
+
+def _routed(T, E, H, K, g):
+    hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=-1).indices
+    weights = torch.rand(T, K, device="cuda", generator=g).bfloat16()
+    return hidden, ids, weights
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_op_graphs_replay_gives_the_kernels_bits(mode):
+    """The experts op marked for inference (ExpertsSpec.inference) serves small calls from a CUDA graph of its own
+    (kernels/op_graphs.py): the first call of a kind runs the kernels, the second is captured and replayed, later
+    ones replay; every call, on new inputs each time, gives the unmarked op's bits, with its outputs' shapes. A new
+    size and expert weights at a new address are other graphs; more routed slots than MAX_SLOTS take none."""
+    from uniep_dynamo.kernels import op_graphs
+
+    op_graphs.clear()
+    E, H, I, K = 16, 256, 128, 4
+    w_up, w_down, (plain, marked), g = _op_graph_case(E, H, I)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    start = dict(op_graphs.counts)
+
+    def check(T, w_up=w_up):
+        hidden, ids, weights = _routed(T, E, H, K, g)
+        with context():
+            ref = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain)
+            got = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked)
+        assert torch.equal(got[0], ref[0])
+        assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in ref]
+
+    for T in (8, 8, 8, 8, 3):
+        check(T)
+    assert op_graphs.counts["captured"] - start["captured"] == 1
+    assert op_graphs.counts["replayed"] - start["replayed"] == 3
+    moved = w_up.clone()  # the same values at another address: another graph, the same bits
+    for _ in range(3):
+        check(8, moved)
+    assert op_graphs.counts["captured"] - start["captured"] == 2
+    check(op_graphs.MAX_SLOTS // K + 1)  # too many slots for a graph: the kernels, as usual
+    check(op_graphs.MAX_SLOTS // K + 1)
+    assert op_graphs.counts["captured"] - start["captured"] == 2 and op_graphs.counts["failed"] == start["failed"]
+
+
+def test_op_graphs_take_the_router_ops_plan():
+    """The router op's plan handed to the marked experts op (as the lowering passes it) is copied into the graph's
+    buffers too: the bits of the unmarked op on the same plan, call after call."""
+    from uniep_dynamo.kernels import op_graphs
+    from uniep_dynamo.spec import RouterSpec
+
+    op_graphs.clear()
+    E, H, I, K = 16, 256, 128, 4
+    w_up, w_down, (plain, marked), g = _op_graph_case(E, H, I, seed=1)
+    router_w = torch.randn(E, H, device="cuda", generator=g).bfloat16() * 0.05
+    router = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=torch.bfloat16, plan=True).encode()
+    for _ in range(5):
+        hidden = torch.randn(6, H, device="cuda", generator=g).bfloat16()
+        with torch.no_grad():
+            _, weights, ids, row_order, slot_row, offsets = torch.ops.uniep.moe_router(hidden, router_w, None, None,
+                                                                                       router)
+            plan = dict(plan_row_order=row_order, plan_slot_row=slot_row, plan_offsets=offsets)
+            ref = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain, **plan)
+            got = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked, **plan)
+        assert torch.equal(got[0], ref[0])
+    assert op_graphs.counts["replayed"] >= 3
+
+
+def test_generate_with_a_compiled_forward_replays_op_graphs_with_the_same_tokens():
+    """generate() with the forward compiled in the default mode (no CUDA graphs of inductor's): the decode steps'
+    experts calls replay the op's own graphs, and the tokens and scores are those of the same run with
+    UNIEP_OP_GRAPHS=0 (the kernels launched one by one), bit for bit."""
+    import os
+
+    from uniep_dynamo.kernels import op_graphs
+
+    ids = torch.randint(0, 96, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    runs = {}
+    for flag in ("0", "1"):
+        torch._dynamo.reset()
+        counters.clear()
+        op_graphs.clear()
+        os.environ["UNIEP_OP_GRAPHS"] = flag
+        try:
+            model = build_model("qwen3_moe", dtype=torch.bfloat16).cuda().eval()
+            model.forward = torch.compile(model.forward, backend="uniep")
+            with torch.no_grad():
+                runs[flag] = model.generate(ids, **kwargs)
+        finally:
+            os.environ.pop("UNIEP_OP_GRAPHS")
+        replays = counters["uniep_kernels"]["op_graph_replays"]
+        assert (replays > 0) is (flag == "1"), replays
+    assert torch.equal(runs["0"].sequences, runs["1"].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"].scores, runs["1"].scores))

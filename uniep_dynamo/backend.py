@@ -310,6 +310,27 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
     return made
 
 
+def mark_inference(gm: torch.fx.GraphModule) -> int:
+    """Mark the experts ops of a graph that takes no gradient (ExpertsSpec.inference) where the graph reads only
+    their first output: small calls may then replay a CUDA graph of the op's own (kernels/op_graphs.py), whose other
+    outputs hold no values. Returns how many were marked."""
+    import operator
+
+    marked = 0
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.uniep.moe_experts.default or not isinstance(node.args[8], str):
+            continue
+        if not all(user.target is operator.getitem and user.args[1] == 0 for user in node.users):
+            continue
+        spec = decode_spec(node.args[8])
+        if not spec.inference:
+            node.args = node.args[:8] + (dataclasses.replace(spec, inference=True).encode(),) + node.args[9:]
+            marked += 1
+    if marked:
+        gm.recompile()
+    return marked
+
+
 def _needs_grad(gm, example_inputs) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in list(example_inputs) + list(gm.parameters()))
@@ -421,6 +442,8 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
         keep_layers_whole(gm, opts)
+        if not _needs_grad(gm, example_inputs):
+            mark_inference(gm)
     with capture.compiling(example_inputs):
         compiled = _inner_compile(gm, example_inputs, opts, mode)
     # Counted only now: Dynamo discards a graph whose compile raises and traces the frame again, e.g. under

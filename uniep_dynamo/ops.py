@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import megakernel, reference, router_reference
+from .kernels import megakernel, op_graphs, reference, router_reference
 from .spec import SECOND_BACKWARD_ERROR, autocast_off, decode_router_spec, decode_spec
 
 _FWD_SCHEMA = ("(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_up, Tensor w_down, "
@@ -41,7 +41,10 @@ def moe_experts(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post
     s = decode_spec(spec)
     plan = _checked_plan((plan_row_order, plan_slot_row, plan_offsets), topk_ids, w_up.shape[0])
     if megakernel.use_megakernel(hidden, topk_ids, w_up, w_down, b_up, b_down, post_operands, s):
-        out = megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, plan=plan)
+        if s.inference:  # small calls from a CUDA graph of the op's own (kernels/op_graphs.py)
+            out = op_graphs.forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, plan=plan)
+        else:
+            out = megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, s, plan=plan)
     else:
         out = reference.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, s,
                                         plan=plan)

@@ -65,6 +65,10 @@ class ExpertsSpec:
     # graph's common-subexpression elimination would otherwise merge them into one, whose saved buffers the two
     # in-place backwards (reuse_saved, whose writes the schema does not declare) would then both overwrite.
     site: int = 0
+    # The op's graph reads only its first output and takes no gradient (backend.mark_inference, for graphs compiled
+    # with no input needing one): a small call may then be served from a CUDA graph of the op's own
+    # (kernels/op_graphs.py), and the op's other outputs are new tensors of their shapes with no values.
+    inference: bool = False
 
     def encode(self) -> str:
         data = {"up": self.up_layout, "down": self.down_layout, "gate": self.gate,
@@ -72,6 +76,8 @@ class ExpertsSpec:
                 "post": self.post, "reuse_saved": self.reuse_saved}
         if self.site:
             data["site"] = self.site
+        if self.inference:
+            data["inference"] = True
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def describe(self) -> str:
@@ -94,7 +100,8 @@ def decode_spec(text: str) -> ExpertsSpec:
     if post is not None and gate_program.decode(post)[0] != "post":
         raise ValueError("uniep: malformed post program")
     return ExpertsSpec(data["up"], data["down"], data["gate"], _DTYPES[data["out_dtype"]], out_of_range, post,
-                       bool(data.get("reuse_saved", False)), int(data.get("site", 0)))
+                       bool(data.get("reuse_saved", False)), int(data.get("site", 0)),
+                       bool(data.get("inference", False)))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ for the host until the op's first launch). Median µs a call over --calls calls,
 (outside the timed region), Qwen3-30B-A3B's shape by default:
 
   op               torch.ops.uniep.moe_experts (the dispatcher, the custom op's checks, the implementation)
+  op_inference     the op marked as an inference graph marks it: at most op_graphs.MAX_SLOTS slots replay its CUDA
+                   graph (kernels/op_graphs.py)
   impl             the op's Python implementation called directly
   experts_forward  megakernel.experts_forward
   use_megakernel   the checks that pick the fused kernels
@@ -108,6 +110,8 @@ def main():
     w_up = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * 0.02
     w_down = torch.randn(E, H, I, device=dev, dtype=dtype) * 0.02
     text = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype).encode()
+    # the op as an inference graph marks it (backend.mark_inference): small calls replay its CUDA graph (op_graphs.py)
+    text_inference = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), dtype, inference=True).encode()
     spec = decode_spec(text)
     impl = getattr(ops.moe_experts, "_init_fn", None)
     router_weight = torch.randn(E, H, device=dev, dtype=dtype) * 0.02
@@ -137,6 +141,7 @@ def main():
 
     pieces = {
         "op": lambda: torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text),
+        "op_inference": lambda: torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text_inference),
         "experts_forward": lambda: megakernel.experts_forward(x, ids, w, w_up, w_down, None, None, spec),
         "use_megakernel": lambda: megakernel.use_megakernel(x, ids, w_up, w_down, None, None, [], spec),
         "layer": lambda: megakernel.Layer(x, ids, w_up, w_down, spec),
@@ -179,7 +184,7 @@ def main():
             m.launch = real_launch
     print(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(0), "us": results}, indent=1))
     if args.cprofile:
-        for name in ("op", "router"):
+        for name in ("op", "op_inference", "router"):
             python_profile(pieces[name], name, args.cprofile)
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "us": results}, f, indent=1)

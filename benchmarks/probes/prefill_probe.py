@@ -5,8 +5,10 @@ with the most own time, and dynamo's graph count (a recompile or a graph break w
 
     python benchmarks/probes/prefill_probe.py --model qwen3-30b-a3b --layers 2 --batch 8 --prompt-tokens 128
 
-``--decode`` times one decode forward instead (one new token a sequence, after a prefill into the static cache),
-as generate() runs it with the forward compiled in the default mode. Transformers 5.17 writes the step at the fixed
+``--backends`` takes options after a colon (``uniep:rewrite_router=0+rewrite_experts=0``), and each row gives the host
+time inside the uniep ops' bodies (``op_bodies_ms``, a call's share, from the synchronized loop). ``--decode`` times
+one decode forward instead (one new token a sequence, after a prefill into the static cache), as generate() runs it
+with the forward compiled in the default mode. Transformers 5.17 writes the step at the fixed
 ``cache_position`` given; from 5.2x the static cache advances its own length, so the cache has room for every
 call. ``--cprofile N`` adds the Python functions with the most own time over N more calls (cProfile's overhead
 inflates every number; the ranking is what it is for).
@@ -54,6 +56,36 @@ def decode(model, input_ids, cache_len):
     return run
 
 
+def timed_op_bodies():
+    """Wrap the uniep ops' bodies (op_graphs.forward, megakernel.experts_forward, triton_router.router_forward) with
+    host timers: returns (a one-element list of the seconds spent inside them, outermost calls only; a function that
+    undoes the wrapping). The custom ops' dispatch around them is not in it."""
+    from uniep_dynamo.kernels import megakernel, op_graphs, triton_router
+
+    spent, depth, patched = [0.0], [0], []
+    for module, name in ((op_graphs, "forward"), (megakernel, "experts_forward"), (triton_router, "router_forward")):
+        real = getattr(module, name)
+
+        def timed(*args, _real=real, **kwargs):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - t0
+
+        setattr(module, name, timed)
+        patched.append((module, name, real))
+
+    def undo():
+        for module, name, real in patched:
+            setattr(module, name, real)
+
+    return spent, undo
+
+
 def python_profile(run, calls, top):
     """(function, calls, own ms, cumulative ms) of the Python functions with the most own time over ``calls`` calls."""
     import cProfile
@@ -95,8 +127,10 @@ def main():
         torch._dynamo.reset()
         counters.clear()
         model = build(args.model, args.layers, args.prompt_tokens + 8, torch.bfloat16).eval()
-        if backend != "eager":
-            model.forward = torch.compile(model.forward, backend=backend)
+        name, _, option_text = backend.partition(":")  # uniep:rewrite_router=0+rewrite_experts=0
+        options = {k: bool(int(v)) for k, v in (o.split("=") for o in option_text.split("+") if o)}
+        if name != "eager":
+            model.forward = torch.compile(model.forward, backend=name, options=options or None)
         calls = 3 + 2 * args.iters + 1 + args.cprofile  # every call of run() below
         run = (decode if args.decode else prefill)(model, ids, args.prompt_tokens + 8 + (calls if args.decode else 0))
         with torch.no_grad():
@@ -104,11 +138,13 @@ def main():
                 run()
             torch.cuda.synchronize()
             walls = []
+            spent, undo = timed_op_bodies()
             for _ in range(args.iters):
                 t0 = time.perf_counter()
                 run()
                 torch.cuda.synchronize()
                 walls.append(time.perf_counter() - t0)
+            undo()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(args.iters):
@@ -128,7 +164,8 @@ def main():
         kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]
         host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top]
         row = {"backend": backend, "wall_ms_median": round(statistics.median(walls) * 1e3, 3),
-               "back_to_back_ms": round(b2b, 3), "profiled_kernel_ms": round(cuda_total, 3),
+               "back_to_back_ms": round(b2b, 3),
+               "op_bodies_ms": round(spent[0] * 1e3 / args.iters, 3), "profiled_kernel_ms": round(cuda_total, 3),
                "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
                "uniep": dict(counters["uniep"]), "uniep_kernels": dict(counters["uniep_kernels"]),
                "kernels": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in kernels],

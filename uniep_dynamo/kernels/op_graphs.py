@@ -1,0 +1,177 @@
+"""Small inference calls of the experts op, replayed from CUDA graphs of the op's own.
+
+At decode sizes the op's kernels take a few microseconds each and the host sets the pace: Python picks the config
+and the paths, allocates and launches five kernels, about 250-300 µs a call on the GPU hosts (op_host_probe.py),
+where inductor's own code for HF's layer launches through its C++ launcher. Without ``mode="reduce-overhead"``
+that made generate() with a compiled forward decode slower than inductor (BENCHMARKS.md). Here such a call is
+captured once into a CUDA graph and replayed: the host then copies the inputs into the graph's buffers, replays,
+and copies the output out.
+
+Where it applies (``forward``): an op whose spec says its graph reads only its first output and takes no gradient
+(``ExpertsSpec.inference``, backend.mark_inference), on CUDA, outside a CUDA graph being captured, with at most
+``MAX_SLOTS`` routed slots and a config whose forward GEMMs read no host row counts (per_expert_mm), under
+``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton compiles there, not inside a
+capture); the second is captured and replayed; later ones replay.
+
+A graph is keyed by everything the captured launches bake in: the spec, the config, the device, the shapes, strides
+and dtypes of every tensor argument, and the addresses of the expert weights and biases, which the graph reads where
+they are (the activations are copied in). A weight at another address, a new config (use_config, the tuning cache,
+the numerics variables) or another shape is another key. So the bits are those of the same call without the graph:
+the same kernels read the same values. The op's outputs other than the first are new tensors with no values (the
+graph that asked for this reads none of them); the first is a copy of the graph's, so that no caller holds memory
+a later replay writes. The graphs are kept least recently used first, at most ``MAX_BYTES`` of their buffers
+(estimated from the shapes) and ``MAX_GRAPHS`` graphs. Calls from one thread at a time (as inference runs).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+
+import torch
+from torch._dynamo.utils import counters
+
+MAX_SLOTS = 1024  # routed slots (tokens x top-k) of the largest call served from a graph
+MAX_GRAPHS = 512
+MAX_BYTES = 512 << 20
+MAX_SEEN = 4096  # kinds of call remembered as run once (forgotten all at once past it)
+log = logging.getLogger("uniep")
+counts = {"captured": 0, "replayed": 0, "failed": 0}  # tests and benchmarks read them
+
+_GRAPHS: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph, least recently used first
+_SEEN: set = set()  # keys run once without a graph (their kernels compiled)
+_REFUSED: set = set()  # keys whose capture failed: they run without a graph
+_BYTES = [0]
+_STREAMS: dict = {}  # device index -> the side stream graphs are captured on
+
+
+class _Graph:
+    __slots__ = ("graph", "inputs", "outputs", "nbytes")
+
+    def __init__(self, graph, inputs, outputs, nbytes):
+        self.graph, self.inputs, self.outputs, self.nbytes = graph, inputs, outputs, nbytes
+
+
+def enabled() -> bool:
+    return os.environ.get("UNIEP_OP_GRAPHS", "1") != "0"
+
+
+def forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
+    """megakernel.experts_forward's outputs for an op whose spec says inference: from a CUDA graph where one serves
+    the call (the module's docstring), else from the kernels run as usual."""
+    from . import config as config_mod
+    from . import megakernel
+
+    num_slots = topk_ids.numel()
+    if 0 < num_slots <= MAX_SLOTS and hidden.is_cuda and enabled() and not torch.cuda.is_current_stream_capturing():
+        inter = w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
+        cfg = config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
+                                        device=hidden.device)
+        if not cfg.up.per_expert_mm and not cfg.down.per_expert_mm:  # (those read the row counts on the host)
+            out = _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan, cfg)
+            if out is not None:
+                return out
+    return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=plan)
+
+
+def _meta(t):
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype)
+
+
+def _weight(t):
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan, cfg):
+    """The call's outputs from its CUDA graph, or None where none serves it (yet). ``plan``: the router op's routing
+    plan, or None."""
+
+    activations = (hidden, topk_ids, topk_weights) + (tuple(plan) if plan is not None else ())
+    if not all(t.is_contiguous() for t in activations):  # (copied into buffers of their layout)
+        return None
+    key = (spec, cfg, hidden.device.index, torch.is_inference_mode_enabled(), plan is not None,
+           tuple(_meta(t) for t in activations), _weight(w_up), _weight(w_down), _weight(b_up), _weight(b_down))
+    entry = _GRAPHS.get(key)
+    if entry is None:
+        if key in _REFUSED:
+            return None
+        if key not in _SEEN:  # the first call of its kind runs as usual: its kernels compile outside a capture
+            if len(_SEEN) >= MAX_SEEN:
+                _SEEN.clear()
+            _SEEN.add(key)
+            return None
+        entry = _capture(key, activations, w_up, w_down, b_up, b_down, spec, plan is not None)
+        if entry is None:
+            return None
+    else:
+        _GRAPHS.move_to_end(key)
+    for static, given in zip(entry.inputs, activations):
+        static.copy_(given)
+    entry.graph.replay()
+    counts["replayed"] += 1
+    counters["uniep_kernels"]["triton_forward"] += 1
+    counters["uniep_kernels"]["op_graph_replays"] += 1
+    out = entry.outputs[0].clone()
+    rows = topk_ids.numel()
+    dev = hidden.device
+    if plan is not None:
+        row_order, slot_row, offsets = plan  # (the op returns empty tensors in their place)
+    else:
+        row_order, slot_row = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(2))
+        offsets = torch.empty(w_up.shape[0], dtype=torch.int64, device=dev)
+    up, down = (torch.empty(t.shape, dtype=t.dtype, device=dev) for t in entry.outputs[4:6])
+    return out, row_order, slot_row, offsets, up, down
+
+
+def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
+    """Capture the call into a new graph (its inputs copied from ``activations``), or None where capture fails
+    (the key then runs without a graph, and the reason is logged once)."""
+    from . import megakernel
+
+    device = activations[0].device
+    inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in activations]
+    for static, given in zip(inputs, activations):
+        static.copy_(given)
+    current = torch.cuda.current_stream(device)
+    side = _STREAMS.get(device.index)
+    if side is None:
+        side = _STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = megakernel.experts_forward(inputs[0], inputs[1], inputs[2], w_up, w_down, b_up, b_down, spec,
+                                                     plan=tuple(inputs[3:6]) if has_plan else None)
+            finally:
+                graph.capture_end()
+    except Exception as exc:  # noqa: BLE001 -- any failure to capture: this kind of call runs without a graph
+        current.wait_stream(side)
+        _REFUSED.add(key)
+        counts["failed"] += 1
+        log.warning("uniep: an experts call could not be captured into a CUDA graph (%s: %s); calls of its shapes "
+                    "run their kernels one by one", type(exc).__name__, exc)
+        return None
+    current.wait_stream(side)
+    counters["uniep_kernels"]["triton_forward"] -= 1  # (counted by the replay that follows, as a call)
+    entry = _Graph(graph, inputs, outputs, _nbytes(inputs) + _nbytes(outputs))
+    _GRAPHS[key] = entry
+    _BYTES[0] += entry.nbytes
+    counts["captured"] += 1
+    while len(_GRAPHS) > 1 and (len(_GRAPHS) > MAX_GRAPHS or _BYTES[0] > MAX_BYTES):
+        _, old = _GRAPHS.popitem(last=False)
+        _BYTES[0] -= old.nbytes
+    return entry
+
+
+def clear() -> None:
+    """Drop every graph (their memory returns to PyTorch's allocator once no replay is pending)."""
+    _GRAPHS.clear()
+    _SEEN.clear()
+    _REFUSED.clear()
+    _BYTES[0] = 0
