@@ -190,3 +190,25 @@ def test_candidates_offer_quack_configs_only_where_quack_runs():
     assert all(not c.quack for c in cands if not c.grouped_mm and c != base)
     without = tuner.gemm_candidates(base, n_dim=2048, quack=False, **H100)
     assert [c for c in without if c.quack] == [base]
+
+
+def test_another_process_write_is_read_once_the_stat_interval_has_passed(monkeypatch):
+    """The ops read the cache file's stamp at most every STAT_INTERVAL_S: a write by another process (here, the file
+    replaced behind the module's back) is read once that much time has passed, not before; this process's own
+    store_entries is read at once."""
+    clock = [100.0]
+    monkeypatch.setattr(tuning_cache.time, "monotonic", lambda: clock[0])
+    entry = {"config": tuner.config_to_dict(_tuned())}
+    tuner.store_entries("NVIDIA H200", {"a": entry})
+    assert tuner.cached_config("NVIDIA H200", "a") == _tuned()
+    path = tuner.cache_path("NVIDIA H200")
+    data = json.load(open(path))
+    data["entries"]["b"] = entry
+    with open(path, "w") as f:
+        json.dump(data, f)
+    os.utime(path, ns=(1, 1))  # another stamp, whatever the file system's clock resolution
+    assert tuner.cached_config("NVIDIA H200", "b") is None  # within the interval: the memo
+    clock[0] += tuning_cache.STAT_INTERVAL_S
+    assert tuner.cached_config("NVIDIA H200", "b") == _tuned()
+    tuner.store_entries("NVIDIA H200", {"c": entry})
+    assert tuner.cached_config("NVIDIA H200", "c") == _tuned()

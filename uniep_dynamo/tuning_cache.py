@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import time
 
 import torch
 
@@ -78,20 +79,29 @@ def _read(path: str) -> dict:
         return {}
 
 
-_MEMO: dict = {}
+_MEMO: dict = {}  # path -> (its modification stamp, its entries, when the stamp was last read: time.monotonic())
+# The compiled ops look their config up on every call: the file's stamp is read at most this often (a stat and the
+# path's environment lookups were about a tenth of a decode-sized op call's host time). A write by this process
+# (store_entries) is seen at once; one by another process (a tuner running beside) within this many seconds.
+STAT_INTERVAL_S = 1.0
 
 
 def load_entries(gpu_name: str) -> dict:
     """Every entry of this GPU's cache file, read again only when the file changed."""
     path = cache_path(gpu_name)
+    memo = _MEMO.get(path)
+    now = time.monotonic()
+    if memo is not None and now - memo[2] < STAT_INTERVAL_S:
+        return memo[1]
     try:
         stamp = os.stat(path).st_mtime_ns
     except OSError:
         stamp = None
-    memo = _MEMO.get(path)
     if memo is None or memo[0] != stamp:
-        memo = (stamp, _read(path) if stamp is not None else {})
-        _MEMO[path] = memo
+        memo = (stamp, _read(path) if stamp is not None else {}, now)
+    else:
+        memo = (stamp, memo[1], now)
+    _MEMO[path] = memo
     return memo[1]
 
 
