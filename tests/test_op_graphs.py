@@ -11,7 +11,7 @@ import torch
 from hf_models import build_model
 from uniep_dynamo.backend import mark_inference
 from uniep_dynamo.kernels import op_graphs
-from uniep_dynamo.spec import decode_spec
+from uniep_dynamo.spec import decode_router_spec, decode_spec
 
 
 def _compiled(model):
@@ -43,6 +43,12 @@ def test_only_graphs_that_take_no_gradient_mark_the_experts_ops(grad):
     specs = _experts_specs(graphs)
     assert len(specs) == 2
     assert all(s.inference is (not grad) for s in specs)
+    # a decode-sized marked op builds its routing plan inside its own CUDA graph; with gradients the router's is shared
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_experts.default]
+    routers = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_router.default]
+    assert len(routers) == 2
+    assert all(("plan_row_order" in n.kwargs) is grad for n in calls)
+    assert all(decode_router_spec(n.args[4]).plan is grad for n in routers)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
     if grad:
         logits.sum().backward()  # the marked-free graph's backward runs
@@ -66,6 +72,22 @@ def test_an_op_whose_other_outputs_are_read_is_not_marked():
     output.args = (tuple(output.args[0]) + (extra,),)
     assert mark_inference(gm) == len(calls) - 1
     assert [decode_spec(n.args[8]).inference for n in calls] == [False] + [True] * (len(calls) - 1)
+
+
+def test_ops_past_the_graphs_slot_limit_keep_the_routers_plan(monkeypatch):
+    """A marked op with more routed slots than op_graphs.MAX_SLOTS (served without a graph) keeps the plan the router
+    op builds in its select pass."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(op_graphs, "MAX_SLOTS", 8)
+    model = build_model("qwen3_moe")
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = model(ids).logits
+    compiled, graphs = _compiled(model)
+    with torch.no_grad():
+        logits = compiled(ids).logits
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_experts.default]
+    assert calls and all(decode_spec(n.args[8]).inference and "plan_row_order" in n.kwargs for n in calls)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_the_spec_flag_round_trips_and_leaves_old_specs_alone():

@@ -313,22 +313,58 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
 def mark_inference(gm: torch.fx.GraphModule) -> int:
     """Mark the experts ops of a graph that takes no gradient (ExpertsSpec.inference) where the graph reads only
     their first output: small calls may then replay a CUDA graph of the op's own (kernels/op_graphs.py), whose other
-    outputs hold no values. Returns how many were marked."""
+    outputs hold no values. Returns how many were marked.
+
+    A marked op whose routed slots are at most op_graphs.MAX_SLOTS in the traced graph (a decode step's static shape)
+    computes its routing plan itself, inside that CUDA graph, instead of taking the router op's (share_routing_plan):
+    the router then issues no plan launch and the graph copies in no plan. The plan is the same either way (the same
+    ids, the same deterministic plan), so are the bits."""
     import operator
 
+    from .kernels import op_graphs
+    from .patterns import graph_utils as gu
+
     marked = 0
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if node.target is not torch.ops.uniep.moe_experts.default or not isinstance(node.args[8], str):
             continue
         if not all(user.target is operator.getitem and user.args[1] == 0 for user in node.users):
             continue
         spec = decode_spec(node.args[8])
-        if not spec.inference:
-            node.args = node.args[:8] + (dataclasses.replace(spec, inference=True).encode(),) + node.args[9:]
-            marked += 1
+        if spec.inference:
+            continue
+        node.args = node.args[:8] + (dataclasses.replace(spec, inference=True).encode(),) + node.args[9:]
+        marked += 1
+        ids = gu.tensor_meta(node.args[1])
+        slots = ids.numel() if ids is not None else None
+        if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
+            _unshare_plan(gm, node)
     if marked:
+        gm.graph.lint()
         gm.recompile()
     return marked
+
+
+def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
+    """Undo share_routing_plan for this experts op: it builds its own plan again, and the router op that built the
+    given one stops building it where nothing else reads it."""
+    import operator
+
+    from .spec import decode_router_spec
+
+    given = [experts.kwargs[k] for k in ("plan_row_order", "plan_slot_row", "plan_offsets")]
+    experts.kwargs = {k: v for k, v in experts.kwargs.items() if not k.startswith("plan_")}
+    routers = {g.args[0] for g in given if g.target is operator.getitem}
+    for g in given:
+        if not g.users:
+            gm.graph.erase_node(g)
+    for router in routers:
+        if router.target is not torch.ops.uniep.moe_router.default:
+            continue
+        if any(u.target is operator.getitem and u.args[1] in (3, 4, 5) for u in router.users):
+            continue  # another reader of its plan
+        spec = decode_router_spec(router.args[4])
+        router.args = router.args[:4] + (dataclasses.replace(spec, plan=False).encode(),)
 
 
 def _needs_grad(gm, example_inputs) -> bool:
