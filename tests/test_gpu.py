@@ -214,6 +214,29 @@ def test_op_graphs_replay_gives_the_kernels_bits(mode):
     assert op_graphs.counts["captured"] - start["captured"] == 2 and op_graphs.counts["failed"] == start["failed"]
 
 
+def test_op_graphs_serve_each_stream_with_its_own_graph():
+    """Calls on two streams, alternating: each stream gets a graph of its own (its buffers written and read in that
+    stream's order), and every call gives the unmarked op's bits."""
+    from uniep_dynamo.kernels import op_graphs
+
+    op_graphs.clear()
+    E, H, I, K = 16, 256, 128, 4
+    w_up, w_down, (plain, marked), g = _op_graph_case(E, H, I, seed=2)
+    side = torch.cuda.Stream()
+    start = dict(op_graphs.counts)
+    for i in range(8):
+        hidden, ids, weights = _routed(6, E, H, K, g)
+        stream = side if i % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            ref = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain)
+            got = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert torch.equal(got[0], ref[0])
+    assert op_graphs.counts["captured"] - start["captured"] == 2
+    assert op_graphs.counts["replayed"] - start["replayed"] == 6
+
+
 def test_op_graphs_take_the_router_ops_plan():
     """The router op's plan handed to the marked experts op (as the lowering passes it) is copied into the graph's
     buffers too: the bits of the unmarked op on the same plan, call after call."""

@@ -20,13 +20,16 @@ the numerics variables) or another shape is another key. So the bits are those o
 the same kernels read the same values. The op's outputs other than the first are new tensors with no values (the
 graph that asked for this reads none of them); the first is a copy of the graph's, so that no caller holds memory
 a later replay writes. The graphs are kept least recently used first, at most ``MAX_BYTES`` of their buffers
-(estimated from the shapes) and ``MAX_GRAPHS`` graphs. Calls from one thread at a time (as inference runs).
+(estimated from the shapes) and ``MAX_GRAPHS`` graphs; ``clear()`` drops them all (a model deleted leaves its graphs
+until they are evicted or cleared). A graph serves one stream (the current stream is in the key), and a lock keeps
+two threads from filling one graph's buffers at once.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import os
+import threading
 
 import torch
 from torch._dynamo.utils import counters
@@ -43,6 +46,7 @@ _SEEN: set = set()  # keys run once without a graph (their kernels compiled)
 _REFUSED: set = set()  # keys whose capture failed: they run without a graph
 _BYTES = [0]
 _STREAMS: dict = {}  # device index -> the side stream graphs are captured on
+_LOCK = threading.Lock()
 
 
 class _Graph:
@@ -93,29 +97,32 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
     activations = (hidden, topk_ids, topk_weights) + (tuple(plan) if plan is not None else ())
     if not all(t.is_contiguous() for t in activations):  # (copied into buffers of their layout)
         return None
-    key = (spec, cfg, hidden.device.index, torch.is_inference_mode_enabled(), plan is not None,
+    # the current stream is in the key: a graph's buffers are written and read in one stream's order
+    stream = torch.cuda.current_stream(hidden.device)
+    key = (spec, cfg, hidden.device.index, stream.stream_id, torch.is_inference_mode_enabled(), plan is not None,
            tuple(_meta(t) for t in activations), _weight(w_up), _weight(w_down), _weight(b_up), _weight(b_down))
-    entry = _GRAPHS.get(key)
-    if entry is None:
-        if key in _REFUSED:
-            return None
-        if key not in _SEEN:  # the first call of its kind runs as usual: its kernels compile outside a capture
-            if len(_SEEN) >= MAX_SEEN:
-                _SEEN.clear()
-            _SEEN.add(key)
-            return None
-        entry = _capture(key, activations, w_up, w_down, b_up, b_down, spec, plan is not None)
+    with _LOCK:  # another thread's copies into the same buffers would race with this call's
+        entry = _GRAPHS.get(key)
         if entry is None:
-            return None
-    else:
-        _GRAPHS.move_to_end(key)
-    for static, given in zip(entry.inputs, activations):
-        static.copy_(given)
-    entry.graph.replay()
+            if key in _REFUSED:
+                return None
+            if key not in _SEEN:  # the first call of its kind runs as usual: its kernels compile outside a capture
+                if len(_SEEN) >= MAX_SEEN:
+                    _SEEN.clear()
+                _SEEN.add(key)
+                return None
+            entry = _capture(key, activations, w_up, w_down, b_up, b_down, spec, plan is not None)
+            if entry is None:
+                return None
+        else:
+            _GRAPHS.move_to_end(key)
+        for static, given in zip(entry.inputs, activations):
+            static.copy_(given)
+        entry.graph.replay()
+        out = entry.outputs[0].clone()
     counts["replayed"] += 1
     counters["uniep_kernels"]["triton_forward"] += 1
     counters["uniep_kernels"]["op_graph_replays"] += 1
-    out = entry.outputs[0].clone()
     rows = topk_ids.numel()
     dev = hidden.device
     if plan is not None:
@@ -159,7 +166,11 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
         return None
     current.wait_stream(side)
     counters["uniep_kernels"]["triton_forward"] -= 1  # (counted by the replay that follows, as a call)
-    entry = _Graph(graph, inputs, outputs, _nbytes(inputs) + _nbytes(outputs))
+    # its buffers: the static inputs and outputs, and in its pool about as much again as the gathered rows and the
+    # up projection
+    slots, hidden, up_width = activations[1].numel(), activations[0].shape[1], outputs[4].shape[1]
+    scratch = slots * (hidden + up_width) * activations[0].element_size()
+    entry = _Graph(graph, inputs, outputs, _nbytes(inputs) + _nbytes(outputs) + scratch)
     _GRAPHS[key] = entry
     _BYTES[0] += entry.nbytes
     counts["captured"] += 1
