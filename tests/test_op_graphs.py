@@ -120,3 +120,21 @@ def test_cpu_calls_run_the_op_as_before():
         b = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert op_graphs.counts == before
+
+
+def test_the_report_says_what_an_inference_graph_runs():
+    """uniep's report (explain, uniep-diff) of an inference graph: the experts rewrite says its small calls replay the
+    op's CUDA graph, and the router's no longer claims the routing plan it stopped building."""
+    from uniep_dynamo.report import recording
+
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    with recording() as recorder, torch.no_grad():
+        torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})(
+            torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(4)))
+    rewrites = recorder.to_dict()["graphs"][0]["rewrites"]
+    experts = [r["spec"] for r in rewrites if r["op"] == "moe_experts"]
+    routers = [r["spec"] for r in rewrites if r["op"] == "moe_router"]
+    assert len(experts) == len(routers) == 2
+    assert all("CUDA graph" in spec for spec in experts)
+    assert not any("routing plan" in spec for spec in routers)

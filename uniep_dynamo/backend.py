@@ -335,6 +335,7 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
             continue
         node.args = node.args[:8] + (dataclasses.replace(spec, inference=True).encode(),) + node.args[9:]
         marked += 1
+        _note_in_report(gm, node, "moe_experts", spec.describe() + "; small calls replay the op's CUDA graph")
         ids = gu.tensor_meta(node.args[1])
         slots = ids.numel() if ids is not None else None
         if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
@@ -363,8 +364,17 @@ def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
             continue
         if any(u.target is operator.getitem and u.args[1] in (3, 4, 5) for u in router.users):
             continue  # another reader of its plan
-        spec = decode_router_spec(router.args[4])
-        router.args = router.args[:4] + (dataclasses.replace(spec, plan=False).encode(),)
+        spec = dataclasses.replace(decode_router_spec(router.args[4]), plan=False)
+        router.args = router.args[:4] + (spec.encode(),)
+        _note_in_report(gm, router, "moe_router", spec.describe())
+
+
+def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec: str) -> None:
+    """The report's record of the rewrite that added ``node`` (while recording) says ``spec`` from now on."""
+    record = gm.meta.get("uniep_record")
+    for rewrite in record.rewrites if record is not None else ():
+        if rewrite.op == op and not rewrite.graph and node.name in rewrite.added:
+            rewrite.spec = spec
 
 
 def _needs_grad(gm, example_inputs) -> bool:
