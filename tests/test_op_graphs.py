@@ -2,6 +2,7 @@
 (CPU), and what the op then returns. The replay itself needs a GPU: tests/test_gpu.py."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 
@@ -138,3 +139,174 @@ def test_the_report_says_what_an_inference_graph_runs():
     assert len(experts) == len(routers) == 2
     assert all("CUDA graph" in spec for spec in experts)
     assert not any("routing plan" in spec for spec in routers)
+
+
+# -- the graphs' bookkeeping on CPU: CUDA's graph, streams and the kernels stood in for --------------------------------
+# kernels/op_graphs.py as it runs on a GPU, with torch.cuda's CUDAGraph and streams replaced by fakes and
+# megakernel.experts_forward by a stand-in whose "capture" records its call and whose "replay" computes it again from
+# the graph's input buffers into its output buffers: what CUDA's graphs do, for the module's keys, copies, refusals and
+# eviction. The real graphs are tests/test_gpu.py's.
+
+
+class _FakeStream:
+    def __init__(self, stream_id=0):
+        self.stream_id = stream_id
+
+    def wait_stream(self, other):
+        pass
+
+
+class _FakeGraph:
+    capturing = None
+
+    def capture_begin(self, capture_error_mode="global"):
+        _FakeGraph.capturing, self.call = self, None
+
+    def capture_end(self):
+        _FakeGraph.capturing = None
+
+    def replay(self):
+        args, kwargs, outputs = self.call
+        for static, value in zip(outputs, _stand_in_kernels(*args, **kwargs)):
+            static.copy_(value)
+
+
+def _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec, plan=None):
+    """A deterministic function of every input the graph copies in and of the weights it reads in place."""
+    rows = ids.numel()
+    out = hidden * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True) + w_up.sum() - w_down.sum()
+    if plan is not None:
+        out = out + plan[2].sum()
+    return (out, ids.new_zeros(rows), ids.new_zeros(rows), ids.new_zeros(w_up.shape[0]),
+            hidden.new_zeros(rows, w_up.shape[1]), hidden.new_zeros(rows, hidden.shape[1]))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """op_graphs with fake CUDA graphs and streams, a clean state, and the stand-in kernels; yields a setter of the
+    current stream's id and a switch that makes the next capture raise."""
+    from uniep_dynamo.kernels import megakernel
+
+    state = {"stream": 0, "fail": False}
+
+    def experts_forward(*args, **kwargs):
+        if state["fail"] and _FakeGraph.capturing is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outputs = _stand_in_kernels(*args, **kwargs)
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.call = (args, kwargs, outputs)
+        return outputs
+
+    monkeypatch.setattr(megakernel, "experts_forward", experts_forward)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(99))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream(state["stream"]))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(op_graphs, "_STREAMS", {})
+    monkeypatch.setattr(op_graphs, "counts", {"captured": 0, "replayed": 0, "failed": 0})
+    op_graphs.clear()
+    yield state
+    op_graphs.clear()
+
+
+_WEIGHTS = {}
+
+
+def _case(seed, T=6, H=8, E=4, K=2, w_up=None):
+    """(the op's arguments, a config) for a call of T tokens; the expert weights are the same tensors from call to
+    call unless ``w_up`` says otherwise."""
+    from uniep_dynamo.kernels import config as kconfig
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
+    from uniep_dynamo.spec import ExpertsSpec
+
+    g = torch.Generator().manual_seed(seed)
+    hidden, ids = torch.randn(T, H, generator=g), torch.randint(0, E, (T, K), generator=g)
+    weights = torch.rand(T, K, generator=g)
+    if not _WEIGHTS:
+        _WEIGHTS.update(up=torch.ones(E, 2 * 4, H), down=torch.ones(E, H, 4))
+    w_up = w_up if w_up is not None else _WEIGHTS["up"]
+    spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), torch.float32, inference=True)
+    cfg = kconfig.heuristic_config(T * K, E, H, 4, False)
+    return (hidden, ids, weights, w_up, _WEIGHTS["down"], None, None, spec), cfg
+
+
+def _serve(args, cfg, plan=None):
+    return op_graphs._from_graph(*args, plan, cfg)
+
+
+def test_a_kind_of_call_runs_once_then_is_captured_then_replays_new_inputs(fake_cuda):
+    args, cfg = _case(0)
+    assert _serve(args, cfg) is None  # the first call of its kind: the caller runs the kernels
+    for seed in (0, 1, 2):  # captured on the second call; every call after replays with its own inputs copied in
+        args, _ = _case(seed)
+        got = _serve(args, cfg)
+        expected = _stand_in_kernels(*args)
+        assert torch.equal(got[0], expected[0])
+        assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in expected]
+        assert got[0].data_ptr() != op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].outputs[0].data_ptr()
+    assert op_graphs.counts["captured"] == 1 and len(op_graphs._GRAPHS) == 1
+
+
+def test_the_routers_plan_is_copied_in_with_the_activations(fake_cuda):
+    args, cfg = _case(3)
+    for seed in (3, 4, 5):
+        args, _ = _case(seed)
+        plan = (torch.arange(12), torch.arange(12), torch.tensor([seed, 1, 2, 3]))
+        got = _serve(args, cfg, plan)
+        if seed > 3:
+            assert torch.equal(got[0], _stand_in_kernels(*args, plan=plan)[0])
+            assert got[3] is plan[2]  # the given plan is handed back (the op returns empty tensors in its place)
+
+
+def test_other_weights_streams_shapes_and_configs_are_other_graphs(fake_cuda):
+    import dataclasses
+
+    args, cfg = _case(0)
+    variants = [
+        (args, cfg),
+        ((args[0], args[1], args[2], args[3].clone()) + args[4:], cfg),  # the same values at another address
+        (_case(0, T=5)[0], cfg),  # another shape
+        (args, dataclasses.replace(cfg, fuse_gather=not cfg.fuse_gather)),  # another config
+    ]
+    for a, c in variants:
+        assert _serve(a, c) is None
+        assert torch.equal(_serve(a, c)[0], _stand_in_kernels(*a)[0])
+    fake_cuda["stream"] = 7  # another stream: its own graph
+    assert _serve(args, cfg) is None and _serve(args, cfg) is not None
+    assert op_graphs.counts["captured"] == len(variants) + 1
+
+
+def test_a_capture_that_fails_leaves_its_kind_of_call_to_the_kernels(fake_cuda, caplog):
+    import logging
+
+    args, cfg = _case(0)
+    fake_cuda["fail"] = True
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        assert _serve(args, cfg) is None and _serve(args, cfg) is None
+    assert "could not be captured" in caplog.text
+    fake_cuda["fail"] = False
+    assert _serve(args, cfg) is None  # refused for good, without another attempt
+    assert op_graphs.counts["failed"] == 1 and op_graphs.counts["captured"] == 0 and not op_graphs._GRAPHS
+
+
+def test_graphs_are_evicted_least_recently_used_first(fake_cuda, monkeypatch):
+    monkeypatch.setattr(op_graphs, "MAX_GRAPHS", 2)
+    cases = [_case(0, T=t) for t in (3, 4, 5)]
+    for args, cfg in cases:
+        _serve(args, cfg), _serve(args, cfg)
+    assert len(op_graphs._GRAPHS) == 2 and op_graphs.counts["captured"] == 3
+    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(4, 8), (5, 8)]  # T = 3's, the oldest, went first
+    _serve(*cases[1])  # T = 4 used again: T = 5's is now the oldest
+    monkeypatch.setattr(op_graphs, "MAX_BYTES", 1)  # the next capture leaves only itself
+    args, cfg = _case(0, T=2)
+    _serve(args, cfg), _serve(args, cfg)
+    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(2, 8)]
+    assert op_graphs._BYTES[0] == op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].nbytes
+
+
+def test_non_contiguous_activations_take_no_graph(fake_cuda):
+    args, cfg = _case(0)
+    hidden = torch.randn(8, 6).t()  # [6, 8], not contiguous
+    args = (hidden,) + args[1:]
+    assert _serve(args, cfg) is None and _serve(args, cfg) is None
+    assert op_graphs.counts["captured"] == 0

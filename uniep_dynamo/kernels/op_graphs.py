@@ -149,6 +149,7 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
         side = _STREAMS[device.index] = torch.cuda.Stream(device)
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
+    calls_before = counters["uniep_kernels"]["triton_forward"]  # a capture is no call: the replay counts it
     try:
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
@@ -159,13 +160,14 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
                 graph.capture_end()
     except Exception as exc:  # noqa: BLE001 -- any failure to capture: this kind of call runs without a graph
         current.wait_stream(side)
+        counters["uniep_kernels"]["triton_forward"] = calls_before
         _REFUSED.add(key)
         counts["failed"] += 1
         log.warning("uniep: an experts call could not be captured into a CUDA graph (%s: %s); calls of its shapes "
                     "run their kernels one by one", type(exc).__name__, exc)
         return None
     current.wait_stream(side)
-    counters["uniep_kernels"]["triton_forward"] -= 1  # (counted by the replay that follows, as a call)
+    counters["uniep_kernels"]["triton_forward"] = calls_before
     # its buffers: the static inputs and outputs, and in its pool about as much again as the gathered rows and the
     # up projection
     slots, hidden, up_width = activations[1].numel(), activations[0].shape[1], outputs[4].shape[1]
