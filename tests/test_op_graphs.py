@@ -296,11 +296,14 @@ def test_graphs_are_evicted_least_recently_used_first(fake_cuda, monkeypatch):
         _serve(args, cfg), _serve(args, cfg)
     assert len(op_graphs._GRAPHS) == 2 and op_graphs.counts["captured"] == 3
     assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(4, 8), (5, 8)]  # T = 3's, the oldest, went first
-    _serve(*cases[1])  # T = 4 used again: T = 5's is now the oldest
-    monkeypatch.setattr(op_graphs, "MAX_BYTES", 1)  # the next capture leaves only itself
+    _serve(*cases[1])  # T = 4 used again: T = 5's is now the oldest, and the next capture evicts it
     args, cfg = _case(0, T=2)
     _serve(args, cfg), _serve(args, cfg)
-    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(2, 8)]
+    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(4, 8), (2, 8)]
+    monkeypatch.setattr(op_graphs, "MAX_BYTES", 1)  # the next capture leaves only itself
+    args, cfg = _case(0, T=1)
+    _serve(args, cfg), _serve(args, cfg)
+    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(1, 8)]
     assert op_graphs._BYTES[0] == op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].nbytes
 
 
