@@ -313,3 +313,79 @@ def test_non_contiguous_activations_take_no_graph(fake_cuda):
     args = (hidden,) + args[1:]
     assert _serve(args, cfg) is None and _serve(args, cfg) is None
     assert op_graphs.counts["captured"] == 0
+
+
+def test_a_graph_that_turns_grad_on_inside_is_not_marked():
+    """Called under no_grad, a compiled function that enables grad inside (guidance or attribution inside a generation
+    loop) takes gradients: Dynamo puts the grad-mode switch in the graph, and its experts ops keep their saved
+    buffers. The gradients are eager's."""
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(5))
+    weight = model.model.layers[0].mlp.experts.gate_up_proj
+    with torch.no_grad():
+        expected = torch.autograd.grad(_grad_loss(model, ids), weight)[0]
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda i: _grad_loss(model, i), backend="uniep", options={"inner_backend": keep})
+    with torch.no_grad():
+        loss = compiled(ids)
+        got = torch.autograd.grad(loss, weight)[0]
+    specs = _experts_specs(graphs)
+    assert specs and not any(s.inference for s in specs)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def _grad_loss(fn, ids):
+    with torch.enable_grad():
+        return fn(ids).logits.float().square().mean()
+
+
+def test_graphs_under_inductors_cuda_graphs_are_not_marked(monkeypatch):
+    """Under inductor's CUDA-graph trees (mode="reduce-overhead" or "max-autotune", or the triton.cudagraphs patch)
+    the experts ops make no graphs of their own: a tree's warm-up would hold their buffers in its pool."""
+    from uniep_dynamo import backend
+
+    opts = backend.UniepOptions()
+    assert backend._under_cuda_graphs(opts, "reduce-overhead") and backend._under_cuda_graphs(opts, "max-autotune")
+    assert not backend._under_cuda_graphs(opts, None) and not backend._under_cuda_graphs(opts, "default")
+    patched = backend.UniepOptions.from_options({"inductor": {"triton.cudagraphs": True}})
+    assert backend._under_cuda_graphs(patched, None)
+    marked = []
+    monkeypatch.setattr(backend, "mark_inference", lambda gm: marked.append(gm) or 0)
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.compile(model, backend="uniep", options={"inductor": {"triton.cudagraphs": True}})(ids)
+        assert not marked
+        torch._dynamo.reset()
+        torch.compile(model, backend="uniep")(ids)
+    assert marked
+
+
+def test_a_marked_op_refuses_to_be_recorded_for_a_backward():
+    """The backstop: an experts op whose spec says inference, called where autograd records it, raises instead of
+    saving outputs that may hold no values."""
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
+    from uniep_dynamo.spec import ExpertsSpec
+
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(4, 8, generator=g, requires_grad=True)
+    ids, weights = torch.randint(0, 2, (4, 2), generator=g), torch.rand(4, 2, generator=g)
+    w_up, w_down = torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    marked = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), torch.float32, inference=True).encode()
+    with pytest.raises(RuntimeError, match="compiled for a graph that takes no gradient"):
+        torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked)
+    with torch.no_grad():
+        torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked)
+
+
+def test_the_memory_estimate_counts_the_pools_segments():
+    assert op_graphs._pool_bytes([1000, 1 << 20]) == 2 << 20  # small buffers: the pool's one 2 MiB segment
+    assert op_graphs._pool_bytes([3 << 20]) == (2 << 20) + (20 << 20)
+    assert op_graphs._pool_bytes([(30 << 20) + 1]) == (2 << 20) + (32 << 20)

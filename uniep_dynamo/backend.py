@@ -377,6 +377,32 @@ def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec
             rewrite.spec = spec
 
 
+def _takes_no_gradient(gm, example_inputs) -> bool:
+    """The graph starts with no input needing a gradient (or grad mode off) and never turns grad mode on inside
+    (``torch.enable_grad()`` within a no_grad caller: Dynamo puts a _set_grad_enabled node in the graph, and
+    AOTAutograd then builds a backward that reads the experts ops' saved outputs)."""
+    if _needs_grad(gm, example_inputs):
+        return False
+    return not any(node.op == "call_function" and node.target is torch._C._set_grad_enabled
+                   for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+                   for node in module.graph.nodes)
+
+
+def _under_cuda_graphs(opts: UniepOptions, mode: str | None) -> bool:
+    """Inductor will run the compiled graph under its CUDA-graph trees (``mode="reduce-overhead"`` or
+    ``"max-autotune"``, or the ``triton.cudagraphs`` patch): the op's own graphs (kernels/op_graphs.py) stay out of
+    them, since a tree's warm-up runs the model eagerly with every allocation of the thread in the tree's memory
+    pool, and an op graph captured then would keep buffers there that the tree hands to other tensors."""
+    if opts.inner_backend != "inductor":
+        return False
+    import torch._inductor
+    import torch._inductor.config
+
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    patches.update(opts.inductor)
+    return bool(patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs))
+
+
 def _needs_grad(gm, example_inputs) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in list(example_inputs) + list(gm.parameters()))
@@ -488,7 +514,7 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
         keep_layers_whole(gm, opts)
-        if not _needs_grad(gm, example_inputs):
+        if _takes_no_gradient(gm, example_inputs) and not _under_cuda_graphs(opts, mode):
             mark_inference(gm)
     with capture.compiling(example_inputs):
         compiled = _inner_compile(gm, example_inputs, opts, mode)

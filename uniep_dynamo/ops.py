@@ -221,6 +221,10 @@ def _moe_experts_backward_combine_fake(input_rows, after, hidden, topk_ids, topk
 
 def _setup_context(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, post_operands, spec, *given_plan = inputs
+    if decode_spec(spec).inference:  # its outputs but the first may hold no values (kernels/op_graphs.py)
+        raise RuntimeError("uniep: an experts op compiled for a graph that takes no gradient is being recorded for "
+                           "a backward, whose saved buffers may hold no values (kernels/op_graphs.py). Please report "
+                           "the graph; compiling it with gradients enabled avoids this.")
     _, row_order, slot_row, expert_offsets, up, down = output
     # the outputs after the first are the backward's buffers, whose gradients it never reads: no zeros for them
     # (autograd fills one for each by default, an [S, H] and an [S, 2I] memset a call outside a compiled graph)

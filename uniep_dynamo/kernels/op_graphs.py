@@ -13,9 +13,11 @@ Where it applies (``forward``): an op whose spec says its graph reads only its f
 ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton compiles there, not inside a
 capture); the second is captured and replayed; later ones replay.
 
-A graph is keyed by everything the captured launches bake in: the spec, the config, the device, the shapes, strides
-and dtypes of every tensor argument, and the addresses of the expert weights and biases, which the graph reads where
-they are (the activations are copied in). A weight at another address, a new config (use_config, the tuning cache,
+A graph is keyed by what the captured launches bake in: the spec, the config (which the capture runs with), the
+device and stream, the shapes, strides and dtypes of every tensor argument, and the addresses of the expert weights
+and biases, which the graph reads where they are (the activations are copied in). The process-wide switches
+UNIEP_QUACK and UNIEP_QUACK_DIRECT are not in it (set them before the first call; QuACK takes no call this small
+under the heuristics). A weight at another address, a new config (use_config, the tuning cache,
 the numerics variables) or another shape is another key. So the bits are those of the same call without the graph:
 the same kernels read the same values. The op's outputs other than the first are new tensors with no values (the
 graph that asked for this reads none of them); the first is a copy of the graph's, so that no caller holds memory
@@ -90,6 +92,13 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _pool_bytes(sizes) -> int:
+    """About what a graph's private memory pool holds for buffers of these sizes (bytes): PyTorch's caching allocator
+    gives a pool a 2 MiB segment for its buffers of at most 1 MiB and segments of at least 20 MiB for larger ones
+    (counted here one a buffer: an upper bound where several share one)."""
+    return (2 << 20) + sum(max(20 << 20, -(-n // (2 << 20)) * (2 << 20)) for n in sizes if n > (1 << 20))
+
+
 def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan, cfg):
     """The call's outputs from its CUDA graph, or None where none serves it (yet). ``plan``: the router op's routing
     plan, or None."""
@@ -111,7 +120,7 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
                     _SEEN.clear()
                 _SEEN.add(key)
                 return None
-            entry = _capture(key, activations, w_up, w_down, b_up, b_down, spec, plan is not None)
+            entry = _capture(key, activations, w_up, w_down, b_up, b_down, spec, plan is not None, cfg)
             if entry is None:
                 return None
         else:
@@ -134,9 +143,10 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
     return out, row_order, slot_row, offsets, up, down
 
 
-def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
-    """Capture the call into a new graph (its inputs copied from ``activations``), or None where capture fails
-    (the key then runs without a graph, and the reason is logged once)."""
+def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan, cfg):
+    """Capture the call into a new graph (its inputs copied from ``activations``), with the config ``cfg`` of its
+    key, or None where capture fails (the key then runs without a graph, and the reason is logged once)."""
+    from . import config as config_mod
     from . import megakernel
 
     device = activations[0].device
@@ -151,7 +161,7 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
     graph = torch.cuda.CUDAGraph()
     calls_before = counters["uniep_kernels"]["triton_forward"]  # a capture is no call: the replay counts it
     try:
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), config_mod.use_config(cfg):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = megakernel.experts_forward(inputs[0], inputs[1], inputs[2], w_up, w_down, b_up, b_down, spec,
@@ -161,6 +171,8 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
     except Exception as exc:  # noqa: BLE001 -- any failure to capture: this kind of call runs without a graph
         current.wait_stream(side)
         counters["uniep_kernels"]["triton_forward"] = calls_before
+        if len(_REFUSED) >= MAX_SEEN:
+            _REFUSED.clear()
         _REFUSED.add(key)
         counts["failed"] += 1
         log.warning("uniep: an experts call could not be captured into a CUDA graph (%s: %s); calls of its shapes "
@@ -168,11 +180,12 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan):
         return None
     current.wait_stream(side)
     counters["uniep_kernels"]["triton_forward"] = calls_before
-    # its buffers: the static inputs and outputs, and in its pool about as much again as the gathered rows and the
-    # up projection
+    # its memory: the static inputs, and its private pool's segments for the outputs, the gathered rows and the
+    # activation
     slots, hidden, up_width = activations[1].numel(), activations[0].shape[1], outputs[4].shape[1]
-    scratch = slots * (hidden + up_width) * activations[0].element_size()
-    entry = _Graph(graph, inputs, outputs, _nbytes(inputs) + _nbytes(outputs) + scratch)
+    size = activations[0].element_size()
+    pooled = [_nbytes([outputs[i]]) for i in (0, 4, 5)] + [slots * hidden * size, slots * up_width // 2 * size]
+    entry = _Graph(graph, inputs, outputs, _nbytes(inputs) + _pool_bytes(pooled))
     _GRAPHS[key] = entry
     _BYTES[0] += entry.nbytes
     counts["captured"] += 1
