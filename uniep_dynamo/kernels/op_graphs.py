@@ -7,8 +7,8 @@ that made generate() with a compiled forward decode slower than inductor (BENCHM
 captured once into a CUDA graph and replayed: the host then copies the inputs into the graph's buffers, replays,
 and copies the output out.
 
-Where it applies (``forward``): an op whose spec says its graph reads only its first output and takes no gradient
-(``ExpertsSpec.inference``, backend.mark_inference), on CUDA, outside a CUDA graph being captured, with at most
+Where it applies (``forward``): an op whose spec says its graph reads only its first output, takes no gradient and
+runs outside inductor's CUDA-graph trees (``ExpertsSpec.inference``, backend.mark_inference), on CUDA, outside a CUDA graph being captured, with at most
 ``MAX_SLOTS`` routed slots and a config whose forward GEMMs read no host row counts (per_expert_mm), under
 ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton compiles there, not inside a
 capture); the second is captured and replayed; later ones replay.
