@@ -357,7 +357,7 @@ def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
     experts.kwargs = {k: v for k, v in experts.kwargs.items() if not k.startswith("plan_")}
     routers = {g.args[0] for g in given if g.target is operator.getitem}
     for g in given:
-        if not g.users:
+        if not g.users and g.target is operator.getitem:
             gm.graph.erase_node(g)
     for router in routers:
         if router.target is not torch.ops.uniep.moe_router.default:

@@ -65,8 +65,8 @@ class ExpertsSpec:
     # graph's common-subexpression elimination would otherwise merge them into one, whose saved buffers the two
     # in-place backwards (reuse_saved, whose writes the schema does not declare) would then both overwrite.
     site: int = 0
-    # The op's graph reads only its first output and takes no gradient (backend.mark_inference, for graphs compiled
-    # with no input needing one): a small call may then be served from a CUDA graph of the op's own
+    # The op's graph reads only its first output, takes no gradient and runs outside inductor's CUDA graphs
+    # (backend.mark_inference): a small call may then be served from a CUDA graph of the op's own
     # (kernels/op_graphs.py), and the op's other outputs are new tensors of their shapes with no values.
     inference: bool = False
 

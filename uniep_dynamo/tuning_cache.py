@@ -80,9 +80,9 @@ def _read(path: str) -> dict:
 
 
 _MEMO: dict = {}  # path -> (its modification stamp, its entries, when the stamp was last read: time.monotonic())
-# The compiled ops look their config up on every call: the file's stamp is read at most this often (a stat and the
-# path's environment lookups took a few per cent of a decode-sized op call's host time). A write by this process
-# (store_entries) is seen at once; one by another process (a tuner running beside) within this many seconds.
+# The compiled ops look their config up on every call: the file's stamp is read at most this often, not with a stat
+# a call (about 1% of a decode-sized op call's host time). A write by this process (store_entries) is seen at once;
+# one by another process (a tuner running beside) within this many seconds.
 STAT_INTERVAL_S = 1.0
 
 
