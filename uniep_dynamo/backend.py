@@ -335,7 +335,8 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
             continue
         node.args = node.args[:8] + (dataclasses.replace(spec, inference=True).encode(),) + node.args[9:]
         marked += 1
-        _note_in_report(gm, node, "moe_experts", spec.describe() + "; small calls replay the op's CUDA graph")
+        _note_in_report(gm, node, "moe_experts", spec.describe() + f"; on CUDA, calls of at most "
+                        f"{op_graphs.MAX_SLOTS} routed slots replay the op's CUDA graph")
         ids = gu.tensor_meta(node.args[1])
         slots = ids.numel() if ids is not None else None
         if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
