@@ -171,7 +171,7 @@ class _FakeGraph:
             static.copy_(value)
 
 
-def _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec, plan=None):
+def _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec, plan=None, config=None):
     """A deterministic function of every input the graph copies in and of the weights it reads in place."""
     rows = ids.numel()
     out = hidden * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True) + w_up.sum() - w_down.sum()
@@ -245,6 +245,8 @@ def test_a_kind_of_call_runs_once_then_is_captured_then_replays_new_inputs(fake_
         assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in expected]
         assert got[0].data_ptr() != op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].outputs[0].data_ptr()
     assert op_graphs.counts["captured"] == 1 and len(op_graphs._GRAPHS) == 1
+    entry = next(iter(op_graphs._GRAPHS.values()))
+    assert entry.graph.call[1]["config"] is cfg  # the capture ran with its key's config, not a lookup of its own
 
 
 def test_the_routers_plan_is_copied_in_with_the_activations(fake_cuda):

@@ -850,14 +850,15 @@ def overwriting_saved_buffers(up, down, error: str):
         yield
 
 
-def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
+def experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None, config=None):
     """Same contract as reference.experts_forward (without post programs); `plan` is the routing plan
-    of topk_ids when the router op computed it already."""
+    of topk_ids when the router op computed it already; `config`: run with this config instead of the one
+    config.current_config picks (op_graphs.py captures with the config of its key)."""
     from .triton_gemm import GLU_FWD, STORE
     from .triton_routing import combine, gather_rows, routing_plan
 
     counters["uniep_kernels"]["triton_forward"] += 1
-    layer = Layer(hidden, topk_ids, w_up, w_down, spec, up_bias=b_up is not None)
+    layer = Layer(hidden, topk_ids, w_up, w_down, spec, config=config, up_bias=b_up is not None)
     cfg = layer.config
     row_order, slot_row, offsets = plan if plan is not None else \
         routing_plan(topk_ids, layer.num_experts, clamp=spec.out_of_range == "clamp")

@@ -146,7 +146,6 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
 def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan, cfg):
     """Capture the call into a new graph (its inputs copied from ``activations``), with the config ``cfg`` of its
     key, or None where capture fails (the key then runs without a graph, and the reason is logged once)."""
-    from . import config as config_mod
     from . import megakernel
 
     device = activations[0].device
@@ -161,11 +160,11 @@ def _capture(key, activations, w_up, w_down, b_up, b_down, spec, has_plan, cfg):
     graph = torch.cuda.CUDAGraph()
     calls_before = counters["uniep_kernels"]["triton_forward"]  # a capture is no call: the replay counts it
     try:
-        with torch.cuda.stream(side), config_mod.use_config(cfg):
+        with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = megakernel.experts_forward(inputs[0], inputs[1], inputs[2], w_up, w_down, b_up, b_down, spec,
-                                                     plan=tuple(inputs[3:6]) if has_plan else None)
+                                                     plan=tuple(inputs[3:6]) if has_plan else None, config=cfg)
             finally:
                 graph.capture_end()
     except Exception as exc:  # noqa: BLE001 -- any failure to capture: this kind of call runs without a graph
