@@ -25,9 +25,12 @@ def _compiled(model):
     return torch.compile(model, backend="uniep", options={"inner_backend": keep}), graphs
 
 
+def _op_nodes(graphs, op):
+    return [n for gm in graphs for n in gm.graph.nodes if n.target is op]
+
+
 def _experts_specs(graphs):
-    return [decode_spec(n.args[8]) for gm in graphs for n in gm.graph.nodes
-            if n.target is torch.ops.uniep.moe_experts.default]
+    return [decode_spec(n.args[8]) for n in _op_nodes(graphs, torch.ops.uniep.moe_experts.default)]
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -45,8 +48,8 @@ def test_only_graphs_that_take_no_gradient_mark_the_experts_ops(grad):
     assert len(specs) == 2
     assert all(s.inference is (not grad) for s in specs)
     # a decode-sized marked op builds its routing plan inside its own CUDA graph; with gradients the router's is shared
-    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_experts.default]
-    routers = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_router.default]
+    calls = _op_nodes(graphs, torch.ops.uniep.moe_experts.default)
+    routers = _op_nodes(graphs, torch.ops.uniep.moe_router.default)
     assert len(routers) == 2
     assert all(("plan_row_order" in n.kwargs) is grad for n in calls)
     assert all(decode_router_spec(n.args[4]).plan is grad for n in routers)
@@ -64,7 +67,7 @@ def test_an_op_whose_other_outputs_are_read_is_not_marked():
     with torch.no_grad():
         compiled(torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1)))
     gm = graphs[0]
-    calls = [n for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_experts.default]
+    calls = _op_nodes([gm], torch.ops.uniep.moe_experts.default)
     for n in calls:  # unmarked again
         n.args = n.args[:8] + (dataclasses.replace(decode_spec(n.args[8]), inference=False).encode(),) + n.args[9:]
     with gm.graph.inserting_after(calls[0]):
@@ -86,7 +89,7 @@ def test_ops_past_the_graphs_slot_limit_keep_the_routers_plan(monkeypatch):
     compiled, graphs = _compiled(model)
     with torch.no_grad():
         logits = compiled(ids).logits
-    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.uniep.moe_experts.default]
+    calls = _op_nodes(graphs, torch.ops.uniep.moe_experts.default)
     assert calls and all(decode_spec(n.args[8]).inference and "plan_row_order" in n.kwargs for n in calls)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 

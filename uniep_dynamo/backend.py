@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import os
 from dataclasses import dataclass, field, fields
 
@@ -319,8 +320,6 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
     computes its routing plan itself, inside that CUDA graph, instead of taking the router op's (share_routing_plan):
     the router then issues no plan launch and the graph copies in no plan. The plan is the same either way (the same
     ids, the same deterministic plan), so are the bits."""
-    import operator
-
     from .kernels import op_graphs
     from .patterns import graph_utils as gu
 
@@ -350,8 +349,6 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
 def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
     """Undo share_routing_plan for this experts op: it builds its own plan again, and the router op that built the
     given one stops building it where nothing else reads it."""
-    import operator
-
     from .spec import decode_router_spec
 
     given = [experts.kwargs[k] for k in ("plan_row_order", "plan_slot_row", "plan_offsets")]

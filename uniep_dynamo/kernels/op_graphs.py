@@ -69,6 +69,7 @@ def forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, pl
     from . import megakernel
 
     num_slots = topk_ids.numel()
+    cfg = None  # looked up once: the kernels below run with the same config where no graph serves the call
     if 0 < num_slots <= MAX_SLOTS and hidden.is_cuda and enabled() and not torch.cuda.is_current_stream_capturing():
         inter = w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
         cfg = config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
@@ -77,7 +78,8 @@ def forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, pl
             out = _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan, cfg)
             if out is not None:
                 return out
-    return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=plan)
+    return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=plan,
+                                      config=cfg)
 
 
 def _meta(t):
