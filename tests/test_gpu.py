@@ -260,6 +260,44 @@ def test_op_graphs_take_the_router_ops_plan():
     assert op_graphs.counts["replayed"] >= 3
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_moe_block_replays_give_the_router_and_experts_ops_bits(mode):
+    """uniep::moe_block (router and experts fused for inference, backend._fuse_block) from one CUDA graph of both:
+    call after call, on new hidden states, the bits of the router op followed by the unmarked experts op, with the
+    experts reading the router's tensor (one copy in) or another; more routed slots than MAX_SLOTS take no graph."""
+    from uniep_dynamo.kernels import op_graphs
+    from uniep_dynamo.spec import RouterSpec
+
+    op_graphs.clear()
+    E, H, I, K = 16, 256, 128, 4
+    w_up, w_down, (plain, marked), g = _op_graph_case(E, H, I, seed=3)
+    router_w = torch.randn(E, H, device="cuda", generator=g).bfloat16() * 0.05
+    router = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=torch.bfloat16).encode()
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    start = dict(op_graphs.counts)
+
+    def check(T, shared=True):
+        hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        router_hidden = hidden if shared else torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        with context():
+            _, weights, ids = torch.ops.uniep.moe_router(router_hidden, router_w, None, None, router)[:3]
+            ref = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain)[0]
+            got = torch.ops.uniep.moe_block(router_hidden, router_w, None, None, router, hidden, w_up, w_down, None,
+                                            None, marked)
+        assert torch.equal(got, ref)
+
+    for T in (8, 8, 8, 8, 3):
+        check(T)
+    assert op_graphs.counts["captured"] - start["captured"] == 1
+    assert op_graphs.counts["replayed"] - start["replayed"] == 3
+    for _ in range(3):
+        check(8, shared=False)
+    assert op_graphs.counts["captured"] - start["captured"] == 2
+    check(op_graphs.MAX_SLOTS // K + 1)
+    check(op_graphs.MAX_SLOTS // K + 1)
+    assert op_graphs.counts["captured"] - start["captured"] == 2 and op_graphs.counts["failed"] == start["failed"]
+
+
 def test_generate_with_a_compiled_forward_replays_op_graphs_with_the_same_tokens():
     """generate() with the forward compiled in the default mode (no CUDA graphs of inductor's): the decode steps'
     experts calls replay the op's own graphs, and the tokens and scores are those of the same run with
@@ -285,5 +323,6 @@ def test_generate_with_a_compiled_forward_replays_op_graphs_with_the_same_tokens
             os.environ.pop("UNIEP_OP_GRAPHS")
         replays = counters["uniep_kernels"]["op_graph_replays"]
         assert (replays > 0) is (flag == "1"), replays
+        assert counters["uniep_kernels"]["triton_router"] == counters["uniep_kernels"]["triton_forward"] > 0
     assert torch.equal(runs["0"].sequences, runs["1"].sequences)
     assert all(torch.equal(a, b) for a, b in zip(runs["0"].scores, runs["1"].scores))

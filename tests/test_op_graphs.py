@@ -19,6 +19,7 @@ def _compiled(model):
     graphs = []
 
     def keep(gm, example_inputs):
+        gm.meta["test_inputs"] = list(example_inputs)
         graphs.append(gm)
         return gm.forward
 
@@ -33,10 +34,16 @@ def _experts_specs(graphs):
     return [decode_spec(n.args[8]) for n in _op_nodes(graphs, torch.ops.uniep.moe_experts.default)]
 
 
+def _blocks(graphs):
+    return _op_nodes(graphs, torch.ops.uniep.moe_block.default)
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_only_graphs_that_take_no_gradient_mark_the_experts_ops(grad):
-    """Under no_grad every experts op of the graph is marked (its graph reads only the op's output); with gradients
-    none is, so that the op's saved buffers stay real. Either way the output is eager's."""
+    """Under no_grad every experts op of the graph is marked (its graph reads only the op's output) and, its router op
+    feeding it alone, fused with it into one uniep.moe_block whose router builds no plan (the experts' graph builds
+    it); with gradients none is, so that the op's saved buffers stay real, and the router's plan is shared. Either
+    way the output is eager's."""
     torch._dynamo.reset()
     model = build_model("qwen3_moe")
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -44,38 +51,79 @@ def test_only_graphs_that_take_no_gradient_mark_the_experts_ops(grad):
     compiled, graphs = _compiled(model)
     with torch.set_grad_enabled(grad):
         logits = compiled(ids).logits
-    specs = _experts_specs(graphs)
-    assert len(specs) == 2
-    assert all(s.inference is (not grad) for s in specs)
-    # a decode-sized marked op builds its routing plan inside its own CUDA graph; with gradients the router's is shared
     calls = _op_nodes(graphs, torch.ops.uniep.moe_experts.default)
     routers = _op_nodes(graphs, torch.ops.uniep.moe_router.default)
-    assert len(routers) == 2
-    assert all(("plan_row_order" in n.kwargs) is grad for n in calls)
-    assert all(decode_router_spec(n.args[4]).plan is grad for n in routers)
+    blocks = _blocks(graphs)
+    if grad:
+        assert len(calls) == len(routers) == 2 and not blocks
+        assert not any(s.inference for s in _experts_specs(graphs))
+        assert all("plan_row_order" in n.kwargs for n in calls)
+        assert all(decode_router_spec(n.args[4]).plan for n in routers)
+    else:
+        assert len(blocks) == 2 and not calls and not routers
+        assert all(decode_spec(n.args[10]).inference and not decode_router_spec(n.args[4]).plan for n in blocks)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
     if grad:
         logits.sum().backward()  # the marked-free graph's backward runs
         assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
 
 
-def test_an_op_whose_other_outputs_are_read_is_not_marked():
-    """mark_inference proves its condition: an op whose up projection (output 4) the graph reads keeps its spec."""
+def _unmarked_graph(monkeypatch, seed=1):
+    """A no_grad graph of the tiny Qwen3-MoE as the backend leaves it before mark_inference."""
+    from uniep_dynamo import backend
+
     torch._dynamo.reset()
+    monkeypatch.setattr(backend, "mark_inference", lambda gm: 0)
     model = build_model("qwen3_moe")
     compiled, graphs = _compiled(model)
     with torch.no_grad():
-        compiled(torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1)))
-    gm = graphs[0]
-    calls = _op_nodes([gm], torch.ops.uniep.moe_experts.default)
-    for n in calls:  # unmarked again
-        n.args = n.args[:8] + (dataclasses.replace(decode_spec(n.args[8]), inference=False).encode(),) + n.args[9:]
-    with gm.graph.inserting_after(calls[0]):
-        extra = gm.graph.call_function(operator.getitem, (calls[0], 4))
+        compiled(torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(seed)))
+    monkeypatch.undo()
+    return graphs[0]
+
+
+def _add_output(gm, node, index):
+    with gm.graph.inserting_after(node):
+        extra = gm.graph.call_function(operator.getitem, (node, index))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     output.args = (tuple(output.args[0]) + (extra,),)
+
+
+def test_an_op_whose_other_outputs_are_read_is_not_marked(monkeypatch):
+    """mark_inference proves its condition: an op whose up projection (output 4) the graph reads keeps its spec."""
+    gm = _unmarked_graph(monkeypatch)
+    calls = _op_nodes([gm], torch.ops.uniep.moe_experts.default)
+    _add_output(gm, calls[0], 4)
+    gm.recompile()
+    with torch.no_grad():
+        expected = gm(*gm.meta["test_inputs"])
     assert mark_inference(gm) == len(calls) - 1
-    assert [decode_spec(n.args[8]).inference for n in calls] == [False] + [True] * (len(calls) - 1)
+    with torch.no_grad():  # the fused layer's output is the two ops' (the same reference path on CPU)
+        got = gm(*gm.meta["test_inputs"])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    calls = _op_nodes([gm], torch.ops.uniep.moe_experts.default)
+    assert len(calls) == 1 and not decode_spec(calls[0].args[8]).inference
+    assert len(_blocks([gm])) == 1  # the other layer's, marked and fused
+
+
+@pytest.mark.parametrize("read", ["logits", "weights"])
+def test_a_router_op_read_by_another_node_is_not_fused(monkeypatch, read):
+    """_fuse_block proves its condition: where the graph reads the router's logits or its routing weights besides the
+    experts op, both ops stay (the experts op marked), and the graph's outputs are the unfused graph's."""
+    gm = _unmarked_graph(monkeypatch, seed=2)
+    routers = _op_nodes([gm], torch.ops.uniep.moe_router.default)
+    _add_output(gm, routers[0], {"logits": 0, "weights": 1}[read])
+    gm.recompile()
+    with torch.no_grad():
+        expected = gm(*gm.meta["test_inputs"])
+    assert mark_inference(gm) == 2
+    with torch.no_grad():
+        got = gm(*gm.meta["test_inputs"])
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert len(_blocks([gm])) == 1
+    assert len(_op_nodes([gm], torch.ops.uniep.moe_router.default)) == 1
+    left = _op_nodes([gm], torch.ops.uniep.moe_experts.default)
+    assert len(left) == 1 and decode_spec(left[0].args[8]).inference
 
 
 def test_ops_past_the_graphs_slot_limit_keep_the_routers_plan(monkeypatch):
@@ -163,15 +211,15 @@ class _FakeGraph:
     capturing = None
 
     def capture_begin(self, capture_error_mode="global"):
-        _FakeGraph.capturing, self.call = self, None
+        _FakeGraph.capturing, self.calls = self, []
 
     def capture_end(self):
         _FakeGraph.capturing = None
 
-    def replay(self):
-        args, kwargs, outputs = self.call
-        for static, value in zip(outputs, _stand_in_kernels(*args, **kwargs)):
-            static.copy_(value)
+    def replay(self):  # each recorded call again, in order, into its recorded outputs (a later one reads them)
+        for fn, args, kwargs, outputs in self.calls:
+            for static, value in zip(outputs, fn(*args, **kwargs)):
+                static.copy_(value)
 
 
 def _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec, plan=None, config=None):
@@ -184,23 +232,33 @@ def _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec, pl
             hidden.new_zeros(rows, w_up.shape[1]), hidden.new_zeros(rows, hidden.shape[1]))
 
 
+def _stand_in_router(hidden, weight, bias, score_bias, spec):
+    """(logits, weights, ids): a deterministic function of the hidden states and the router weight."""
+    logits = hidden @ weight.t()
+    weights, ids = logits.softmax(-1).topk(spec.top_k, dim=-1)
+    return logits, weights, ids
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """op_graphs with fake CUDA graphs and streams, a clean state, and the stand-in kernels; yields a setter of the
     current stream's id and a switch that makes the next capture raise."""
-    from uniep_dynamo.kernels import megakernel
+    from uniep_dynamo.kernels import megakernel, triton_router
 
     state = {"stream": 0, "fail": False}
 
-    def experts_forward(*args, **kwargs):
-        if state["fail"] and _FakeGraph.capturing is not None:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        outputs = _stand_in_kernels(*args, **kwargs)
-        if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.call = (args, kwargs, outputs)
-        return outputs
+    def recorded(fn):
+        def call(*args, **kwargs):
+            if state["fail"] and _FakeGraph.capturing is not None:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            outputs = fn(*args, **kwargs)
+            if _FakeGraph.capturing is not None:
+                _FakeGraph.capturing.calls.append((fn, args, kwargs, outputs))
+            return outputs
+        return call
 
-    monkeypatch.setattr(megakernel, "experts_forward", experts_forward)
+    monkeypatch.setattr(megakernel, "experts_forward", recorded(_stand_in_kernels))
+    monkeypatch.setattr(triton_router, "router_forward", recorded(_stand_in_router))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(99))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream(state["stream"]))
@@ -249,7 +307,7 @@ def test_a_kind_of_call_runs_once_then_is_captured_then_replays_new_inputs(fake_
         assert got[0].data_ptr() != op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].outputs[0].data_ptr()
     assert op_graphs.counts["captured"] == 1 and len(op_graphs._GRAPHS) == 1
     entry = next(iter(op_graphs._GRAPHS.values()))
-    assert entry.graph.call[1]["config"] is cfg  # the capture ran with its key's config, not a lookup of its own
+    assert entry.graph.calls[-1][2]["config"] is cfg  # the capture ran with its key's config, not a lookup of its own
 
 
 def test_the_routers_plan_is_copied_in_with_the_activations(fake_cuda):
@@ -394,3 +452,94 @@ def test_the_memory_estimate_counts_the_pools_segments():
     assert op_graphs._pool_bytes([1000, 1 << 20]) == 2 << 20  # small buffers: the pool's one 2 MiB segment
     assert op_graphs._pool_bytes([3 << 20]) == (2 << 20) + (20 << 20)
     assert op_graphs._pool_bytes([(30 << 20) + 1]) == (2 << 20) + (32 << 20)
+
+
+# -- uniep.moe_block: router and experts in one graph (op_graphs.block_forward) ------------------------------------------
+
+def _block_case(seed, T=6, H=8, E=4, K=2, shared=True, router_weight=None):
+    """The block's arguments (before the config and eager) and the output the stand-ins give for them. Not
+    ``shared``: the router reads other hidden states than the experts (other values, so that a graph that mixed
+    them up would be seen)."""
+    from uniep_dynamo.spec import RouterSpec
+
+    (hidden, _, _, w_up, w_down, b_up, b_down, spec), cfg = _case(seed, T, H, E, K)
+    _WEIGHTS.setdefault("router", torch.randn(E, H, generator=torch.Generator().manual_seed(99)))
+    router_weight = router_weight if router_weight is not None else _WEIGHTS["router"]
+    router_hidden = hidden if shared else hidden.flip(0) * 2
+    rspec = RouterSpec("softmax_topk", E, K)
+    _, weights, ids = _stand_in_router(router_hidden, router_weight, None, None, rspec)
+    expected = _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec)[0]
+    return (router_hidden, router_weight, None, None, rspec, hidden, w_up, w_down, b_up, b_down, spec), cfg, expected
+
+
+def _block(args, cfg, fused=True, eager_calls=None):
+    def eager(config):
+        assert config is cfg
+        if eager_calls is not None:
+            eager_calls.append(1)
+        rh, rw, rb, sb, rspec, hidden, w_up, w_down, b_up, b_down, spec = args
+        _, weights, ids = _stand_in_router(rh, rw, rb, sb, rspec)
+        return _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec)[0], fused
+
+    return op_graphs._block_from_graph(*args, cfg, eager)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one_hidden", "two_hiddens"])
+def test_a_block_runs_once_then_is_captured_then_replays_router_and_experts(fake_cuda, shared):
+    """The block's first call of a kind runs eager; the second captures router and experts into one graph; every
+    later call replays it on its own inputs: the router's hidden states copied in (once where the experts read the
+    same memory), the routing computed again inside the graph, and the output the two ops' on those inputs."""
+    eager_calls = []
+    for seed in range(4):
+        args, cfg, expected = _block_case(seed, shared=shared)
+        assert torch.equal(_block(args, cfg, eager_calls=eager_calls), expected)
+    assert len(eager_calls) == 1 and op_graphs.counts["captured"] == 1 and op_graphs.counts["replayed"] == 3
+    (entry,) = op_graphs._GRAPHS.values()
+    assert len(entry.inputs) == (1 if shared else 2)
+    assert [fn for fn, *_ in entry.graph.calls] == [_stand_in_router, _stand_in_kernels]
+
+
+def test_a_block_whose_kernels_are_not_the_fused_ones_takes_no_graph(fake_cuda):
+    """A block whose eager run reports the reference path (an unfused router or experts call) is refused a graph:
+    its later calls run eager too."""
+    eager_calls = []
+    for seed in range(3):
+        args, cfg, expected = _block_case(seed)
+        assert torch.equal(_block(args, cfg, fused=False, eager_calls=eager_calls), expected)
+    assert len(eager_calls) == 3 and op_graphs.counts["captured"] == 0 and not op_graphs._GRAPHS
+
+
+def test_a_router_weight_at_another_address_is_another_block_graph(fake_cuda):
+    args, cfg, _ = _block_case(0)
+    moved = args[1].clone()
+    for weight in (args[1], moved):
+        for seed in range(3):
+            a, _, expected = _block_case(seed, router_weight=weight)
+            assert torch.equal(_block(a, cfg), expected)
+    assert op_graphs.counts["captured"] == 2
+
+
+def test_the_block_op_gives_the_two_ops_bits_and_refuses_a_backward():
+    """uniep::moe_block called directly (CPU: the reference paths) returns the experts op's output on the router op's
+    routing, bit for bit, for one hidden tensor or two; recorded for a backward, it raises."""
+    from uniep_dynamo.kernels.gate_program import SILU_GLU_EXPR, encode
+    from uniep_dynamo.spec import ExpertsSpec, RouterSpec
+
+    g = torch.Generator().manual_seed(8)
+    T, H, I, E, K = 5, 16, 8, 4, 2
+    hidden = torch.randn(T, H, generator=g)
+    router_w = torch.randn(E, H, generator=g)
+    w_up, w_down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    rspec = RouterSpec("softmax_topk", E, K, renorm=True).encode()
+    spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), torch.float32, inference=True).encode()
+    plain = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), torch.float32).encode()
+    for router_hidden in (hidden, hidden * 0.5):
+        with torch.no_grad():
+            _, weights, ids = torch.ops.uniep.moe_router(router_hidden, router_w, None, None, rspec)[:3]
+            expected = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain)[0]
+            got = torch.ops.uniep.moe_block(router_hidden, router_w, None, None, rspec, hidden, w_up, w_down, None,
+                                            None, spec)
+        assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="has none of"):
+        torch.ops.uniep.moe_block(hidden, router_w.requires_grad_(), None, None, rspec, hidden, w_up, w_down, None,
+                                  None, spec)

@@ -338,8 +338,10 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
                         f"{op_graphs.MAX_SLOTS} routed slots replay the op's CUDA graph")
         ids = gu.tensor_meta(node.args[1])
         slots = ids.numel() if ids is not None else None
-        if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
-            _unshare_plan(gm, node)
+        if isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
+            if node.kwargs.get("plan_row_order") is not None:
+                _unshare_plan(gm, node)
+            _fuse_block(gm, node)
     if marked:
         gm.graph.lint()
         gm.recompile()
@@ -365,6 +367,55 @@ def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
         spec = dataclasses.replace(decode_router_spec(router.args[4]), plan=False)
         router.args = router.args[:4] + (spec.encode(),)
         _note_in_report(gm, router, "moe_router", spec.describe())
+
+
+def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> bool:
+    """A marked experts op whose top-k ids and weights come from a router op that nothing else reads, and the router
+    op, become one uniep.moe_block (ops.moe_block: one call where there were two, and for a decode-sized call one
+    CUDA graph of both). Proven from the graph: the router's outputs 1 and 2 are read by this op alone, as its
+    weights and ids, its other outputs by nothing; the experts op takes no plan and no post operands. Returns
+    whether it fused them."""
+    from .kernels import op_graphs
+    from .spec import decode_router_spec
+
+    ids, weights = experts.args[1], experts.args[2]
+    if experts.kwargs or experts.args[7] or not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem
+                                                    for a in (ids, weights)):
+        return False
+    router = ids.args[0]
+    if router.target is not torch.ops.uniep.moe_router.default or weights.args[0] is not router \
+            or ids.args[1] != 2 or weights.args[1] != 1:
+        return False
+    for user in router.users:
+        if user.target is not operator.getitem:
+            return False
+        if user in (ids, weights):
+            if set(user.users) != {experts}:
+                return False
+        elif user.users:
+            return False
+    outputs = [u for u in experts.users if u.args[1] == 0]
+    rspec = dataclasses.replace(decode_router_spec(router.args[4]), plan=False)
+    with gm.graph.inserting_before(experts):
+        block = gm.graph.call_function(torch.ops.uniep.moe_block.default, tuple(router.args[:4]) + (
+            rspec.encode(), experts.args[0]) + tuple(experts.args[3:7]) + (experts.args[8],))
+    if outputs:
+        block.meta.update(outputs[0].meta)
+    for out in outputs:
+        out.replace_all_uses_with(block)
+    erased = outputs + [experts] + list(router.users) + [router]
+    for node in erased:
+        gm.graph.erase_node(node)
+    names = {n.name for n in erased}
+    record = gm.meta.get("uniep_record")
+    for rewrite in record.rewrites if record is not None else ():
+        if not rewrite.graph and (experts.name in rewrite.added or router.name in rewrite.added):
+            rewrite.added = [n for n in rewrite.added if n not in names] + [block.name]
+            router_side = rewrite.op == "moe_router"
+            rewrite.spec = (rspec.describe() if router_side else decode_spec(experts.args[8]).describe()) + \
+                f"; one uniep.moe_block with the {'experts it routes to' if router_side else 'router'}: on CUDA, " \
+                f"calls of at most {op_graphs.MAX_SLOTS} routed slots replay one CUDA graph of both"
+    return True
 
 
 def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec: str) -> None:

@@ -298,7 +298,10 @@ _ROUTER_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor? bias, Tensor? score_bi
 @torch.library.custom_op("uniep::moe_router", mutates_args=(), schema=_ROUTER_SCHEMA)
 @autocast_off
 def moe_router(hidden, weight, bias, score_bias, spec):
-    s = decode_router_spec(spec)
+    return _router_forward(hidden, weight, bias, score_bias, decode_router_spec(spec))
+
+
+def _router_forward(hidden, weight, bias, score_bias, s):
     if megakernel.use_fused_router(hidden, weight, bias, s):
         from .kernels import triton_router
         return triton_router.router_forward(hidden, weight, bias, score_bias, s)
@@ -363,3 +366,48 @@ def _router_backward(ctx, grad_logits, grad_weights, _grad_ids, *_grad_plan):
 
 
 moe_router.register_autograd(_router_backward, setup_context=_router_setup_context)
+
+
+# -- router and experts in one op, for inference ------------------------------------------------------
+# ``uniep::moe_block`` is a router op whose top-k ids and weights only the experts op after it reads, and that
+# experts op, in a graph that takes no gradient (backend.fuse_inference_blocks): one call where there were two, and
+# for a decode-sized call one CUDA graph of both (kernels/op_graphs.block_forward). It returns the experts op's
+# first output, computed by the same kernels, so with the same bits as the two ops.
+
+_BLOCK_SCHEMA = ("(Tensor router_hidden, Tensor router_weight, Tensor? router_bias, Tensor? score_bias, "
+                 "str router_spec, Tensor hidden, Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, "
+                 "str spec) -> Tensor")
+
+
+@torch.library.custom_op("uniep::moe_block", mutates_args=(), schema=_BLOCK_SCHEMA)
+@autocast_off
+def moe_block(router_hidden, router_weight, router_bias, score_bias, router_spec, hidden, w_up, w_down, b_up, b_down,
+              spec):
+    rs, s = decode_router_spec(router_spec), decode_spec(spec)
+
+    def eager(cfg):
+        _, weights, ids = _router_forward(router_hidden, router_weight, router_bias, score_bias, rs)[:3]
+        if megakernel.use_megakernel(hidden, ids, w_up, w_down, b_up, b_down, [], s):
+            out = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, s, config=cfg)[0]
+            return out, megakernel.use_fused_router(router_hidden, router_weight, router_bias, rs)
+        return reference.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, [], s)[0], False
+
+    return op_graphs.block_forward(router_hidden, router_weight, router_bias, score_bias, rs, hidden, w_up, w_down,
+                                   b_up, b_down, s, eager)
+
+
+@moe_block.register_fake
+def _moe_block_fake(router_hidden, router_weight, router_bias, score_bias, router_spec, hidden, w_up, w_down, b_up,
+                    b_down, spec):
+    s = decode_spec(spec)
+    hidden_size = w_down.shape[1] if s.down_layout == "oi" else w_down.shape[2]
+    return hidden.new_empty(hidden.shape[0], hidden_size, dtype=s.out_dtype)
+
+
+def _block_setup_context(ctx, inputs, output):
+    raise RuntimeError("uniep: a uniep.moe_block op (router and experts fused for a graph that takes no gradient) is "
+                       "being recorded for a backward, which it has none of. Please report the graph; compiling it "
+                       "with gradients enabled avoids this.")
+
+
+moe_block.register_autograd(lambda ctx, grad: None, setup_context=_block_setup_context)

@@ -20,6 +20,7 @@ from .patterns import graph_utils as gu
 from .patterns.bodies import walk
 
 UNIEP_OPS = ("moe_experts", "moe_experts_backward", "moe_experts_backward_combine", "moe_router", "moe_router_backward",
+             "moe_block",  # a router and an experts rewrite in one op (a graph that takes no gradient)
              "ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward", "ep_exchange",
              "ep_exchange_backward_send", "ep_exchange_backward", "ep_layer", "ep_layer_backward")
 _A2A = ("all_to_all", "this all-to-all runs in the inner backend: uniep fuses the token all-to-alls only where one "
@@ -125,7 +126,7 @@ class GraphRecord:
                 [taker + suffix for taker in ("ep_exchange", "ep_layer") if rewrites(taker, bool(suffix))]
             taken = sum(rewrites(name.removesuffix("_backward"), bool(suffix)) for name in inside)
             within = sum(ops.get(name, 0) for name in inside)
-            held = ops.get(op, 0) + min(taken, within)
+            held = ops.get(op, 0) + min(taken, within) + (ops.get("moe_block", 0) if kind == "forward" else 0)
             if held < count:
                 also = f" and {within} uniep.{' / '.join(inside)}" if taken else ""
                 gaps.append(f"{kind} graph holds {ops.get(op, 0)} uniep.{op}{also} for {count} rewrites"

@@ -5,6 +5,8 @@ for the host until the op's first launch). Median µs a call over --calls calls,
   op               torch.ops.uniep.moe_experts (the dispatcher, the custom op's checks, the implementation)
   op_inference     the op marked as an inference graph marks it: at most op_graphs.MAX_SLOTS slots replay its CUDA
                    graph (kernels/op_graphs.py)
+  block_inference  torch.ops.uniep.moe_block: the router op (below, without its plan) and the marked experts op in one
+                   op, as an inference graph fuses them (backend._fuse_block); small calls replay one CUDA graph
   impl             the op's Python implementation called directly
   experts_forward  megakernel.experts_forward
   use_megakernel   the checks that pick the fused kernels
@@ -118,6 +120,7 @@ def main():
     router_text = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=dtype, plan=True).encode()
     router_spec = decode_router_spec(router_text)
     router_impl = getattr(ops.moe_router, "_init_fn", None)
+    block_router_text = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=dtype).encode()
     layer = megakernel.Layer(x, ids, w_up, w_down, spec)
     plan = triton_routing.routing_plan(ids, E, False)
     row_order, slot_row, offsets = plan
@@ -142,6 +145,8 @@ def main():
     pieces = {
         "op": lambda: torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text),
         "op_inference": lambda: torch.ops.uniep.moe_experts(x, ids, w, w_up, w_down, None, None, [], text_inference),
+        "block_inference": lambda: torch.ops.uniep.moe_block(x, router_weight, None, None, block_router_text, x, w_up,
+                                                             w_down, None, None, text_inference),
         "experts_forward": lambda: megakernel.experts_forward(x, ids, w, w_up, w_down, None, None, spec),
         "use_megakernel": lambda: megakernel.use_megakernel(x, ids, w_up, w_down, None, None, [], spec),
         "layer": lambda: megakernel.Layer(x, ids, w_up, w_down, spec),
@@ -184,7 +189,7 @@ def main():
             m.launch = real_launch
     print(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(0), "us": results}, indent=1))
     if args.cprofile:
-        for name in ("op", "op_inference", "router"):
+        for name in ("op", "op_inference", "block_inference", "router"):
             python_profile(pieces[name], name, args.cprofile)
     with open(args.out, "w") as f:
         json.dump({"shape": args.shape, "us": results}, f, indent=1)
