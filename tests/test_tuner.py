@@ -212,3 +212,20 @@ def test_another_process_write_is_read_once_the_stat_interval_has_passed(monkeyp
     assert tuner.cached_config("NVIDIA H200", "b") == _tuned()
     tuner.store_entries("NVIDIA H200", {"c": entry})
     assert tuner.cached_config("NVIDIA H200", "c") == _tuned()
+
+
+def test_the_cache_directory_follows_its_variables(monkeypatch, tmp_path):
+    """cache_dir builds its path once per combination of UNIEP_CACHE_DIR, XDG_CACHE_HOME and HOME, and reads them on
+    every call: a change of any is seen at once."""
+    monkeypatch.delenv("UNIEP_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuning_cache.cache_dir() == str(tmp_path / "home" / ".cache" / "uniep")
+    monkeypatch.setenv("HOME", str(tmp_path / "other"))
+    assert tuning_cache.cache_dir() == str(tmp_path / "other" / ".cache" / "uniep")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning_cache.cache_dir() == str(tmp_path / "xdg" / "uniep")
+    monkeypatch.setenv("UNIEP_CACHE_DIR", str(tmp_path / "mine"))
+    assert tuning_cache.cache_dir() == str(tmp_path / "mine")
+    monkeypatch.delenv("UNIEP_CACHE_DIR")
+    assert tuning_cache.cache_dir() == str(tmp_path / "xdg" / "uniep")
