@@ -264,7 +264,8 @@ def test_op_graphs_take_the_router_ops_plan():
 def test_moe_block_replays_give_the_router_and_experts_ops_bits(mode):
     """uniep::moe_block (router and experts fused for inference, backend._fuse_block) from one CUDA graph of both:
     call after call, on new hidden states, the bits of the router op followed by the unmarked experts op, with the
-    experts reading the router's tensor (one copy in) or another; more routed slots than MAX_SLOTS take no graph."""
+    experts reading the router's tensor (one copy in) or another, and with a router that builds the routing plan the
+    experts take; more routed slots than MAX_SLOTS take no graph."""
     from uniep_dynamo.kernels import op_graphs
     from uniep_dynamo.spec import RouterSpec
 
@@ -276,12 +277,15 @@ def test_moe_block_replays_give_the_router_and_experts_ops_bits(mode):
     context = torch.no_grad if mode == "no_grad" else torch.inference_mode
     start = dict(op_graphs.counts)
 
-    def check(T, shared=True):
+    planned = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=torch.bfloat16, plan=True).encode()
+
+    def check(T, shared=True, router=router):
         hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
         router_hidden = hidden if shared else torch.randn(T, H, device="cuda", generator=g).bfloat16()
         with context():
-            _, weights, ids = torch.ops.uniep.moe_router(router_hidden, router_w, None, None, router)[:3]
-            ref = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain)[0]
+            _, weights, ids, *plan = torch.ops.uniep.moe_router(router_hidden, router_w, None, None, router)
+            given = dict(zip(("plan_row_order", "plan_slot_row", "plan_offsets"), plan)) if router == planned else {}
+            ref = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain, **given)[0]
             got = torch.ops.uniep.moe_block(router_hidden, router_w, None, None, router, hidden, w_up, w_down, None,
                                             None, marked)
         assert torch.equal(got, ref)
@@ -296,6 +300,9 @@ def test_moe_block_replays_give_the_router_and_experts_ops_bits(mode):
     check(op_graphs.MAX_SLOTS // K + 1)
     check(op_graphs.MAX_SLOTS // K + 1)
     assert op_graphs.counts["captured"] - start["captured"] == 2 and op_graphs.counts["failed"] == start["failed"]
+    for T in (8, 8, 8, 2000, 2000):  # a router that builds the plan (share_routing_plan) in and out of a graph
+        check(T, router=planned)
+    assert op_graphs.counts["captured"] - start["captured"] == 3 and op_graphs.counts["failed"] == start["failed"]
 
 
 def test_generate_with_a_compiled_forward_replays_op_graphs_with_the_same_tokens():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import operator
 
 import pytest
@@ -15,7 +14,7 @@ from uniep_dynamo.kernels import op_graphs
 from uniep_dynamo.spec import decode_router_spec, decode_spec
 
 
-def _compiled(model):
+def _compiled(model, **compile_kwargs):
     graphs = []
 
     def keep(gm, example_inputs):
@@ -23,7 +22,7 @@ def _compiled(model):
         graphs.append(gm)
         return gm.forward
 
-    return torch.compile(model, backend="uniep", options={"inner_backend": keep}), graphs
+    return torch.compile(model, backend="uniep", options={"inner_backend": keep}, **compile_kwargs), graphs
 
 
 def _op_nodes(graphs, op):
@@ -128,7 +127,7 @@ def test_a_router_op_read_by_another_node_is_not_fused(monkeypatch, read):
 
 def test_ops_past_the_graphs_slot_limit_keep_the_routers_plan(monkeypatch):
     """A marked op with more routed slots than op_graphs.MAX_SLOTS (served without a graph) keeps the plan the router
-    op builds in its select pass."""
+    op builds in its select pass: fused with its router, the block's router builds it and its experts take it."""
     torch._dynamo.reset()
     monkeypatch.setattr(op_graphs, "MAX_SLOTS", 8)
     model = build_model("qwen3_moe")
@@ -137,9 +136,25 @@ def test_ops_past_the_graphs_slot_limit_keep_the_routers_plan(monkeypatch):
     compiled, graphs = _compiled(model)
     with torch.no_grad():
         logits = compiled(ids).logits
-    calls = _op_nodes(graphs, torch.ops.uniep.moe_experts.default)
-    assert calls and all(decode_spec(n.args[8]).inference and "plan_row_order" in n.kwargs for n in calls)
+    blocks = _blocks(graphs)
+    assert len(blocks) == 2 and not _op_nodes(graphs, torch.ops.uniep.moe_experts.default)
+    assert all(decode_spec(n.args[10]).inference and decode_router_spec(n.args[4]).plan for n in blocks)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_under_dynamic_shapes_keeps_the_routers_plan():
+    """Under dynamic=True the slot count is symbolic: the block's router builds the plan (as the two ops shared it),
+    and two token counts through the one graph give eager's outputs."""
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    compiled, graphs = _compiled(model, dynamic=True)
+    for length in (5, 9):
+        ids = torch.randint(0, 96, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    blocks = _blocks(graphs)
+    assert len(graphs) == 1 and len(blocks) == 2
+    assert all(decode_router_spec(n.args[4]).plan for n in blocks)
 
 
 def test_the_spec_flag_round_trips_and_leaves_old_specs_alone():
@@ -533,11 +548,14 @@ def test_the_block_op_gives_the_two_ops_bits_and_refuses_a_backward():
     rspec = RouterSpec("softmax_topk", E, K, renorm=True).encode()
     spec = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), torch.float32, inference=True).encode()
     plain = ExpertsSpec("oi", "oi", encode("chunk", SILU_GLU_EXPR), torch.float32).encode()
-    for router_hidden in (hidden, hidden * 0.5):
+    planned = RouterSpec("softmax_topk", E, K, renorm=True, plan=True).encode()
+    for router_hidden, router in ((hidden, rspec), (hidden * 0.5, rspec), (hidden, planned)):
         with torch.no_grad():
-            _, weights, ids = torch.ops.uniep.moe_router(router_hidden, router_w, None, None, rspec)[:3]
-            expected = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain)[0]
-            got = torch.ops.uniep.moe_block(router_hidden, router_w, None, None, rspec, hidden, w_up, w_down, None,
+            _, weights, ids, *plan = torch.ops.uniep.moe_router(router_hidden, router_w, None, None, router)
+            given = dict(zip(("plan_row_order", "plan_slot_row", "plan_offsets"), plan)) if router == planned else {}
+            expected = torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], plain,
+                                                   **given)[0]
+            got = torch.ops.uniep.moe_block(router_hidden, router_w, None, None, router, hidden, w_up, w_down, None,
                                             None, spec)
         assert torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="has none of"):

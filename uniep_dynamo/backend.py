@@ -319,7 +319,8 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
     A marked op whose routed slots are at most op_graphs.MAX_SLOTS in the traced graph (a decode step's static shape)
     computes its routing plan itself, inside that CUDA graph, instead of taking the router op's (share_routing_plan):
     the router then issues no plan launch and the graph copies in no plan. The plan is the same either way (the same
-    ids, the same deterministic plan), so are the bits."""
+    ids, the same deterministic plan), so are the bits. A marked op whose router op feeds it alone becomes one
+    uniep.moe_block with it, at every size (_fuse_block)."""
     from .kernels import op_graphs
     from .patterns import graph_utils as gu
 
@@ -338,10 +339,9 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
                         f"{op_graphs.MAX_SLOTS} routed slots replay the op's CUDA graph")
         ids = gu.tensor_meta(node.args[1])
         slots = ids.numel() if ids is not None else None
-        if isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
-            if node.kwargs.get("plan_row_order") is not None:
-                _unshare_plan(gm, node)
-            _fuse_block(gm, node)
+        if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
+            _unshare_plan(gm, node)
+        _fuse_block(gm, node)
     if marked:
         gm.graph.lint()
         gm.recompile()
@@ -373,29 +373,34 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> bool:
     """A marked experts op whose top-k ids and weights come from a router op that nothing else reads, and the router
     op, become one uniep.moe_block (ops.moe_block: one call where there were two, and for a decode-sized call one
     CUDA graph of both). Proven from the graph: the router's outputs 1 and 2 are read by this op alone, as its
-    weights and ids, its other outputs by nothing; the experts op takes no plan and no post operands. Returns
-    whether it fused them."""
+    weights and ids, and its plan (3-5) by this op alone as its plan (share_routing_plan: the block's router then
+    builds it and its experts take it) or by nothing; its logits (0) by nothing; the experts op takes no post
+    operands. Returns whether it fused them."""
     from .kernels import op_graphs
     from .spec import decode_router_spec
 
     ids, weights = experts.args[1], experts.args[2]
-    if experts.kwargs or experts.args[7] or not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem
-                                                    for a in (ids, weights)):
+    plan = [experts.kwargs.get(k) for k in ("plan_row_order", "plan_slot_row", "plan_offsets")]
+    shared = plan[0] is not None
+    if experts.args[7] or set(experts.kwargs) - {"plan_row_order", "plan_slot_row", "plan_offsets"} or \
+            not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem
+                    for a in (ids, weights) + (tuple(plan) if shared else ())):
         return False
     router = ids.args[0]
-    if router.target is not torch.ops.uniep.moe_router.default or weights.args[0] is not router \
-            or ids.args[1] != 2 or weights.args[1] != 1:
+    wanted = {ids: 2, weights: 1} | ({p: 3 + i for i, p in enumerate(plan)} if shared else {})
+    if router.target is not torch.ops.uniep.moe_router.default or \
+            any(n.args[0] is not router or n.args[1] != i for n, i in wanted.items()):
         return False
     for user in router.users:
         if user.target is not operator.getitem:
             return False
-        if user in (ids, weights):
+        if user in wanted:
             if set(user.users) != {experts}:
                 return False
         elif user.users:
             return False
     outputs = [u for u in experts.users if u.args[1] == 0]
-    rspec = dataclasses.replace(decode_router_spec(router.args[4]), plan=False)
+    rspec = dataclasses.replace(decode_router_spec(router.args[4]), plan=shared)
     with gm.graph.inserting_before(experts):
         block = gm.graph.call_function(torch.ops.uniep.moe_block.default, tuple(router.args[:4]) + (
             rspec.encode(), experts.args[0]) + tuple(experts.args[3:7]) + (experts.args[8],))

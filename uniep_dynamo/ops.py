@@ -369,10 +369,11 @@ moe_router.register_autograd(_router_backward, setup_context=_router_setup_conte
 
 
 # -- router and experts in one op, for inference ------------------------------------------------------
-# ``uniep::moe_block`` is a router op whose top-k ids and weights only the experts op after it reads, and that
-# experts op, in a graph that takes no gradient (backend.fuse_inference_blocks): one call where there were two, and
-# for a decode-sized call one CUDA graph of both (kernels/op_graphs.block_forward). It returns the experts op's
-# first output, computed by the same kernels, so with the same bits as the two ops.
+# ``uniep::moe_block`` is a router op whose top-k ids and weights (and routing plan, where it builds one) only the
+# experts op after it reads, and that experts op, in a graph that takes no gradient (backend._fuse_block): one call
+# where there were two, and for a decode-sized call one CUDA graph of both (kernels/op_graphs.block_forward). It
+# returns the experts op's first output, computed by the same kernels, so with the same bits as the two ops. A router
+# spec with ``plan`` builds the plan the experts then take (share_routing_plan), as the two ops did.
 
 _BLOCK_SCHEMA = ("(Tensor router_hidden, Tensor router_weight, Tensor? router_bias, Tensor? score_bias, "
                  "str router_spec, Tensor hidden, Tensor w_up, Tensor w_down, Tensor? b_up, Tensor? b_down, "
@@ -386,11 +387,14 @@ def moe_block(router_hidden, router_weight, router_bias, score_bias, router_spec
     rs, s = decode_router_spec(router_spec), decode_spec(spec)
 
     def eager(cfg):
-        _, weights, ids = _router_forward(router_hidden, router_weight, router_bias, score_bias, rs)[:3]
+        routed = _router_forward(router_hidden, router_weight, router_bias, score_bias, rs)
+        _, weights, ids = routed[:3]
+        plan = tuple(routed[3:6]) if rs.plan else None  # (share_routing_plan: the router built it)
         if megakernel.use_megakernel(hidden, ids, w_up, w_down, b_up, b_down, [], s):
-            out = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, s, config=cfg)[0]
+            out = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, s, plan=plan,
+                                             config=cfg)[0]
             return out, megakernel.use_fused_router(router_hidden, router_weight, router_bias, rs)
-        return reference.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, [], s)[0], False
+        return reference.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, [], s, plan=plan)[0], False
 
     return op_graphs.block_forward(router_hidden, router_weight, router_bias, score_bias, rs, hidden, w_up, w_down,
                                    b_up, b_down, s, eager)

@@ -175,9 +175,10 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
 
     def run(inputs):
         x = inputs[0].view(hidden.shape) if shared else inputs[1]
-        _, weights, ids = triton_router.router_forward(inputs[0], router_weight, router_bias, score_bias,
-                                                       router_spec)[:3]
-        return megakernel.experts_forward(x, ids, weights, w_up, w_down, b_up, b_down, spec, config=cfg)
+        routed = triton_router.router_forward(inputs[0], router_weight, router_bias, score_bias, router_spec)
+        _, weights, ids = routed[:3]
+        return megakernel.experts_forward(x, ids, weights, w_up, w_down, b_up, b_down, spec,
+                                          plan=tuple(routed[3:6]) if router_spec.plan else None, config=cfg)
 
     served = _serve(key, activations, run, router_hidden.shape[0] * router_spec.top_k, hidden.shape[1])
     if served is not None:
