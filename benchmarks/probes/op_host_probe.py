@@ -5,8 +5,9 @@ for the host until the op's first launch). Median µs a call over --calls calls,
   op               torch.ops.uniep.moe_experts (the dispatcher, the custom op's checks, the implementation)
   op_inference     the op marked as an inference graph marks it: at most op_graphs.MAX_SLOTS slots replay its CUDA
                    graph (kernels/op_graphs.py)
-  block_inference  torch.ops.uniep.moe_block: the router op (below, without its plan) and the marked experts op in one
-                   op, as an inference graph fuses them (backend._fuse_block); small calls replay one CUDA graph
+  block_inference  torch.ops.uniep.moe_block: the router op (below; its plan only past op_graphs.MAX_SLOTS slots) and
+                   the marked experts op in one op, as an inference graph fuses them (backend._fuse_block); calls of
+                   at most MAX_SLOTS slots replay one CUDA graph
   impl             the op's Python implementation called directly
   experts_forward  megakernel.experts_forward
   use_megakernel   the checks that pick the fused kernels
@@ -120,7 +121,10 @@ def main():
     router_text = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=dtype, plan=True).encode()
     router_spec = decode_router_spec(router_text)
     router_impl = getattr(ops.moe_router, "_init_fn", None)
-    block_router_text = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=dtype).encode()
+    from uniep_dynamo.kernels import op_graphs
+    # as the backend fuses it: past the graphs' slot limit the block's router builds the plan its experts take
+    block_router_text = RouterSpec("softmax_topk", E, K, renorm=True, weights_dtype=dtype,
+                                   plan=ids.numel() > op_graphs.MAX_SLOTS).encode()
     layer = megakernel.Layer(x, ids, w_up, w_down, spec)
     plan = triton_routing.routing_plan(ids, E, False)
     row_order, slot_row, offsets = plan
