@@ -561,3 +561,48 @@ def test_the_block_op_gives_the_two_ops_bits_and_refuses_a_backward():
     with pytest.raises(RuntimeError, match="has none of"):
         torch.ops.uniep.moe_block(hidden, router_w.requires_grad_(), None, None, rspec, hidden, w_up, w_down, None,
                                   None, spec)
+
+
+def test_a_write_between_router_and_experts_keeps_the_two_ops():
+    """The block runs the router where the experts op ran: where the graph writes in place between the two (here
+    the hidden states, scaled after routing), fusing would route on the scaled states, so the two ops stay, and the
+    output is eager's."""
+    import types
+
+    def forward(self, hidden_states):
+        b, s, d = hidden_states.shape
+        hs = hidden_states.view(-1, d)
+        _, weights, ids = self.gate(hs)
+        hs.mul_(3.0)
+        return self.experts(hs, ids, weights).reshape(b, s, d)
+
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(forward, layer.mlp)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(11))
+    compiled, graphs = _compiled(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = compiled(ids).logits
+    assert not _blocks(graphs) and len(_op_nodes(graphs, torch.ops.uniep.moe_router.default)) == 2
+    assert all(s.inference for s in _experts_specs(graphs))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_reports_after_view_is_the_graph_that_runs():
+    """Under no_grad the report's "after" view holds the blocks (not the router and experts ops they replaced), and
+    every node a rewrite names as added is in it."""
+    from uniep_dynamo.report import recording
+
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    with recording() as recorder, torch.no_grad():
+        torch.compile(model, backend="uniep", options={"inner_backend": "aot_eager"})(
+            torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(12)))
+    graph = recorder.to_dict()["graphs"][0]
+    after = {row["id"]: row["target"] for row in graph["after"]}
+    targets = list(after.values())
+    assert sum("moe_block" in t for t in targets) == 2
+    assert not any("moe_router" in t or "moe_experts" in t for t in targets)
+    assert all(name in after for r in graph["rewrites"] for name in r["added"])

@@ -345,6 +345,9 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
     if marked:
         gm.graph.lint()
         gm.recompile()
+        record = gm.meta.get("uniep_record")
+        if record is not None:  # the report's "after" is the graph that runs
+            record.after = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)]
     return marked
 
 
@@ -356,9 +359,12 @@ def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
     given = [experts.kwargs[k] for k in ("plan_row_order", "plan_slot_row", "plan_offsets")]
     experts.kwargs = {k: v for k, v in experts.kwargs.items() if not k.startswith("plan_")}
     routers = {g.args[0] for g in given if g.target is operator.getitem}
+    erased = set()
     for g in given:
         if not g.users and g.target is operator.getitem:
             gm.graph.erase_node(g)
+            erased.add(g.name)
+    _drop_from_report(gm, erased)
     for router in routers:
         if router.target is not torch.ops.uniep.moe_router.default:
             continue
@@ -399,6 +405,10 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> bool:
                 return False
         elif user.users:
             return False
+    # the block runs the router where the experts op ran: nothing in between may write what the router reads
+    nodes = list(gm.graph.nodes)
+    if any(_may_write(n) for n in nodes[nodes.index(router) + 1:nodes.index(experts)]):
+        return False
     outputs = [u for u in experts.users if u.args[1] == 0]
     rspec = dataclasses.replace(decode_router_spec(router.args[4]), plan=shared)
     with gm.graph.inserting_before(experts):
@@ -415,12 +425,34 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> bool:
     record = gm.meta.get("uniep_record")
     for rewrite in record.rewrites if record is not None else ():
         if not rewrite.graph and (experts.name in rewrite.added or router.name in rewrite.added):
-            rewrite.added = [n for n in rewrite.added if n not in names] + [block.name]
+            rewrite.added.append(block.name)
+    _drop_from_report(gm, names)
+    for rewrite in record.rewrites if record is not None else ():
+        if not rewrite.graph and block.name in rewrite.added:
             router_side = rewrite.op == "moe_router"
             rewrite.spec = (rspec.describe() if router_side else decode_spec(experts.args[8]).describe()) + \
                 f"; one uniep.moe_block with the {'experts it routes to' if router_side else 'router'}: on CUDA, " \
                 f"calls of at most {op_graphs.MAX_SLOTS} routed slots replay one CUDA graph of both"
     return True
+
+
+def _drop_from_report(gm: torch.fx.GraphModule, names: set) -> None:
+    """The report's rewrites of the top-level graph no longer name the nodes ``names`` (erased) as added."""
+    record = gm.meta.get("uniep_record")
+    for rewrite in record.rewrites if record is not None else ():
+        if not rewrite.graph:
+            rewrite.added = [n for n in rewrite.added if n not in names]
+
+
+def _may_write(node: torch.fx.Node) -> bool:
+    """Whether a node may change a tensor in place (conservatively: by its name, its schema or an ``out=``), or runs
+    a module."""
+    from .patterns.experts import _is_in_place
+
+    if node.op == "call_module":
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return _is_in_place(node) or (schema is not None and schema.is_mutable)
 
 
 def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec: str) -> None:
