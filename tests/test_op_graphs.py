@@ -606,3 +606,59 @@ def test_the_reports_after_view_is_the_graph_that_runs():
     assert sum("moe_block" in t for t in targets) == 2
     assert not any("moe_router" in t or "moe_experts" in t for t in targets)
     assert all(name in after for r in graph["rewrites"] for name in r["added"])
+
+
+def test_a_no_grad_function_compiled_and_called_with_grad_on_is_marked():
+    """A function decorated with torch.no_grad(), compiled and called with grad mode on: its graph switches grad mode
+    off and back (_set_grad_enabled nodes); what runs with it off is marked and fused, and the output is eager's."""
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(13))
+
+    @torch.no_grad()
+    def logits(i):
+        return model(i).logits
+
+    expected = logits(ids)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    got = torch.compile(logits, backend="uniep", options={"inner_backend": keep})(ids)
+    assert any(n.target is torch._C._set_grad_enabled for gm in graphs for n in gm.graph.nodes)
+    assert len(_blocks(graphs)) == 2
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_only_the_no_grad_region_of_a_graph_that_takes_gradients_is_marked():
+    """A graph that takes a gradient through one layer and runs another under torch.no_grad(): the ops of the no_grad
+    region become a block, those of the other layer stay ops that save their buffers, and the gradients are eager's
+    (with the aot_eager backend, which builds the backward)."""
+    torch._dynamo.reset()
+    model = build_model("qwen3_moe")
+    first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
+    x = torch.randn(2, 5, first.gate.weight.shape[1], generator=torch.Generator().manual_seed(14))
+
+    def f(x):
+        with torch.no_grad():
+            y = second(x)
+        return first(x + y)
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    expected = f(x)
+    expected_grad = torch.autograd.grad(expected.square().sum(), first.experts.gate_up_proj)[0]
+    got = torch.compile(f, backend="uniep", options={"inner_backend": keep})(x)
+    got_grad = torch.autograd.grad(got.square().sum(), first.experts.gate_up_proj)[0]
+    assert len(_blocks(graphs)) == 1
+    assert [s.inference for s in _experts_specs(graphs)] == [False]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-5)

@@ -311,10 +311,11 @@ def _lower_layers(gm, opts: UniepOptions, where: str, ep_matches: list, lowered:
     return made
 
 
-def mark_inference(gm: torch.fx.GraphModule) -> int:
-    """Mark the experts ops of a graph that takes no gradient (ExpertsSpec.inference) where the graph reads only
-    their first output: small calls may then replay a CUDA graph of the op's own (kernels/op_graphs.py), whose other
-    outputs hold no values. Returns how many were marked.
+def mark_inference(gm: torch.fx.GraphModule, nodes: set | None = None) -> int:
+    """Mark the experts ops of a graph that takes no gradient (ExpertsSpec.inference), or those among ``nodes`` (the
+    ones a graph runs with grad mode off: _no_grad_nodes), where the graph reads only their first output: small
+    calls may then replay a CUDA graph of the op's own (kernels/op_graphs.py), whose other outputs hold no values.
+    Returns how many were marked.
 
     A marked op whose routed slots are at most op_graphs.MAX_SLOTS in the traced graph (a decode step's static shape)
     computes its routing plan itself, inside that CUDA graph, instead of taking the router op's (share_routing_plan):
@@ -327,6 +328,8 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
     marked = 0
     for node in list(gm.graph.nodes):
         if node.target is not torch.ops.uniep.moe_experts.default or not isinstance(node.args[8], str):
+            continue
+        if nodes is not None and node not in nodes:  # (a node that may record a backward)
             continue
         if not all(user.target is operator.getitem and user.args[1] == 0 for user in node.users):
             continue
@@ -341,7 +344,7 @@ def mark_inference(gm: torch.fx.GraphModule) -> int:
         slots = ids.numel() if ids is not None else None
         if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
             _unshare_plan(gm, node)
-        _fuse_block(gm, node)
+        _fuse_block(gm, node, nodes)
     if marked:
         gm.graph.lint()
         gm.recompile()
@@ -375,13 +378,14 @@ def _unshare_plan(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> None:
         _note_in_report(gm, router, "moe_router", spec.describe())
 
 
-def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> bool:
+def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | None = None) -> bool:
     """A marked experts op whose top-k ids and weights come from a router op that nothing else reads, and the router
     op, become one uniep.moe_block (ops.moe_block: one call where there were two, and for a decode-sized call one
     CUDA graph of both). Proven from the graph: the router's outputs 1 and 2 are read by this op alone, as its
     weights and ids, and its plan (3-5) by this op alone as its plan (share_routing_plan: the block's router then
     builds it and its experts take it) or by nothing; its logits (0) by nothing; the experts op takes no post
-    operands. Returns whether it fused them."""
+    operands; nothing between the two writes in place; both are among ``nodes`` (where given: the nodes run with
+    grad mode off). Returns whether it fused them."""
     from .kernels import op_graphs
     from .spec import decode_router_spec
 
@@ -393,6 +397,8 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node) -> bool:
                     for a in (ids, weights) + (tuple(plan) if shared else ())):
         return False
     router = ids.args[0]
+    if nodes is not None and router not in nodes:  # (a router that may record a backward)
+        return False
     wanted = {ids: 2, weights: 1} | ({p: 3 + i for i, p in enumerate(plan)} if shared else {})
     if router.target is not torch.ops.uniep.moe_router.default or \
             any(n.args[0] is not router or n.args[1] != i for n, i in wanted.items()):
@@ -469,9 +475,32 @@ def _takes_no_gradient(gm, example_inputs) -> bool:
     AOTAutograd then builds a backward that reads the experts ops' saved outputs)."""
     if _needs_grad(gm, example_inputs):
         return False
-    return not any(node.op == "call_function" and node.target is torch._C._set_grad_enabled
-                   for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+    return not any(_is_grad_switch(node) for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
                    for node in module.graph.nodes)
+
+
+def _is_grad_switch(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch._C._set_grad_enabled
+
+
+def _no_grad_nodes(gm, example_inputs) -> set | None:
+    """The top-level nodes no backward can reach: all of them (None) where the graph takes no gradient; else, where
+    the graph switches grad mode with constants at its top level only (a ``torch.no_grad()`` region, or a function
+    decorated with it, compiled and called with grad on), the nodes it runs with grad mode off; else none."""
+    if _takes_no_gradient(gm, example_inputs):
+        return None
+    if any(_is_grad_switch(node) for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+           and module is not gm for node in module.graph.nodes):
+        return set()
+    found, enabled = set(), torch.is_grad_enabled()
+    for node in gm.graph.nodes:
+        if _is_grad_switch(node):
+            if not (len(node.args) == 1 and isinstance(node.args[0], bool)):
+                return set()
+            enabled = node.args[0]
+        elif not enabled:
+            found.add(node)
+    return found
 
 
 def _under_cuda_graphs(opts: UniepOptions, mode: str | None) -> bool:
@@ -600,8 +629,10 @@ def uniep_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     if not ddp.already_rewritten(gm):  # a DDPOptimizer piece of a graph rewritten whole (ddp.py)
         rewrite_graph(gm, opts, commit=False)
         keep_layers_whole(gm, opts)
-        if _takes_no_gradient(gm, example_inputs) and not _under_cuda_graphs(opts, mode):
-            mark_inference(gm)
+        if not _under_cuda_graphs(opts, mode):
+            inference = _no_grad_nodes(gm, example_inputs)
+            if inference is None or inference:
+                mark_inference(gm, inference)
     with capture.compiling(example_inputs):
         compiled = _inner_compile(gm, example_inputs, opts, mode)
     # Counted only now: Dynamo discards a graph whose compile raises and traces the frame again, e.g. under
