@@ -72,7 +72,7 @@ def _unmarked_graph(monkeypatch, seed=1):
     from uniep_dynamo import backend
 
     torch._dynamo.reset()
-    monkeypatch.setattr(backend, "mark_inference", lambda gm: 0)
+    monkeypatch.setattr(backend, "mark_inference", lambda gm, nodes=None: 0)
     model = build_model("qwen3_moe")
     compiled, graphs = _compiled(model)
     with torch.no_grad():
@@ -434,7 +434,7 @@ def test_graphs_under_inductors_cuda_graphs_are_not_marked(monkeypatch):
     patched = backend.UniepOptions.from_options({"inductor": {"triton.cudagraphs": True}})
     assert backend._under_cuda_graphs(patched, None)
     marked = []
-    monkeypatch.setattr(backend, "mark_inference", lambda gm: marked.append(gm) or 0)
+    monkeypatch.setattr(backend, "mark_inference", lambda gm, nodes=None: marked.append(gm) or 0)
     torch._dynamo.reset()
     model = build_model("qwen3_moe")
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(6))
