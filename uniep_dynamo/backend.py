@@ -412,8 +412,8 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | N
         elif user.users:
             return False
     # the block runs the router where the experts op ran: nothing in between may write what the router reads
-    nodes = list(gm.graph.nodes)
-    if any(_may_write(n) for n in nodes[nodes.index(router) + 1:nodes.index(experts)]):
+    order = list(gm.graph.nodes)
+    if any(_may_write(n) for n in order[order.index(router) + 1:order.index(experts)]):
         return False
     outputs = [u for u in experts.users if u.args[1] == 0]
     rspec = dataclasses.replace(decode_router_spec(router.args[4]), plan=shared)
@@ -458,7 +458,9 @@ def _may_write(node: torch.fx.Node) -> bool:
     if node.op == "call_module":
         return True
     schema = getattr(node.target, "_schema", None)
-    return _is_in_place(node) or (schema is not None and schema.is_mutable)
+    return _is_in_place(node) or (schema is not None and schema.is_mutable) or \
+        getattr(node.target, "__module__", None) == "_operator" and getattr(node.target, "__name__", "") in \
+        ("ipow", "imod", "ifloordiv", "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")
 
 
 def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec: str) -> None:
