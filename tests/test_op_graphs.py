@@ -635,7 +635,9 @@ def test_a_no_grad_function_compiled_and_called_with_grad_on_is_marked():
 def test_only_the_no_grad_region_of_a_graph_that_takes_gradients_is_marked():
     """A graph that takes a gradient through one layer and runs another under torch.no_grad(): the ops of the no_grad
     region become a block, those of the other layer stay ops that save their buffers, and the gradients are eager's
-    (with the aot_eager backend, which builds the backward)."""
+    (aot_eager builds the backward). The report says the region's rewrites take no backward op, and finds no gap."""
+    from uniep_dynamo.report import recording
+
     torch._dynamo.reset()
     model = build_model("qwen3_moe")
     first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
@@ -646,19 +648,16 @@ def test_only_the_no_grad_region_of_a_graph_that_takes_gradients_is_marked():
             y = second(x)
         return first(x + y)
 
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        from torch._dynamo.backends.common import aot_autograd
-        from functorch.compile import make_boxed_func
-        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
-
     expected = f(x)
     expected_grad = torch.autograd.grad(expected.square().sum(), first.experts.gate_up_proj)[0]
-    got = torch.compile(f, backend="uniep", options={"inner_backend": keep})(x)
-    got_grad = torch.autograd.grad(got.square().sum(), first.experts.gate_up_proj)[0]
-    assert len(_blocks(graphs)) == 1
-    assert [s.inference for s in _experts_specs(graphs)] == [False]
+    with recording() as recorder:
+        got = torch.compile(f, backend="uniep", options={"inner_backend": "aot_eager"})(x)
+        got_grad = torch.autograd.grad(got.square().sum(), first.experts.gate_up_proj)[0]
+    (record,) = recorder.graphs
+    assert record.aot_graphs["forward"] == {"moe_block": 1, "moe_router": 1, "moe_experts": 1}
+    assert record.aot_graphs["backward"]["moe_experts_backward"] == 1
+    assert sorted((r.op, r.needs_grad) for r in record.rewrites) == [
+        ("moe_experts", False), ("moe_experts", True), ("moe_router", False), ("moe_router", True)]
+    assert record.coverage_gaps() == []
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-5)

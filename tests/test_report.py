@@ -110,7 +110,7 @@ def test_frozen_layer_expects_no_backward_op():
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     report = uniep_dynamo.explain(model, input_ids=ids, labels=ids)
     assert "rewrote model.layers.0.mlp.experts: " in report.summary()
-    assert "(reads no tensor that requires grad: no backward op)" in report.summary().split(
+    assert "(reads no tensor that requires grad, or runs with grad mode off: no backward op)" in report.summary().split(
         "rewrote model.layers.0.mlp.experts: ")[1].splitlines()[0]
     (graph,) = json.loads(report.to_json())["graphs"]
     assert {r["module"]: r["needs_grad"] for r in graph["rewrites"]} == {

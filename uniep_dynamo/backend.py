@@ -344,6 +344,8 @@ def mark_inference(gm: torch.fx.GraphModule, nodes: set | None = None) -> int:
         slots = ids.numel() if ids is not None else None
         if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
             _unshare_plan(gm, node)
+        if nodes is not None:  # in a graph that has a backward, this op (and its router, if fused) gets no backward op
+            _no_backward_in_report(gm, node)
         _fuse_block(gm, node, nodes)
     if marked:
         gm.graph.lint()
@@ -415,6 +417,8 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | N
     order = list(gm.graph.nodes)
     if any(_may_write(n) for n in order[order.index(router) + 1:order.index(experts)]):
         return False
+    if nodes is not None:
+        _no_backward_in_report(gm, router)
     outputs = [u for u in experts.users if u.args[1] == 0]
     rspec = dataclasses.replace(decode_router_spec(router.args[4]), plan=shared)
     with gm.graph.inserting_before(experts):
@@ -440,6 +444,14 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | N
                 f"; one uniep.moe_block with the {'experts it routes to' if router_side else 'router'}: on CUDA, " \
                 f"calls of at most {op_graphs.MAX_SLOTS} routed slots replay one CUDA graph of both"
     return True
+
+
+def _no_backward_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """The report's rewrite that added ``node`` (while recording) takes no backward op (Rewrite.needs_grad)."""
+    record = gm.meta.get("uniep_record")
+    for rewrite in record.rewrites if record is not None else ():
+        if not rewrite.graph and node.name in rewrite.added:
+            rewrite.needs_grad = False
 
 
 def _drop_from_report(gm: torch.fx.GraphModule, names: set) -> None:

@@ -110,7 +110,8 @@ class Report:
                 what = f"router ({spelling})" if spelling in ROUTER_MODES else \
                     f"uniep.{op} ({spelling})" if op.startswith("ep_") else f"{spelling} spelling"
                 inside = f" in {body}" if body else ""
-                frozen = "" if needs_grad else " (reads no tensor that requires grad: no backward op)"
+                frozen = "" if needs_grad else \
+                    " (reads no tensor that requires grad, or runs with grad mode off: no backward op)"
                 lines.append(f"  rewrote {collapse_modules(modules)}{same}{inside}: {what}, "
                              f"-{removed}/+{added} nodes each [{spec}]{frozen}")
             if g["aot_graphs"] is not None:
