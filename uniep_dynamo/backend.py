@@ -465,12 +465,12 @@ def _drop_from_report(gm: torch.fx.GraphModule, names: set) -> None:
 def _may_write(node: torch.fx.Node) -> bool:
     """Whether a node may change a tensor in place (conservatively: by its name, its schema or an ``out=``), or runs
     a module."""
-    from .patterns.experts import _is_in_place
+    from .patterns import graph_utils as gu
 
     if node.op == "call_module":
         return True
     schema = getattr(node.target, "_schema", None)
-    return _is_in_place(node) or (schema is not None and schema.is_mutable) or \
+    return gu.is_in_place(node) or (schema is not None and schema.is_mutable) or \
         getattr(node.target, "__module__", None) == "_operator" and getattr(node.target, "__name__", "") in \
         ("ipow", "imod", "ifloordiv", "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")
 

@@ -226,10 +226,7 @@ _VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", 
              "getitem", "detach", "to", "float", "type_as")
 
 
-def _is_in_place(node: Node) -> bool:
-    name = gu.op_name(node) or ""
-    return name == "setitem" or (name.endswith("_") and not name.startswith("_")) or \
-        node.kwargs.get("out") is not None
+_is_in_place = gu.is_in_place
 
 
 def _require_no_writes_to_inputs(nodes: list, inputs: list) -> None:

@@ -57,6 +57,14 @@ class NotConstant(Exception):
     pass
 
 
+def is_in_place(node: Node) -> bool:
+    """Whether a node writes its first argument in place, by its name (``mul_``, ``operator.imul``, ``setitem``), or
+    a tensor given as ``out=``."""
+    name = op_name(node) or ""
+    return name == "setitem" or (name.endswith("_") and not name.startswith("_")) or \
+        node.kwargs.get("out") is not None
+
+
 def op_name(node: Node) -> str | None:
     if node.op == "call_method":
         name = node.target
