@@ -563,17 +563,23 @@ def test_the_block_op_gives_the_two_ops_bits_and_refuses_a_backward():
                                   None, spec)
 
 
-def test_a_write_between_router_and_experts_keeps_the_two_ops():
+_WRITES = {"method": lambda hs: hs.mul_(3.0), "aliased_name": lambda hs: hs.sigmoid_(),
+           "inplace_keyword": lambda hs: torch.nn.functional.silu(hs, inplace=True),
+           "foreach": lambda hs: torch._foreach_mul_([hs], 3.0), "operator": lambda hs: hs.__imul__(3.0)}
+
+
+@pytest.mark.parametrize("write", sorted(_WRITES))
+def test_a_write_between_router_and_experts_keeps_the_two_ops(write):
     """The block runs the router where the experts op ran: where the graph writes in place between the two (here
-    the hidden states, scaled after routing), fusing would route on the scaled states, so the two ops stay, and the
-    output is eager's."""
+    the hidden states, changed after routing, in each way a graph spells a write), fusing would route on the changed
+    states, so the two ops stay, and the output is eager's."""
     import types
 
     def forward(self, hidden_states):
         b, s, d = hidden_states.shape
         hs = hidden_states.view(-1, d)
         _, weights, ids = self.gate(hs)
-        hs.mul_(3.0)
+        _WRITES[write](hs)
         return self.experts(hs, ids, weights).reshape(b, s, d)
 
     torch._dynamo.reset()

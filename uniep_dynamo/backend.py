@@ -25,7 +25,7 @@ from .lowering import (lower_combine, lower_dispatch, lower_exchange, lower_expe
                        share_routing_plan)
 from .patterns import find_ep_regions, find_experts_regions, find_layers, find_router_regions
 from .patterns.bodies import walk
-from .patterns.graph_utils import module_path
+from .patterns.graph_utils import module_path, op_name
 
 log = logging.getLogger("uniep")
 
@@ -463,16 +463,32 @@ def _drop_from_report(gm: torch.fx.GraphModule, names: set) -> None:
 
 
 def _may_write(node: torch.fx.Node) -> bool:
-    """Whether a node may change a tensor in place (conservatively: by its name, its schema or an ``out=``), or runs
-    a module."""
-    from .patterns import graph_utils as gu
-
-    if node.op == "call_module":
+    """Whether a node may change a tensor in place, conservatively: a module call, a higher-order op (a user Triton
+    kernel, auto_functionalized), a name of an in-place method or function as written (``sigmoid_``,
+    ``_foreach_mul_``, ``operator.imul``, ``setitem``), ``inplace=True`` or ``out=``, an op whose schema (any
+    overload's, for a packet) mutates an argument, or a callable from outside torch and Python's operators."""
+    if node.op not in ("call_function", "call_method"):
+        return node.op == "call_module"
+    target = node.target
+    raw = target if isinstance(target, str) else getattr(target, "__name__", "") or ""
+    names = (raw.split(".")[-1], op_name(node) or "")
+    if any((n.endswith("_") and not n.endswith("__")) or n.strip("_") in _IN_PLACE_OPERATORS for n in names) or \
+            node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
-    schema = getattr(node.target, "_schema", None)
-    return gu.is_in_place(node) or (schema is not None and schema.is_mutable) or \
-        getattr(node.target, "__module__", None) == "_operator" and getattr(node.target, "__name__", "") in \
-        ("ipow", "imod", "ifloordiv", "iand", "ior", "ixor", "ilshift", "irshift", "imatmul")
+    if node.op == "call_method":
+        return False
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(getattr(target, name)._schema.is_mutable for name in target.overloads())
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    module = getattr(target, "__module__", None) or ""
+    return not (module == "_operator" or module.startswith("torch") or module == "builtins")
+
+
+_IN_PLACE_OPERATORS = ("setitem", "delitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod",
+                       "ipow", "ilshift", "irshift", "iand", "ixor", "ior", "iconcat")  # operator.x and __x__
 
 
 def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec: str) -> None:
