@@ -260,7 +260,7 @@ def fake_cuda(monkeypatch):
     current stream's id and a switch that makes the next capture raise."""
     from uniep_dynamo.kernels import megakernel, triton_router
 
-    state = {"stream": 0, "fail": False}
+    state = {"stream": 0, "fail": False, "unfused": False}
 
     def recorded(fn):
         def call(*args, **kwargs):
@@ -274,6 +274,9 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(megakernel, "experts_forward", recorded(_stand_in_kernels))
     monkeypatch.setattr(triton_router, "router_forward", recorded(_stand_in_router))
+    # the fused kernels' checks (a block's capture asks them again): they take every call unless told otherwise
+    monkeypatch.setattr(megakernel, "unsupported_reason", lambda *a: "unfused" if state["unfused"] else None)
+    monkeypatch.setattr(megakernel, "router_unsupported_reason", lambda *a: "unfused" if state["unfused"] else None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(99))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream(state["stream"]))
@@ -517,6 +520,7 @@ def test_a_block_runs_once_then_is_captured_then_replays_router_and_experts(fake
 def test_a_block_whose_kernels_are_not_the_fused_ones_takes_no_graph(fake_cuda):
     """A block whose eager run reports the reference path (an unfused router or experts call) is refused a graph:
     its later calls run eager too."""
+    fake_cuda["unfused"] = True
     eager_calls = []
     for seed in range(3):
         args, cfg, expected = _block_case(seed)
@@ -667,3 +671,37 @@ def test_only_the_no_grad_region_of_a_graph_that_takes_gradients_is_marked():
     assert record.coverage_gaps() == []
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_forgotten_refusal_is_no_capture_of_unfused_kernels(fake_cuda, monkeypatch):
+    """The kinds of call remembered as seen and as refused are forgotten separately (each past MAX_SEEN): a kind seen
+    but no longer refused reaches the capture, which asks the fused kernels' checks again and refuses it, rather than
+    capturing kernels its eager run did not take."""
+    monkeypatch.setattr(op_graphs, "MAX_SEEN", 3)
+
+    def call(T, fused):
+        fake_cuda["unfused"] = not fused
+        args, cfg, expected = _block_case(0, T=T)
+        assert torch.equal(_block(args, cfg, fused=fused), expected)
+
+    # kinds 1, 2 refused; 3 seen; 4 refused (seen cleared: {4}); 5 refused (refused cleared: {5}); 4 again: seen, not
+    # refused any more
+    for T, fused in ((1, False), (2, False), (3, True), (4, False), (5, False), (4, False), (4, False)):
+        call(T, fused)
+    assert op_graphs.counts["captured"] == 0 and not op_graphs._GRAPHS
+
+
+def test_cublas_math_flags_are_in_a_blocks_key(fake_cuda):
+    """The block's graph holds the router's logits GEMM, whose math follows cuBLAS's process-wide flags: a call after
+    a flag changed is another graph, not a replay of the GEMM captured under the old flag."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    try:
+        for flag in (False, True):
+            matmul.allow_tf32 = flag
+            for seed in range(3):
+                args, cfg, expected = _block_case(seed)
+                assert torch.equal(_block(args, cfg), expected)
+    finally:
+        matmul.allow_tf32 = before
+    assert op_graphs.counts["captured"] == 2

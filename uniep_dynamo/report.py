@@ -50,8 +50,8 @@ class Rewrite:
     added: list  # ids of the nodes added
     graph: str = ""  # the higher-order op body it lives in (wrap_body_0 under activation checkpointing); "" top level
     # whether a tensor the op call reads requires grad as Dynamo traced it (False: a frozen layer whose inputs need no
-    # gradient either, or an op the graph runs with grad mode off, which gets no backward op); True where the graph
-    # does not say
+    # gradient either, or an op the graph runs with grad mode off that backend.mark_inference marked, which gets no
+    # backward op); True where the graph does not say
     needs_grad: bool = True
 
 

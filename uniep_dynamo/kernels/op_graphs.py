@@ -159,8 +159,11 @@ def block_forward(router_hidden, router_weight, router_bias, score_bias, router_
 def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, router_spec, hidden, w_up, w_down, b_up,
                       b_down, spec, cfg, eager):
     """block_forward's output for a call that may take a graph, with the experts' config ``cfg``. The key is the
-    experts call's (_from_graph) with the router's spec, weight, bias and score bias, and ``shared``: the experts'
-    hidden states are the router's memory (HF's layers pass a view of one tensor to both), copied in once."""
+    experts call's (_from_graph) with the router's spec, weight, bias and score bias, cuBLAS's math flags (the
+    router's logits GEMM), and ``shared``: the experts' hidden states are the router's memory (HF's layers pass a
+    view of one tensor to both), copied in once. A call is captured only where both the router's and the experts'
+    fused kernels take it (checked again at the capture, so that a refusal forgotten is not a capture of the wrong
+    kernels)."""
     from . import megakernel, triton_router
 
     shared = (hidden.data_ptr() == router_hidden.data_ptr() and hidden.numel() == router_hidden.numel()
@@ -169,9 +172,12 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
     if cfg.up.per_expert_mm or cfg.down.per_expert_mm or not (router_hidden.is_contiguous() and hidden.is_contiguous()):
         return eager(cfg)[0]
     stream = torch.cuda.current_stream(hidden.device)
+    matmul = torch.backends.cuda.matmul  # the router's logits GEMM is cuBLAS's: its math follows these flags
     key = ("block", router_spec, spec, cfg, hidden.device.index, stream.stream_id, torch.is_inference_mode_enabled(),
            shared, _meta(router_hidden), _meta(hidden), _weight(router_weight), _weight(router_bias),
-           _weight(score_bias), _weight(w_up), _weight(w_down), _weight(b_up), _weight(b_down))
+           _weight(score_bias), _weight(w_up), _weight(w_down), _weight(b_up), _weight(b_down),
+           matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction,
+           matmul.allow_fp16_reduced_precision_reduction, torch.get_float32_matmul_precision())
 
     def run(inputs):
         x = inputs[0].view(hidden.shape) if shared else inputs[1]
@@ -180,7 +186,12 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
         return megakernel.experts_forward(x, ids, weights, w_up, w_down, b_up, b_down, spec,
                                           plan=tuple(routed[3:6]) if router_spec.plan else None, config=cfg)
 
-    served = _serve(key, activations, run, router_hidden.shape[0] * router_spec.top_k, hidden.shape[1])
+    def fused():  # (checked before a capture: the graph runs the fused kernels with no check of its own)
+        ids = torch.empty(router_hidden.shape[0], router_spec.top_k, dtype=torch.int64, device="meta")
+        return megakernel.router_unsupported_reason(router_hidden, router_weight, router_bias, router_spec) is None \
+            and megakernel.unsupported_reason(hidden, ids, w_up, w_down, b_up, b_down, [], spec) is None
+
+    served = _serve(key, activations, run, router_hidden.shape[0] * router_spec.top_k, hidden.shape[1], fused)
     if served is not None:
         counters["uniep_kernels"]["triton_router"] += 1
         counters["uniep_kernels"]["triton_forward"] += 1
@@ -192,11 +203,12 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
     return out
 
 
-def _serve(key, activations, run, slots, hidden_size):
+def _serve(key, activations, run, slots, hidden_size, ready=None):
     """(a copy of the first output, the graph) of the call of ``key`` replayed from its CUDA graph, or None where none
     serves it (yet): the first call of a key is left to the caller; the second captures ``run(static inputs)``, which
-    returns the op's outputs (the experts': their first, and the up and down rows at 4 and 5). ``activations``: the
-    tensors copied into the graph's inputs at each call."""
+    returns the op's outputs (the experts': their first, and the up and down rows at 4 and 5), where ``ready()`` (if
+    given) says the call may be captured, else the key is refused. ``activations``: the tensors copied into the
+    graph's inputs at each call."""
     with _LOCK:  # another thread's copies into the same buffers would race with this call's
         entry = _GRAPHS.get(key)
         if entry is None:
@@ -206,6 +218,9 @@ def _serve(key, activations, run, slots, hidden_size):
                 if len(_SEEN) >= MAX_SEEN:
                     _SEEN.clear()
                 _SEEN.add(key)
+                return None
+            if ready is not None and not ready():
+                _refuse(key)
                 return None
             entry = _capture(key, activations, run, slots, hidden_size)
             if entry is None:
