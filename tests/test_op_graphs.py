@@ -490,14 +490,14 @@ def _block_case(seed, T=6, H=8, E=4, K=2, shared=True, router_weight=None):
     return (router_hidden, router_weight, None, None, rspec, hidden, w_up, w_down, b_up, b_down, spec), cfg, expected
 
 
-def _block(args, cfg, fused=True, eager_calls=None):
+def _block(args, cfg, eager_calls=None):
     def eager(config):
         assert config is cfg
         if eager_calls is not None:
             eager_calls.append(1)
         rh, rw, rb, sb, rspec, hidden, w_up, w_down, b_up, b_down, spec = args
         _, weights, ids = _stand_in_router(rh, rw, rb, sb, rspec)
-        return _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec)[0], fused
+        return _stand_in_kernels(hidden, ids, weights, w_up, w_down, b_up, b_down, spec)[0]
 
     return op_graphs._block_from_graph(*args, cfg, eager)
 
@@ -518,13 +518,13 @@ def test_a_block_runs_once_then_is_captured_then_replays_router_and_experts(fake
 
 
 def test_a_block_whose_kernels_are_not_the_fused_ones_takes_no_graph(fake_cuda):
-    """A block whose eager run reports the reference path (an unfused router or experts call) is refused a graph:
-    its later calls run eager too."""
+    """A block whose router or experts call the fused kernels do not take is refused a graph at its capture: its
+    later calls run eager too."""
     fake_cuda["unfused"] = True
     eager_calls = []
     for seed in range(3):
         args, cfg, expected = _block_case(seed)
-        assert torch.equal(_block(args, cfg, fused=False, eager_calls=eager_calls), expected)
+        assert torch.equal(_block(args, cfg, eager_calls=eager_calls), expected)
     assert len(eager_calls) == 3 and op_graphs.counts["captured"] == 0 and not op_graphs._GRAPHS
 
 
@@ -674,18 +674,17 @@ def test_only_the_no_grad_region_of_a_graph_that_takes_gradients_is_marked():
 
 
 def test_a_forgotten_refusal_is_no_capture_of_unfused_kernels(fake_cuda, monkeypatch):
-    """The kinds of call remembered as seen and as refused are forgotten separately (each past MAX_SEEN): a kind seen
-    but no longer refused reaches the capture, which asks the fused kernels' checks again and refuses it, rather than
-    capturing kernels its eager run did not take."""
+    """A kind of call whose kernels are not the fused ones is refused at its capture (its second call), by the fused
+    kernels' checks; the kinds remembered as seen and as refused are forgotten separately (each past MAX_SEEN), and a
+    kind seen but no longer refused is asked again, never captured."""
     monkeypatch.setattr(op_graphs, "MAX_SEEN", 3)
 
     def call(T, fused):
         fake_cuda["unfused"] = not fused
         args, cfg, expected = _block_case(0, T=T)
-        assert torch.equal(_block(args, cfg, fused=fused), expected)
+        assert torch.equal(_block(args, cfg), expected)
 
-    # kinds 1, 2 refused; 3 seen; 4 refused (seen cleared: {4}); 5 refused (refused cleared: {5}); 4 again: seen, not
-    # refused any more
+    # unfused kinds 1, 2, 4, 5 and a fused 3, each once, past MAX_SEEN; then 4 again (refused at its capture) and again
     for T, fused in ((1, False), (2, False), (3, True), (4, False), (5, False), (4, False), (4, False)):
         call(T, fused)
     assert op_graphs.counts["captured"] == 0 and not op_graphs._GRAPHS

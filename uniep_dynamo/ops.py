@@ -391,10 +391,9 @@ def moe_block(router_hidden, router_weight, router_bias, score_bias, router_spec
         _, weights, ids = routed[:3]
         plan = tuple(routed[3:6]) if rs.plan else None  # (share_routing_plan: the router built it)
         if megakernel.use_megakernel(hidden, ids, w_up, w_down, b_up, b_down, [], s):
-            out = megakernel.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, s, plan=plan,
-                                             config=cfg)[0]
-            return out, megakernel.use_fused_router(router_hidden, router_weight, router_bias, rs)
-        return reference.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, [], s, plan=plan)[0], False
+            return megakernel.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, s, plan=plan,
+                                              config=cfg)[0]
+        return reference.experts_forward(hidden, ids, weights, w_up, w_down, b_up, b_down, [], s, plan=plan)[0]
 
     return op_graphs.block_forward(router_hidden, router_weight, router_bias, score_bias, rs, hidden, w_up, w_down,
                                    b_up, b_down, s, eager)

@@ -68,21 +68,29 @@ def enabled() -> bool:
 def forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=None):
     """megakernel.experts_forward's outputs for an op whose spec says inference: from a CUDA graph where one serves
     the call (the module's docstring), else from the kernels run as usual."""
-    from . import config as config_mod
     from . import megakernel
 
-    num_slots = topk_ids.numel()
-    cfg = None  # looked up once: the kernels below run with the same config where no graph serves the call
-    if 0 < num_slots <= MAX_SLOTS and hidden.is_cuda and enabled() and not torch.cuda.is_current_stream_capturing():
-        inter = w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
-        cfg = config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
-                                        device=hidden.device)
-        if not cfg.up.per_expert_mm and not cfg.down.per_expert_mm:  # (those read the row counts on the host)
-            out = _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan, cfg)
-            if out is not None:
-                return out
+    # looked up once: the kernels below run with the same config where no graph serves the call
+    cfg = _graph_config(topk_ids.numel(), hidden, w_up, w_down, spec)
+    if cfg is not None and not cfg.up.per_expert_mm and not cfg.down.per_expert_mm:  # (those read host row counts)
+        out = _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan, cfg)
+        if out is not None:
+            return out
     return megakernel.experts_forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, plan=plan,
                                       config=cfg)
+
+
+def _graph_config(num_slots, hidden, w_up, w_down, spec):
+    """The experts' config for a call of ``num_slots`` routed slots that a graph may serve (at most MAX_SLOTS, on
+    CUDA, op graphs on, outside a capture), else None."""
+    if not (0 < num_slots <= MAX_SLOTS and hidden.is_cuda and enabled()
+            and not torch.cuda.is_current_stream_capturing()):
+        return None
+    from . import config as config_mod
+
+    inter = w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
+    return config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
+                                     device=hidden.device)
 
 
 def _meta(t):
@@ -141,17 +149,10 @@ def block_forward(router_hidden, router_weight, router_bias, score_bias, router_
                   b_down, spec, eager):
     """uniep::moe_block's output (the router op's routing, then the experts op's output, in one op: ops.moe_block):
     from a CUDA graph of router and experts together where one serves the call, else ``eager(cfg)``, which runs
-    them one after the other with the experts' config ``cfg`` (or None) and returns (output, whether both ran their
-    fused kernels, which a graph needs)."""
-    num_slots = router_hidden.shape[0] * router_spec.top_k
-    if not (0 < num_slots <= MAX_SLOTS and hidden.is_cuda and enabled()
-            and not torch.cuda.is_current_stream_capturing()):
-        return eager(None)[0]
-    from . import config as config_mod
-
-    inter = w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
-    cfg = config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
-                                    device=hidden.device)
+    them one after the other with the experts' config ``cfg`` (or None) and returns the output."""
+    cfg = _graph_config(router_hidden.shape[0] * router_spec.top_k, hidden, w_up, w_down, spec)
+    if cfg is None:
+        return eager(None)
     return _block_from_graph(router_hidden, router_weight, router_bias, score_bias, router_spec, hidden, w_up, w_down,
                              b_up, b_down, spec, cfg, eager)
 
@@ -170,7 +171,7 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
               and hidden.dtype == router_hidden.dtype)
     activations = (router_hidden,) if shared else (router_hidden, hidden)
     if cfg.up.per_expert_mm or cfg.down.per_expert_mm or not (router_hidden.is_contiguous() and hidden.is_contiguous()):
-        return eager(cfg)[0]
+        return eager(cfg)
     stream = torch.cuda.current_stream(hidden.device)
     matmul = torch.backends.cuda.matmul  # the router's logits GEMM is cuBLAS's: its math follows these flags
     key = ("block", router_spec, spec, cfg, hidden.device.index, stream.stream_id, torch.is_inference_mode_enabled(),
@@ -196,11 +197,7 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
         counters["uniep_kernels"]["triton_router"] += 1
         counters["uniep_kernels"]["triton_forward"] += 1
         return served[0]
-    out, fused = eager(cfg)
-    if not fused:  # a graph captures the fused kernels only: this kind of call runs as now
-        with _LOCK:
-            _refuse(key)
-    return out
+    return eager(cfg)  # (a kind whose kernels are not the fused ones is refused at its capture: fused() above)
 
 
 def _serve(key, activations, run, slots, hidden_size, ready=None):
