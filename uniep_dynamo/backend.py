@@ -25,7 +25,7 @@ from .lowering import (lower_combine, lower_dispatch, lower_exchange, lower_expe
                        share_routing_plan)
 from .patterns import find_ep_regions, find_experts_regions, find_layers, find_router_regions
 from .patterns.bodies import walk
-from .patterns.graph_utils import module_path, op_name
+from .patterns.graph_utils import IN_PLACE_OPERATORS, module_path, op_name
 
 log = logging.getLogger("uniep")
 
@@ -126,19 +126,22 @@ def rewrite_graph(gm: torch.fx.GraphModule, opts: UniepOptions | None = None, co
     Dynamo throws away a graph whose compile raises (a restart of its analysis, see ``uniep_backend``)."""
     opts = opts or UniepOptions()
     recording = report.active()
-    before = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)] \
-        if recording else None
+    before = _snapshot(gm) if recording else None
     lowered, matches, misses, counts = [], [], [], collections.Counter()
     for module, where, kind in walk(gm):
         _rewrite_one(module, opts, where, kind, lowered, matches, misses, counts)
     record = None
     if before is not None:
-        after = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)]
-        record = gm.meta["uniep_record"] = report.record_graph(before, after, gm, lowered, misses)
+        record = gm.meta["uniep_record"] = report.record_graph(before, _snapshot(gm), gm, lowered, misses)
     gm.meta[_UNCOMMITTED] = (counts, record)
     if commit:
         commit_rewrites(gm)
     return matches, [miss for _, miss in misses]
+
+
+def _snapshot(gm: torch.fx.GraphModule) -> list:
+    """The report's rows of ``gm``'s graph and of its higher-order ops' bodies."""
+    return [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)]
 
 
 _SIZES_ON_HOST = "uniep_sizes_on_host"  # gm.meta: a graph of it ends with an EP dispatch whose split sizes leave it
@@ -352,7 +355,7 @@ def mark_inference(gm: torch.fx.GraphModule, nodes: set | None = None) -> int:
         gm.recompile()
         record = gm.meta.get("uniep_record")
         if record is not None:  # the report's "after" is the graph that runs
-            record.after = [row for module, where, _ in walk(gm) for row in report.snapshot(module.graph, where)]
+            record.after = _snapshot(gm)
     return marked
 
 
@@ -437,12 +440,11 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | N
         if not rewrite.graph and (experts.name in rewrite.added or router.name in rewrite.added):
             rewrite.added.append(block.name)
     _drop_from_report(gm, names)
-    for rewrite in record.rewrites if record is not None else ():
-        if not rewrite.graph and block.name in rewrite.added:
-            router_side = rewrite.op == "moe_router"
-            rewrite.spec = (rspec.describe() if router_side else decode_spec(experts.args[8]).describe()) + \
-                f"; one uniep.moe_block with the {'experts it routes to' if router_side else 'router'}: on CUDA, " \
-                f"calls of at most {op_graphs.MAX_SLOTS} routed slots replay one CUDA graph of both"
+    graphed = f": on CUDA, calls of at most {op_graphs.MAX_SLOTS} routed slots replay one CUDA graph of both"
+    _note_in_report(gm, block, "moe_router", rspec.describe() + "; one uniep.moe_block with the experts it routes to"
+                    + graphed)
+    _note_in_report(gm, block, "moe_experts", decode_spec(experts.args[8]).describe()
+                    + "; one uniep.moe_block with the router" + graphed)
     return True
 
 
@@ -472,7 +474,7 @@ def _may_write(node: torch.fx.Node) -> bool:
     target = node.target
     raw = target if isinstance(target, str) else getattr(target, "__name__", "") or ""
     names = (raw.split(".")[-1], op_name(node) or "")
-    if any((n.endswith("_") and not n.endswith("__")) or n.strip("_") in _IN_PLACE_OPERATORS for n in names) or \
+    if any((n.endswith("_") and not n.endswith("__")) or n.strip("_") in IN_PLACE_OPERATORS for n in names) or \
             node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
     if node.op == "call_method":
@@ -485,10 +487,6 @@ def _may_write(node: torch.fx.Node) -> bool:
         return target._schema.is_mutable
     module = getattr(target, "__module__", None) or ""
     return not (module == "_operator" or module.startswith("torch") or module == "builtins")
-
-
-_IN_PLACE_OPERATORS = ("setitem", "delitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod",
-                       "ipow", "ilshift", "irshift", "iand", "ixor", "ior", "iconcat")  # operator.x and __x__
 
 
 def _note_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, spec: str) -> None:

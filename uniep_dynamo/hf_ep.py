@@ -418,8 +418,6 @@ def _probe(experts, dtype, hidden_size: int, device):
 _VIEWS = ("view", "view_as", "reshape", "getitem", "select", "narrow", "slice", "transpose", "permute", "expand",
           "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "t", "mT", "T", "detach", "as_strided",
           "contiguous", "split", "chunk", "unbind", "diagonal", "movedim", "_get_data_attr", "data", "alias")
-_IN_PLACE_OPERATORS = ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
-                       "ixor", "ilshift", "irshift", "imatmul")
 
 
 def _step_name(node) -> str:
@@ -441,13 +439,15 @@ def _is_view(node) -> bool:
 def _graph_side_effects(gm) -> list:
     """In-place changes the probe graph makes to what it did not create: a graph input (the hidden states, a
     parameter, a buffer of the module or of a child module), through any chain of views (``p.data`` included)."""
+    from .patterns.graph_utils import IN_PLACE_OPERATORS
+
     found = []
     for node in gm.graph.nodes:
         if node.op not in ("call_method", "call_function"):
             continue
         name = _step_name(node)
         written = []
-        if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS:
+        if (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_OPERATORS:
             written += node.args[:1]
         schema = getattr(node.target, "_schema", None)
         if schema is not None:

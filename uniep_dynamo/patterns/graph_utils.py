@@ -57,6 +57,12 @@ class NotConstant(Exception):
     pass
 
 
+# Python's in-place operators by name (``operator.imul``; ``__imul__`` stripped of its underscores): each writes its
+# first argument
+IN_PLACE_OPERATORS = ("setitem", "delitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
+                      "ilshift", "irshift", "iand", "ixor", "ior", "iconcat")
+
+
 def is_in_place(node: Node) -> bool:
     """Whether a node writes its first argument in place, by its name (``mul_``, ``operator.imul``, ``setitem``), or
     a tensor given as ``out=``."""
