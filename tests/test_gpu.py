@@ -209,9 +209,15 @@ def test_op_graphs_replay_gives_the_kernels_bits(mode):
     for _ in range(3):
         check(8, moved)
     assert op_graphs.counts["captured"] - start["captured"] == 2
+    # a prefill's size: captured too; its graph and the small ones share one pool and replay in turn
+    for T in (1024, 1024, 8, 1024, 8, 1024):
+        check(T)
+    assert op_graphs.counts["captured"] - start["captured"] == 3
+    assert op_graphs.counts["replayed"] - start["replayed"] == 3 + 2 + 5
+    assert len(op_graphs._POOLS) == 1
     check(op_graphs.MAX_SLOTS // K + 1)  # too many slots for a graph: the kernels, as usual
     check(op_graphs.MAX_SLOTS // K + 1)
-    assert op_graphs.counts["captured"] - start["captured"] == 2 and op_graphs.counts["failed"] == start["failed"]
+    assert op_graphs.counts["captured"] - start["captured"] == 3 and op_graphs.counts["failed"] == start["failed"]
 
 
 def test_op_graphs_serve_each_stream_with_its_own_graph():
@@ -265,7 +271,7 @@ def test_moe_block_replays_give_the_router_and_experts_ops_bits(mode):
     """uniep::moe_block (router and experts fused for inference, backend._fuse_block) from one CUDA graph of both:
     call after call, on new hidden states, the bits of the router op followed by the unmarked experts op, with the
     experts reading the router's tensor (one copy in) or another, and with a router that builds the routing plan the
-    experts take; more routed slots than MAX_SLOTS take no graph."""
+    experts take, at a decode's and a prefill's size; more routed slots than MAX_SLOTS take no graph."""
     from uniep_dynamo.kernels import op_graphs
     from uniep_dynamo.spec import RouterSpec
 
@@ -300,9 +306,9 @@ def test_moe_block_replays_give_the_router_and_experts_ops_bits(mode):
     check(op_graphs.MAX_SLOTS // K + 1)
     check(op_graphs.MAX_SLOTS // K + 1)
     assert op_graphs.counts["captured"] - start["captured"] == 2 and op_graphs.counts["failed"] == start["failed"]
-    for T in (8, 8, 8, 2000, 2000):  # a router that builds the plan (share_routing_plan) in and out of a graph
-        check(T, router=planned)
-    assert op_graphs.counts["captured"] - start["captured"] == 3 and op_graphs.counts["failed"] == start["failed"]
+    for T in (8, 8, 8, 2000, 2000, 2000, 8):  # a router that builds the plan (share_routing_plan), in graphs of a
+        check(T, router=planned)              # decode's and a prefill's size
+    assert op_graphs.counts["captured"] - start["captured"] == 4 and op_graphs.counts["failed"] == start["failed"]
 
 
 def test_generate_with_a_compiled_forward_replays_op_graphs_with_the_same_tokens():

@@ -225,8 +225,8 @@ class _FakeStream:
 class _FakeGraph:
     capturing = None
 
-    def capture_begin(self, capture_error_mode="global"):
-        _FakeGraph.capturing, self.calls = self, []
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        _FakeGraph.capturing, self.calls, self.pool = self, [], pool
 
     def capture_end(self):
         _FakeGraph.capturing = None
@@ -274,6 +274,8 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(megakernel, "experts_forward", recorded(_stand_in_kernels))
     monkeypatch.setattr(triton_router, "router_forward", recorded(_stand_in_router))
+    monkeypatch.setattr(op_graphs, "_write", recorded(op_graphs._write))  # the copy into the output buffer
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     # the fused kernels' checks (a block's capture asks them again): they take every call unless told otherwise
     monkeypatch.setattr(megakernel, "unsupported_reason", lambda *a: "unfused" if state["unfused"] else None)
     monkeypatch.setattr(megakernel, "router_unsupported_reason", lambda *a: "unfused" if state["unfused"] else None)
@@ -322,10 +324,10 @@ def test_a_kind_of_call_runs_once_then_is_captured_then_replays_new_inputs(fake_
         expected = _stand_in_kernels(*args)
         assert torch.equal(got[0], expected[0])
         assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in expected]
-        assert got[0].data_ptr() != op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].outputs[0].data_ptr()
+        assert got[0].data_ptr() != op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].out.data_ptr()
     assert op_graphs.counts["captured"] == 1 and len(op_graphs._GRAPHS) == 1
     entry = next(iter(op_graphs._GRAPHS.values()))
-    assert entry.graph.calls[-1][2]["config"] is cfg  # the capture ran with its key's config, not a lookup of its own
+    assert entry.graph.calls[0][2]["config"] is cfg  # the capture ran with its key's config, not a lookup of its own
 
 
 def test_the_routers_plan_is_copied_in_with_the_activations(fake_cuda):
@@ -381,11 +383,48 @@ def test_graphs_are_evicted_least_recently_used_first(fake_cuda, monkeypatch):
     args, cfg = _case(0, T=2)
     _serve(args, cfg), _serve(args, cfg)
     assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(4, 8), (2, 8)]
-    monkeypatch.setattr(op_graphs, "MAX_BYTES", 1)  # the next capture leaves only itself
+    # the bytes bound: a graph that fits alone evicts the least recently used others until all fit
+    monkeypatch.setattr(op_graphs, "MAX_BYTES", op_graphs._BYTES[0])  # what the two hold: a third's buffers exceed it
     args, cfg = _case(0, T=1)
     _serve(args, cfg), _serve(args, cfg)
-    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(1, 8)]
-    assert op_graphs._BYTES[0] == op_graphs._GRAPHS[next(iter(op_graphs._GRAPHS))].nbytes
+    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(2, 8), (1, 8)]
+    assert op_graphs._BYTES[0] == _held() <= op_graphs.MAX_BYTES
+    # one that would not fit alone takes no graph and evicts nothing
+    monkeypatch.setattr(op_graphs, "MAX_BYTES", 1)
+    args, cfg = _case(0, T=7)
+    assert _serve(args, cfg) is None and _serve(args, cfg) is None and _serve(args, cfg) is None
+    assert [k[6][0][0] for k in op_graphs._GRAPHS] == [(2, 8), (1, 8)] and op_graphs.counts["captured"] == 5
+
+
+def _held() -> int:
+    """What the graphs' shared buffers and pools hold, by the module's estimate."""
+    return sum(b.numel() * b.element_size() for b, _ in op_graphs._BUFFERS.values()) + \
+        sum(pool[1] for pool in op_graphs._POOLS.values())
+
+
+def test_the_graphs_of_a_stream_share_one_pool_and_buffers(fake_cuda):
+    """Two layers' graphs (other weights, the same shapes) on one stream: one memory pool, and one buffer for each
+    input position and for the output, which both read and write; calls of the two interleaved each get their own
+    result. A graph on another stream has a pool and buffers of its own; evicted, it leaves nothing behind."""
+    args, cfg = _case(0)
+    other = (args[0], args[1], args[2], args[3].clone() * 2) + args[4:]
+    for a in (args, other):
+        _serve(a, cfg), _serve(a, cfg)
+    first, second = op_graphs._GRAPHS.values()
+    assert first.graph.pool is second.graph.pool and len(op_graphs._POOLS) == 1
+    assert all(x is y for x, y in zip(first.inputs, second.inputs)) and first.out is second.out
+    assert len(op_graphs._BUFFERS) == len(first.inputs) + 1
+    for seed in (1, 2, 3):  # interleaved: each replay reads its own inputs and weights
+        for a in (args, other):
+            a = _case(seed)[0][:3] + a[3:]
+            assert torch.equal(_serve(a, cfg)[0], _stand_in_kernels(*a)[0])
+    before = _held()
+    assert op_graphs._BYTES[0] == before
+    fake_cuda["stream"] = 7
+    _serve(args, cfg), _serve(args, cfg)
+    assert len(op_graphs._POOLS) == 2 and op_graphs._BYTES[0] == _held() == 2 * before
+    op_graphs._release(op_graphs._GRAPHS.popitem()[1])  # the stream's only graph: its pool and buffers go with it
+    assert len(op_graphs._POOLS) == 1 and op_graphs._BYTES[0] == _held() == before
 
 
 def test_non_contiguous_activations_take_no_graph(fake_cuda):
@@ -514,7 +553,7 @@ def test_a_block_runs_once_then_is_captured_then_replays_router_and_experts(fake
     assert len(eager_calls) == 1 and op_graphs.counts["captured"] == 1 and op_graphs.counts["replayed"] == 3
     (entry,) = op_graphs._GRAPHS.values()
     assert len(entry.inputs) == (1 if shared else 2)
-    assert [fn for fn, *_ in entry.graph.calls] == [_stand_in_router, _stand_in_kernels]
+    assert [fn.__name__ for fn, *_ in entry.graph.calls] == ["_stand_in_router", "_stand_in_kernels", "_write"]
 
 
 def test_a_block_whose_kernels_are_not_the_fused_ones_takes_no_graph(fake_cuda):

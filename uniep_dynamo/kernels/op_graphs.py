@@ -9,7 +9,7 @@ and copies the output out.
 
 Where it applies (``forward``): an op whose spec says its graph reads only its first output, takes no gradient and
 runs outside inductor's CUDA-graph trees (``ExpertsSpec.inference``, backend.mark_inference), on CUDA, outside a
-CUDA graph being captured, with at most ``MAX_SLOTS`` routed slots and a config whose forward GEMMs read no host row
+CUDA graph being captured, with at most ``MAX_SLOTS`` routed slots (Sizes, below) and a config whose forward GEMMs read no host row
 counts (per_expert_mm), under ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton
 compiles there, not inside a capture); the second is captured and replayed; later ones replay. Where such an op's
 router op feeds it alone, the backend makes the two one ``uniep::moe_block`` (backend._fuse_block), and
@@ -24,10 +24,22 @@ under the heuristics). A weight at another address, a new config (use_config, th
 the numerics variables) or another shape is another key. So the bits are those of the same call without the graph:
 the same kernels read the same values. The op's outputs other than the first are new tensors with no values (the
 graph that asked for this reads none of them); the first is a copy of the graph's, so that no caller holds memory
-a later replay writes. The graphs are kept least recently used first, at most ``MAX_BYTES`` of their buffers
-(estimated from the shapes) and ``MAX_GRAPHS`` graphs; ``clear()`` drops them all (a model deleted leaves its graphs
-until they are evicted or cleared). A graph serves one stream (the current stream is in the key), and a lock keeps
-two threads from filling one graph's buffers at once.
+a later replay writes.
+
+Memory. A replay's memory is scratch outside that replay: the host copies the activations into the graph's input
+buffers, replays, and copies the output out of its output buffer, under one lock, in one stream's order. So the graphs
+of a device and stream share it all: one private memory pool for what their kernels allocate (the gathered rows, the
+up projection, the activation: a graph's captured allocations are reused by the next capture into the pool), and one
+input and one output buffer of each shape and dtype (a model's layers of one size share them). A model of 48 layers
+thus holds about one layer's scratch (about 140 MB at 1024 tokens of Qwen3-30B-A3B's shape), not 48. ``MAX_BYTES``
+bounds the estimate of the pools and buffers held (a call whose own scratch would exceed it takes no graph), and
+``MAX_GRAPHS`` the graphs; the least recently used go first. ``clear()`` drops them all (a model deleted leaves its
+graphs until they are evicted or cleared).
+
+Sizes. Up to ``MAX_SLOTS`` routed slots: decode steps, and prefills of up to 1024 tokens at top-8 (8192 slots), where
+the op's host time (about 0.9 ms a layer at 1024 tokens) exceeded its kernels' and made a compiled forward's prefill
+slower than inductor's (BENCHMARKS.md, twenty-fourth session). A graph serves one stream (the current stream is in the
+key), and the lock keeps two threads from filling the buffers at once.
 """
 from __future__ import annotations
 
@@ -39,9 +51,9 @@ import threading
 import torch
 from torch._dynamo.utils import counters
 
-MAX_SLOTS = 1024  # routed slots (tokens x top-k) of the largest call served from a graph
+MAX_SLOTS = 8192  # routed slots (tokens x top-k) of the largest call served from a graph
 MAX_GRAPHS = 512
-MAX_BYTES = 512 << 20
+MAX_BYTES = 512 << 20  # the shared pools' and buffers' estimated bytes
 MAX_SEEN = 4096  # kinds of call remembered as run once (forgotten all at once past it)
 log = logging.getLogger("uniep")
 counts = {"captured": 0, "replayed": 0, "failed": 0}  # tests and benchmarks read them
@@ -49,16 +61,19 @@ counts = {"captured": 0, "replayed": 0, "failed": 0}  # tests and benchmarks rea
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph, least recently used first
 _SEEN: set = set()  # keys run once without a graph (their kernels compiled)
 _REFUSED: set = set()  # keys whose capture failed: they run without a graph
-_BYTES = [0]
+_BYTES = [0]  # the estimate of what _POOLS and _BUFFERS hold
+_POOLS: dict = {}  # (device index, stream id) -> [pool handle, its estimated bytes, graphs in it]
+_BUFFERS: dict = {}  # (device index, stream id, shape, stride, dtype) -> [buffer, graphs reading or writing it]
 _STREAMS: dict = {}  # device index -> the side stream graphs are captured on
 _LOCK = threading.Lock()
 
 
 class _Graph:
-    __slots__ = ("graph", "inputs", "outputs", "nbytes")
+    __slots__ = ("graph", "inputs", "out", "shapes", "pool", "buffers")
 
-    def __init__(self, graph, inputs, outputs, nbytes):
-        self.graph, self.inputs, self.outputs, self.nbytes = graph, inputs, outputs, nbytes
+    def __init__(self, graph, inputs, out, shapes, pool, buffers):
+        self.graph, self.inputs, self.out, self.shapes, self.pool, self.buffers = \
+            graph, inputs, out, shapes, pool, buffers
 
 
 def enabled() -> bool:
@@ -88,9 +103,12 @@ def _graph_config(num_slots, hidden, w_up, w_down, spec):
         return None
     from . import config as config_mod
 
-    inter = w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
-    return config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
-                                     device=hidden.device)
+    return config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], _inter(w_down, spec), False,
+                                     dtype=hidden.dtype, device=hidden.device)
+
+
+def _inter(w_down, spec) -> int:
+    return w_down.shape[2] if spec.down_layout == "oi" else w_down.shape[1]
 
 
 def _meta(t):
@@ -129,7 +147,8 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
         return megakernel.experts_forward(inputs[0], inputs[1], inputs[2], w_up, w_down, b_up, b_down, spec,
                                           plan=tuple(inputs[3:6]) if plan is not None else None, config=cfg)
 
-    served = _serve(key, activations, run, topk_ids.numel(), hidden.shape[1])
+    scratch = _scratch(topk_ids.numel(), hidden.shape[0], hidden.shape[1], _inter(w_down, spec), hidden.element_size())
+    served = _serve(key, activations, run, scratch, ((hidden.shape[0], hidden.shape[1]), spec.out_dtype))
     if served is None:
         return None
     out, entry = served
@@ -141,7 +160,7 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
     else:
         row_order, slot_row = (torch.empty(rows, dtype=torch.int64, device=dev) for _ in range(2))
         offsets = torch.empty(w_up.shape[0], dtype=torch.int64, device=dev)
-    up, down = (torch.empty(t.shape, dtype=t.dtype, device=dev) for t in entry.outputs[4:6])
+    up, down = (torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in entry.shapes[4:6])
     return out, row_order, slot_row, offsets, up, down
 
 
@@ -192,7 +211,10 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
         return megakernel.router_unsupported_reason(router_hidden, router_weight, router_bias, router_spec) is None \
             and megakernel.unsupported_reason(hidden, ids, w_up, w_down, b_up, b_down, [], spec) is None
 
-    served = _serve(key, activations, run, router_hidden.shape[0] * router_spec.top_k, hidden.shape[1], fused)
+    tokens = router_hidden.shape[0]
+    scratch = _scratch(tokens * router_spec.top_k, tokens, hidden.shape[1], _inter(w_down, spec), hidden.element_size(),
+                       extra=tokens * router_spec.num_experts * 4)  # (the router's fp32 logits)
+    served = _serve(key, activations, run, scratch, ((hidden.shape[0], hidden.shape[1]), spec.out_dtype), fused)
     if served is not None:
         counters["uniep_kernels"]["triton_router"] += 1
         counters["uniep_kernels"]["triton_forward"] += 1
@@ -200,12 +222,13 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
     return eager(cfg)  # (a kind whose kernels are not the fused ones is refused at its capture: fused() above)
 
 
-def _serve(key, activations, run, slots, hidden_size, ready=None):
+def _serve(key, activations, run, scratch, out_like, ready=None):
     """(a copy of the first output, the graph) of the call of ``key`` replayed from its CUDA graph, or None where none
-    serves it (yet): the first call of a key is left to the caller; the second captures ``run(static inputs)``, which
+    serves it (yet): the first call of a key is left to the caller; the second captures ``run(input buffers)``, which
     returns the op's outputs (the experts': their first, and the up and down rows at 4 and 5), where ``ready()`` (if
     given) says the call may be captured, else the key is refused. ``activations``: the tensors copied into the
-    graph's inputs at each call."""
+    graph's input buffers at each call; ``scratch``: the estimated bytes its kernels allocate (_scratch);
+    ``out_like``: (shape, dtype) of the first output."""
     with _LOCK:  # another thread's copies into the same buffers would race with this call's
         entry = _GRAPHS.get(key)
         if entry is None:
@@ -219,7 +242,7 @@ def _serve(key, activations, run, slots, hidden_size, ready=None):
             if ready is not None and not ready():
                 _refuse(key)
                 return None
-            entry = _capture(key, activations, run, slots, hidden_size)
+            entry = _capture(key, activations, run, scratch, out_like)
             if entry is None:
                 return None
         else:
@@ -227,7 +250,7 @@ def _serve(key, activations, run, slots, hidden_size, ready=None):
         for static, given in zip(entry.inputs, activations):
             static.copy_(given)
         entry.graph.replay()
-        out = entry.outputs[0].clone()
+        out = entry.out.clone()
     counts["replayed"] += 1
     counters["uniep_kernels"]["op_graph_replays"] += 1
     return out, entry
@@ -239,14 +262,68 @@ def _refuse(key) -> None:
     _REFUSED.add(key)
 
 
-def _capture(key, activations, run, slots, hidden_size):
-    """Capture ``run`` into a new graph (its inputs copied from ``activations``), or None where capture fails (the
-    key then runs without a graph, and the reason is logged)."""
+def _scratch(slots: int, tokens: int, hidden_size: int, inter: int, size: int, extra: int = 0) -> int:
+    """About what a call's kernels allocate in its graph's pool (bytes, as _pool_bytes counts segments): the output,
+    the gathered rows, the up projection (gate and up), the activation, the down rows, the routing's few bytes a slot,
+    and ``extra`` (the block's router logits)."""
+    return _pool_bytes([tokens * hidden_size * size, slots * hidden_size * size, slots * 2 * inter * size,
+                        slots * inter * size, slots * hidden_size * size, slots * 32, extra])
+
+
+def _buffer(place, slot, shape, stride, dtype, device, taken):
+    """The shared buffer of this shape, stride and dtype for the graphs of ``place`` (device index, stream id) at
+    ``slot`` (an input's position, or "out"; two inputs of one call of the same layout are two buffers): a replay's
+    inputs and output are read and written only inside its call, under the lock, in the stream's order."""
+    key = place + (slot, tuple(shape), tuple(stride), dtype)
+    held = _BUFFERS.get(key)
+    if held is None:
+        held = _BUFFERS[key] = [torch.empty_strided(shape, stride, dtype=dtype, device=device), 0]
+        _BYTES[0] += _nbytes([held[0]])
+    if key not in taken:
+        held[1] += 1
+        taken.append(key)
+    return held[0]
+
+
+def _release(entry) -> None:
+    """An evicted graph's share of the buffers and its pool: those no graph uses any more are dropped."""
+    for key in entry.buffers:
+        held = _BUFFERS[key]
+        held[1] -= 1
+        if not held[1]:
+            _BYTES[0] -= _nbytes([held[0]])
+            del _BUFFERS[key]
+    pool = _POOLS[entry.pool]
+    pool[2] -= 1
+    if not pool[2]:
+        _BYTES[0] -= pool[1]
+        del _POOLS[entry.pool]
+
+
+def _capture(key, activations, run, scratch, out_like):
+    """Capture ``run`` into a new graph in its stream's shared pool, reading the shared input buffers of the
+    activations' layouts and writing its first output into the shared output buffer of ``out_like``; or None where
+    it cannot be (the key then runs without a graph, and the reason is logged)."""
     device = activations[0].device
-    inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in activations]
-    for static, given in zip(inputs, activations):
-        static.copy_(given)
     current = torch.cuda.current_stream(device)
+    place = (device.index, current.stream_id)
+    out_shape, out_dtype = out_like
+    own = scratch + _nbytes(activations) + _nbytes([torch.empty(out_shape, dtype=out_dtype, device="meta")])
+    if own > MAX_BYTES:  # (alone over the bound: it would evict every other graph and still exceed it)
+        _refuse(key)
+        log.info("uniep: an experts call would hold about %d MB in a CUDA graph of its own (op_graphs.MAX_BYTES: %d "
+                 "MB); calls of its shapes run their kernels one by one", own >> 20, MAX_BYTES >> 20)
+        return None
+    pool = _POOLS.get(place)
+    if pool is None:
+        pool = _POOLS[place] = [torch.cuda.graph_pool_handle(), 0, 0]
+    taken = []
+    inputs = [_buffer(place, i, t.shape, t.stride(), t.dtype, device, taken) for i, t in enumerate(activations)]
+    out = _buffer(place, "out", out_shape, torch.empty(out_shape, device="meta").stride(), out_dtype, device, taken)
+    pool[2] += 1
+    if scratch > pool[1]:
+        _BYTES[0] += scratch - pool[1]
+        pool[1] = scratch
     side = _STREAMS.get(device.index)
     if side is None:
         side = _STREAMS[device.index] = torch.cuda.Stream(device)
@@ -258,16 +335,22 @@ def _capture(key, activations, run, slots, hidden_size):
         counters["uniep_kernels"].clear()
         counters["uniep_kernels"].update(calls_before)
 
+    entry = _Graph(graph, inputs, out, None, place, taken)
     try:
         with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool[0], capture_error_mode="thread_local")
             try:
                 outputs = run(inputs)
+                if (outputs[0].shape, outputs[0].dtype) != (out.shape, out.dtype):
+                    raise RuntimeError(f"the output is {tuple(outputs[0].shape)} of {outputs[0].dtype}, not "
+                                       f"{tuple(out.shape)} of {out.dtype}")
+                _write(out, outputs[0])
             finally:
                 graph.capture_end()
     except Exception as exc:  # noqa: BLE001 -- any failure to capture: this kind of call runs without a graph
         current.wait_stream(side)
         restore_counts()
+        _release(entry)
         _refuse(key)
         counts["failed"] += 1
         log.warning("uniep: an experts call could not be captured into a CUDA graph (%s: %s); calls of its shapes "
@@ -275,24 +358,28 @@ def _capture(key, activations, run, slots, hidden_size):
         return None
     current.wait_stream(side)
     restore_counts()
-    # its memory: the static inputs, and its private pool's segments for the outputs, the gathered rows and the
-    # activation (a block's routing buffers are a few bytes a token: within the pool's first segment)
-    up_width = outputs[4].shape[1]
-    size = activations[0].element_size()
-    pooled = [_nbytes([outputs[i]]) for i in (0, 4, 5)] + [slots * hidden_size * size, slots * up_width // 2 * size]
-    entry = _Graph(graph, inputs, outputs, _nbytes(inputs) + _pool_bytes(pooled))
+    # the other outputs' shapes and dtypes (_from_graph hands back new tensors of them); their memory is the pool's
+    entry.shapes = [(t.shape, t.dtype) for t in outputs]
+    del outputs
     _GRAPHS[key] = entry
-    _BYTES[0] += entry.nbytes
     counts["captured"] += 1
     while len(_GRAPHS) > 1 and (len(_GRAPHS) > MAX_GRAPHS or _BYTES[0] > MAX_BYTES):
         _, old = _GRAPHS.popitem(last=False)
-        _BYTES[0] -= old.nbytes
+        _release(old)
     return entry
 
 
+def _write(out, value):
+    """out.copy_(value) inside a capture (a function of its own: the tests' stand-in graphs record it)."""
+    out.copy_(value)
+    return (out,)
+
+
 def clear() -> None:
-    """Drop every graph (their memory returns to PyTorch's allocator once no replay is pending)."""
+    """Drop every graph, pool and buffer (their memory returns to PyTorch's allocator once no replay is pending)."""
     _GRAPHS.clear()
     _SEEN.clear()
     _REFUSED.clear()
+    _POOLS.clear()
+    _BUFFERS.clear()
     _BYTES[0] = 0
