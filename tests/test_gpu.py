@@ -209,12 +209,12 @@ def test_op_graphs_replay_gives_the_kernels_bits(mode):
     for _ in range(3):
         check(8, moved)
     assert op_graphs.counts["captured"] - start["captured"] == 2
-    # a prefill's size: captured too; its graph and the small ones share one pool and replay in turn
+    # a prefill's size: captured too, into a pool of its own (the two small graphs share one), replayed in turn
     for T in (1024, 1024, 8, 1024, 8, 1024):
         check(T)
     assert op_graphs.counts["captured"] - start["captured"] == 3
     assert op_graphs.counts["replayed"] - start["replayed"] == 3 + 2 + 5
-    assert len(op_graphs._POOLS) == 1
+    assert sorted(pool.graphs for pool in op_graphs._POOLS.values()) == [1, 2]
     check(op_graphs.MAX_SLOTS // K + 1)  # too many slots for a graph: the kernels, as usual
     check(op_graphs.MAX_SLOTS // K + 1)
     assert op_graphs.counts["captured"] - start["captured"] == 3 and op_graphs.counts["failed"] == start["failed"]

@@ -399,13 +399,13 @@ def test_graphs_are_evicted_least_recently_used_first(fake_cuda, monkeypatch):
 def _held() -> int:
     """What the graphs' shared buffers and pools hold, by the module's estimate."""
     return sum(b.numel() * b.element_size() for b, _ in op_graphs._BUFFERS.values()) + \
-        sum(pool[1] for pool in op_graphs._POOLS.values())
+        sum(pool.nbytes for pool in op_graphs._POOLS.values())
 
 
 def test_the_graphs_of_a_stream_share_one_pool_and_buffers(fake_cuda):
     """Two layers' graphs (other weights, the same shapes) on one stream: one memory pool, and one buffer for each
     input position and for the output, which both read and write; calls of the two interleaved each get their own
-    result. A graph on another stream has a pool and buffers of its own; evicted, it leaves nothing behind."""
+    result. A graph on another stream, or of another size, has a pool of its own; evicted, its pool goes with it."""
     args, cfg = _case(0)
     other = (args[0], args[1], args[2], args[3].clone() * 2) + args[4:]
     for a in (args, other):
@@ -425,6 +425,79 @@ def test_the_graphs_of_a_stream_share_one_pool_and_buffers(fake_cuda):
     assert len(op_graphs._POOLS) == 2 and op_graphs._BYTES[0] == _held() == 2 * before
     op_graphs._release(op_graphs._GRAPHS.popitem()[1])  # the stream's only graph: its pool and buffers go with it
     assert len(op_graphs._POOLS) == 1 and op_graphs._BYTES[0] == _held() == before
+    fake_cuda["stream"] = 0  # another size on the first stream: a pool of its own, which goes with its graph
+    small, _ = _case(0, T=2)
+    _serve(small, cfg), _serve(small, cfg)
+    assert len(op_graphs._POOLS) == 2
+    op_graphs._release(op_graphs._GRAPHS.popitem()[1])
+    assert len(op_graphs._POOLS) == 1 and op_graphs._BYTES[0] == _held() == before
+
+
+def test_inference_mode_and_no_grad_calls_fill_buffers_of_their_own(fake_cuda):
+    """inference_mode's buffers are inference tensors, which a no_grad call may not write: a no_grad call after an
+    inference_mode call of the same shapes, or sharing only the ids' and weights' layouts, gets a graph of its own
+    with buffers of its own, and the right result."""
+    args, cfg = _case(0, H=8)
+    with torch.inference_mode():
+        _serve(args, cfg), _serve(args, cfg)
+    wide = (_case(0, H=16)[0][0],) + args[1:3] + (torch.ones(4, 8, 16), torch.ones(4, 16, 4)) + args[5:]
+    with torch.no_grad():
+        for a in (args, wide):
+            assert _serve(a, cfg) is None
+            assert torch.equal(_serve(a, cfg)[0], _stand_in_kernels(*a)[0])
+    with torch.inference_mode():
+        assert torch.equal(_serve(args, cfg)[0], _stand_in_kernels(*args)[0])
+    assert op_graphs.counts["failed"] == 0 and op_graphs.counts["captured"] == 3
+
+
+def test_clear_waits_for_a_capture_in_progress(fake_cuda, monkeypatch):
+    """clear() takes the lock a capture holds: from another thread it runs before or after a capture, never inside
+    it (stood in for here: the lock is held while the capture runs, so clear() from inside it would wait)."""
+    from uniep_dynamo.kernels import megakernel
+
+    inner = megakernel.experts_forward
+    held = []
+    monkeypatch.setattr(megakernel, "experts_forward", lambda *a, **k: (held.append(op_graphs._LOCK.locked()),
+                                                                        inner(*a, **k))[1])
+    args, cfg = _case(0)
+    _serve(args, cfg), _serve(args, cfg)
+    assert held == [True]  # the capture ran under the lock
+    op_graphs.clear()
+    assert not op_graphs._LOCK.locked() and not op_graphs._GRAPHS and op_graphs._BYTES[0] == 0
+
+
+def test_the_bytes_bound_holds_once_older_graphs_are_evicted(fake_cuda, monkeypatch):
+    """A graph of large scratch, then one of larger buffers but small scratch: evicting the first takes its pool
+    with it, so the bound holds with the second alone."""
+    scratch = {8: 10_000, 64: 100}  # by hidden size
+    monkeypatch.setattr(op_graphs, "_scratch", lambda slots, tokens, hidden_size, *a, **k: scratch[hidden_size])
+    x, cfg = _case(0, H=8)
+    monkeypatch.setattr(op_graphs, "MAX_BYTES", 10_000 + sum(t.numel() * t.element_size() for t in x[:3]) + 6 * 8 * 4)
+    _serve(x, cfg), _serve(x, cfg)
+    y = (_case(0, H=64)[0][0],) + x[1:3] + (torch.ones(4, 8, 64), torch.ones(4, 64, 4)) + x[5:]
+    _serve(y, cfg), _serve(y, cfg)
+    assert op_graphs.counts["captured"] == 2 and len(op_graphs._GRAPHS) == 1
+    assert op_graphs._BYTES[0] == _held() <= op_graphs.MAX_BYTES
+
+
+def test_a_failed_capture_retires_its_pool(fake_cuda):
+    """A capture that fails may leave its allocations in its pool: the graphs already in it keep it, and the next
+    graph of that size is captured into a new one."""
+    args, cfg = _case(0)
+    _serve(args, cfg), _serve(args, cfg)
+    (first,) = op_graphs._GRAPHS.values()
+    other = args[:3] + (args[3].clone(),) + args[4:]
+    fake_cuda["fail"] = True
+    _serve(other, cfg), _serve(other, cfg)
+    fake_cuda["fail"] = False
+    assert op_graphs.counts["failed"] == 1 and first.pool.key not in op_graphs._POOLS
+    third = args[:3] + (args[3].clone(),) + args[4:]
+    _serve(third, cfg), _serve(third, cfg)
+    latest = op_graphs._GRAPHS[next(reversed(op_graphs._GRAPHS))]
+    assert latest.pool is not first.pool and op_graphs._POOLS[latest.pool.key] is latest.pool
+    assert torch.equal(_serve(args, cfg)[0], _stand_in_kernels(*args)[0])
+    assert op_graphs._BYTES[0] == sum(b.numel() * b.element_size() for b, _ in op_graphs._BUFFERS.values()) + \
+        first.pool.nbytes + latest.pool.nbytes
 
 
 def test_non_contiguous_activations_take_no_graph(fake_cuda):

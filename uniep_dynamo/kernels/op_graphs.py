@@ -9,8 +9,8 @@ and copies the output out.
 
 Where it applies (``forward``): an op whose spec says its graph reads only its first output, takes no gradient and
 runs outside inductor's CUDA-graph trees (``ExpertsSpec.inference``, backend.mark_inference), on CUDA, outside a
-CUDA graph being captured, with at most ``MAX_SLOTS`` routed slots (Sizes, below) and a config whose forward GEMMs read no host row
-counts (per_expert_mm), under ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton
+CUDA graph being captured, with at most ``MAX_SLOTS`` routed slots (Sizes, below) and a config whose forward GEMMs
+read no host row counts (per_expert_mm), under ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton
 compiles there, not inside a capture); the second is captured and replayed; later ones replay. Where such an op's
 router op feeds it alone, the backend makes the two one ``uniep::moe_block`` (backend._fuse_block), and
 ``block_forward`` captures router and experts into one graph, under the same conditions: one host call and one
@@ -27,14 +27,17 @@ graph that asked for this reads none of them); the first is a copy of the graph'
 a later replay writes.
 
 Memory. A replay's memory is scratch outside that replay: the host copies the activations into the graph's input
-buffers, replays, and copies the output out of its output buffer, under one lock, in one stream's order. So the graphs
-of a device and stream share it all: one private memory pool for what their kernels allocate (the gathered rows, the
-up projection, the activation: a graph's captured allocations are reused by the next capture into the pool), and one
-input and one output buffer of each shape and dtype (a model's layers of one size share them). A model of 48 layers
-thus holds about one layer's scratch (about 140 MB at 1024 tokens of Qwen3-30B-A3B's shape), not 48. ``MAX_BYTES``
-bounds the estimate of the pools and buffers held (a call whose own scratch would exceed it takes no graph), and
-``MAX_GRAPHS`` the graphs; the least recently used go first. ``clear()`` drops them all (a model deleted leaves its
-graphs until they are evicted or cleared).
+buffers, replays, and copies the output out of its output buffer, under one lock, in one stream's order. So graphs
+share it: those of one stream and one size capture into one private memory pool (what their kernels allocate: the
+gathered rows, the up projection, the activation; each capture reuses what the one before freed, since they allocate
+alike), and the graphs of a stream read and write one input buffer of each position and layout and one output buffer
+of each shape and dtype (made apart for inference_mode's calls, whose buffers are inference tensors). A model of 48
+layers thus holds about one layer's scratch (about 140 MB at 1024 tokens of Qwen3-30B-A3B's shape), not 48; a pool
+goes with the last graph of its size (a pool shared by sizes would keep every size's segments). ``MAX_BYTES`` bounds
+the estimate of the pools and buffers held (a call whose own graph would exceed it takes none), and ``MAX_GRAPHS``
+the graphs; the least recently used go first. A failed capture may leave its allocations in its pool (PyTorch does
+not release them): no graph is captured into that pool again. ``clear()`` drops them all (a model deleted leaves
+its graphs until they are evicted or cleared).
 
 Sizes. Up to ``MAX_SLOTS`` routed slots: decode steps, and prefills of up to 1024 tokens at top-8 (8192 slots), where
 the op's host time (about 0.9 ms a layer at 1024 tokens) exceeded its kernels' and made a compiled forward's prefill
@@ -62,8 +65,8 @@ _GRAPHS: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph, l
 _SEEN: set = set()  # keys run once without a graph (their kernels compiled)
 _REFUSED: set = set()  # keys whose capture failed: they run without a graph
 _BYTES = [0]  # the estimate of what _POOLS and _BUFFERS hold
-_POOLS: dict = {}  # (device index, stream id) -> [pool handle, its estimated bytes, graphs in it]
-_BUFFERS: dict = {}  # (device index, stream id, shape, stride, dtype) -> [buffer, graphs reading or writing it]
+_POOLS: dict = {}  # (device index, stream id, the activations' and the output's layouts) -> _Pool
+_BUFFERS: dict = {}  # (device index, stream id, inference mode, position, shape, stride, dtype) -> [buffer, users]
 _STREAMS: dict = {}  # device index -> the side stream graphs are captured on
 _LOCK = threading.Lock()
 
@@ -71,9 +74,19 @@ _LOCK = threading.Lock()
 class _Graph:
     __slots__ = ("graph", "inputs", "out", "shapes", "pool", "buffers")
 
-    def __init__(self, graph, inputs, out, shapes, pool, buffers):
-        self.graph, self.inputs, self.out, self.shapes, self.pool, self.buffers = \
-            graph, inputs, out, shapes, pool, buffers
+    def __init__(self, graph, pool):
+        self.graph, self.pool = graph, pool
+        self.inputs, self.out, self.shapes, self.buffers = [], None, None, []
+
+
+class _Pool:
+    """A private memory pool that the graphs of one stream and one size capture into (their captures allocate
+    alike, so each reuses what the one before freed), its estimated bytes, and how many graphs use it. It goes, and
+    its memory with it, when its last graph does."""
+    __slots__ = ("handle", "key", "nbytes", "graphs")
+
+    def __init__(self, handle, key):
+        self.handle, self.key, self.nbytes, self.graphs = handle, key, 0, 0
 
 
 def enabled() -> bool:
@@ -272,41 +285,42 @@ def _scratch(slots: int, tokens: int, hidden_size: int, inter: int, size: int, e
 
 def _buffer(place, slot, shape, stride, dtype, device, taken):
     """The shared buffer of this shape, stride and dtype for the graphs of ``place`` (device index, stream id) at
-    ``slot`` (an input's position, or "out"; two inputs of one call of the same layout are two buffers): a replay's
-    inputs and output are read and written only inside its call, under the lock, in the stream's order."""
-    key = place + (slot, tuple(shape), tuple(stride), dtype)
+    ``slot`` (an input's position, or "out"; two inputs of one call of the same layout are two buffers), made under
+    the current inference mode (inference_mode's buffers are inference tensors, which a no_grad call may not write):
+    a replay's inputs and output are read and written only inside its call, under the lock, in the stream's order."""
+    key = place + (torch.is_inference_mode_enabled(), slot, tuple(shape), tuple(stride), dtype)
     held = _BUFFERS.get(key)
     if held is None:
         held = _BUFFERS[key] = [torch.empty_strided(shape, stride, dtype=dtype, device=device), 0]
         _BYTES[0] += _nbytes([held[0]])
-    if key not in taken:
-        held[1] += 1
-        taken.append(key)
+    held[1] += 1
+    taken.append(key)
     return held[0]
 
 
 def _release(entry) -> None:
     """An evicted graph's share of the buffers and its pool: those no graph uses any more are dropped."""
     for key in entry.buffers:
-        held = _BUFFERS[key]
-        held[1] -= 1
-        if not held[1]:
-            _BYTES[0] -= _nbytes([held[0]])
-            del _BUFFERS[key]
-    pool = _POOLS[entry.pool]
-    pool[2] -= 1
-    if not pool[2]:
-        _BYTES[0] -= pool[1]
-        del _POOLS[entry.pool]
+        held = _BUFFERS.get(key)
+        if held is not None:
+            held[1] -= 1
+            if not held[1]:
+                _BYTES[0] -= _nbytes([held[0]])
+                del _BUFFERS[key]
+    pool = entry.pool
+    pool.graphs -= 1
+    if not pool.graphs:
+        _BYTES[0] -= pool.nbytes
+        if _POOLS.get(pool.key) is pool:
+            del _POOLS[pool.key]
 
 
 def _capture(key, activations, run, scratch, out_like):
-    """Capture ``run`` into a new graph in its stream's shared pool, reading the shared input buffers of the
+    """Capture ``run`` into a new graph in the pool of its stream and size, reading the shared input buffers of the
     activations' layouts and writing its first output into the shared output buffer of ``out_like``; or None where
     it cannot be (the key then runs without a graph, and the reason is logged)."""
     device = activations[0].device
     current = torch.cuda.current_stream(device)
-    place = (device.index, current.stream_id)
     out_shape, out_dtype = out_like
     own = scratch + _nbytes(activations) + _nbytes([torch.empty(out_shape, dtype=out_dtype, device="meta")])
     if own > MAX_BYTES:  # (alone over the bound: it would evict every other graph and still exceed it)
@@ -314,33 +328,36 @@ def _capture(key, activations, run, scratch, out_like):
         log.info("uniep: an experts call would hold about %d MB in a CUDA graph of its own (op_graphs.MAX_BYTES: %d "
                  "MB); calls of its shapes run their kernels one by one", own >> 20, MAX_BYTES >> 20)
         return None
-    pool = _POOLS.get(place)
+    place = (device.index, current.stream_id)
+    size = place + (tuple(_meta(t) for t in activations), tuple(out_shape), out_dtype)
+    pool = _POOLS.get(size)
     if pool is None:
-        pool = _POOLS[place] = [torch.cuda.graph_pool_handle(), 0, 0]
-    taken = []
-    inputs = [_buffer(place, i, t.shape, t.stride(), t.dtype, device, taken) for i, t in enumerate(activations)]
-    out = _buffer(place, "out", out_shape, torch.empty(out_shape, device="meta").stride(), out_dtype, device, taken)
-    pool[2] += 1
-    if scratch > pool[1]:
-        _BYTES[0] += scratch - pool[1]
-        pool[1] = scratch
+        pool = _POOLS[size] = _Pool(torch.cuda.graph_pool_handle(), size)
+    graph = torch.cuda.CUDAGraph()
+    entry = _Graph(graph, pool)
+    pool.graphs += 1
+    if scratch > pool.nbytes:
+        _BYTES[0] += scratch - pool.nbytes
+        pool.nbytes = scratch
     side = _STREAMS.get(device.index)
     if side is None:
         side = _STREAMS[device.index] = torch.cuda.Stream(device)
-    side.wait_stream(current)
-    graph = torch.cuda.CUDAGraph()
     calls_before = dict(counters["uniep_kernels"])  # a capture is no call: the replay counts it
 
     def restore_counts():
         counters["uniep_kernels"].clear()
         counters["uniep_kernels"].update(calls_before)
 
-    entry = _Graph(graph, inputs, out, None, place, taken)
     try:
+        entry.inputs = [_buffer(place, i, t.shape, t.stride(), t.dtype, device, entry.buffers)
+                        for i, t in enumerate(activations)]
+        out = entry.out = _buffer(place, "out", out_shape, torch.empty(out_shape, device="meta").stride(), out_dtype,
+                                  device, entry.buffers)
+        side.wait_stream(current)
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=pool[0], capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
             try:
-                outputs = run(inputs)
+                outputs = run(entry.inputs)
                 if (outputs[0].shape, outputs[0].dtype) != (out.shape, out.dtype):
                     raise RuntimeError(f"the output is {tuple(outputs[0].shape)} of {outputs[0].dtype}, not "
                                        f"{tuple(out.shape)} of {out.dtype}")
@@ -350,6 +367,10 @@ def _capture(key, activations, run, scratch, out_like):
     except Exception as exc:  # noqa: BLE001 -- any failure to capture: this kind of call runs without a graph
         current.wait_stream(side)
         restore_counts()
+        # a failed capture may leave its allocations in the pool for good (PyTorch does not release them): no graph
+        # is captured into it again, and it goes with the graphs that use it
+        if _POOLS.get(pool.key) is pool:
+            del _POOLS[pool.key]
         _release(entry)
         _refuse(key)
         counts["failed"] += 1
@@ -377,9 +398,10 @@ def _write(out, value):
 
 def clear() -> None:
     """Drop every graph, pool and buffer (their memory returns to PyTorch's allocator once no replay is pending)."""
-    _GRAPHS.clear()
-    _SEEN.clear()
-    _REFUSED.clear()
-    _POOLS.clear()
-    _BUFFERS.clear()
-    _BYTES[0] = 0
+    with _LOCK:  # (not in the middle of another thread's capture or replay)
+        _GRAPHS.clear()
+        _SEEN.clear()
+        _REFUSED.clear()
+        _POOLS.clear()
+        _BUFFERS.clear()
+        _BYTES[0] = 0
