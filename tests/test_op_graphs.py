@@ -578,6 +578,15 @@ def test_a_marked_op_refuses_to_be_recorded_for_a_backward():
         torch.ops.uniep.moe_experts(hidden, ids, weights, w_up, w_down, None, None, [], marked)
 
 
+def test_calls_whose_kernels_hide_the_host_time_take_no_graph():
+    """A graph is for calls whose host time is not hidden under their kernels': up to MAX_SLOTS routed slots and
+    MAX_GRAPH_FLOP of GEMMs. Qwen3-30B-A3B's prefill of 1024 tokens takes one; Mixtral-8x7B's of 512 tokens (361
+    GFLOP) does not, its decode steps do; nothing past MAX_SLOTS, and no empty call."""
+    assert op_graphs.worth_a_graph(1024 * 8, 2048, 768)
+    assert not op_graphs.worth_a_graph(512 * 2, 4096, 14336) and op_graphs.worth_a_graph(32 * 2, 4096, 14336)
+    assert not op_graphs.worth_a_graph(op_graphs.MAX_SLOTS + 1, 8, 8) and not op_graphs.worth_a_graph(0, 8, 8)
+
+
 def test_the_memory_estimate_counts_the_pools_segments():
     assert op_graphs._pool_bytes([1000, 1 << 20]) == 2 << 20  # small buffers: the pool's one 2 MiB segment
     assert op_graphs._pool_bytes([3 << 20]) == (2 << 20) + (20 << 20)

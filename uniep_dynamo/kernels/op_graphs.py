@@ -41,7 +41,8 @@ its graphs until they are evicted or cleared).
 
 Sizes. Up to ``MAX_SLOTS`` routed slots: decode steps, and prefills of up to 1024 tokens at top-8 (8192 slots), where
 the op's host time (about 0.9 ms a layer at 1024 tokens) exceeded its kernels' and made a compiled forward's prefill
-slower than inductor's (BENCHMARKS.md, twenty-fourth session). A graph serves one stream (the current stream is in the
+slower than inductor's (BENCHMARKS.md, twenty-fourth session); and GEMMs of at most ``MAX_GRAPH_FLOP``, past which the
+kernels hide the host time a graph saves (``worth_a_graph``). A graph serves one stream (the current stream is in the
 key), and the lock keeps two threads from filling the buffers at once.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ import torch
 from torch._dynamo.utils import counters
 
 MAX_SLOTS = 8192  # routed slots (tokens x top-k) of the largest call served from a graph
+MAX_GRAPH_FLOP = 256e9  # and its GEMMs' work (worth_a_graph)
 MAX_GRAPHS = 512
 MAX_BYTES = 512 << 20  # the shared pools' and buffers' estimated bytes
 MAX_SEEN = 4096  # kinds of call remembered as run once (forgotten all at once past it)
@@ -109,15 +111,26 @@ def forward(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec, pl
 
 
 def _graph_config(num_slots, hidden, w_up, w_down, spec):
-    """The experts' config for a call of ``num_slots`` routed slots that a graph may serve (at most MAX_SLOTS, on
+    """The experts' config for a call of ``num_slots`` routed slots that a graph may serve (``worth_a_graph``, on
     CUDA, op graphs on, outside a capture), else None."""
-    if not (0 < num_slots <= MAX_SLOTS and hidden.is_cuda and enabled()
+    inter = _inter(w_down, spec)
+    if not (worth_a_graph(num_slots, hidden.shape[1], inter) and hidden.is_cuda and enabled()
             and not torch.cuda.is_current_stream_capturing()):
         return None
     from . import config as config_mod
 
-    return config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], _inter(w_down, spec), False,
-                                     dtype=hidden.dtype, device=hidden.device)
+    return config_mod.current_config(num_slots, w_up.shape[0], hidden.shape[1], inter, False, dtype=hidden.dtype,
+                                     device=hidden.device)
+
+
+def worth_a_graph(num_slots: int, hidden_size: int, inter: int) -> bool:
+    """Whether a call of this size may take a graph: at most MAX_SLOTS routed slots, and GEMMs of at most
+    MAX_GRAPH_FLOP (6 * slots * H * I: the gated up projection and the down projection). A graph saves the call's host
+    time (0.1-0.9 ms); past about MAX_GRAPH_FLOP the kernels take longer than that (0.5 ms at 500 TF/s) and hide it,
+    and a graph would only hold its scratch: Mixtral-8x7B's and DeepSeek-V3's experts past about 360 tokens,
+    GPT-OSS's past about 1280, while Qwen3-30B-A3B's prefills of 1024 tokens (77 GFLOP, the size measured) take theirs.
+    Where the bound lies between has not been measured."""
+    return 0 < num_slots <= MAX_SLOTS and 6 * num_slots * hidden_size * inter <= MAX_GRAPH_FLOP
 
 
 def _inter(w_down, spec) -> int:
