@@ -9,10 +9,10 @@ and copies the output out.
 
 Where it applies (``forward``): an op whose spec says its graph reads only its first output, takes no gradient and
 runs outside inductor's CUDA-graph trees (``ExpertsSpec.inference``, backend.mark_inference), on CUDA, outside a
-CUDA graph being captured, with at most ``MAX_SLOTS`` routed slots (Sizes, below) and a config whose forward GEMMs
-read no host row counts (per_expert_mm), under ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual (Triton
-compiles there, not inside a capture); the second is captured and replayed; later ones replay. Where such an op's
-router op feeds it alone, the backend makes the two one ``uniep::moe_block`` (backend._fuse_block), and
+CUDA graph being captured, of a size ``worth_a_graph`` (Sizes, below), with a config whose forward GEMMs read no
+host row counts (per_expert_mm), under ``UNIEP_OP_GRAPHS`` not 0. The first call of a kind runs the kernels as usual
+(Triton compiles there, not inside a capture); the second is captured and replayed; later ones replay. Where such an
+op's router op feeds it alone, the backend makes the two one ``uniep::moe_block`` (backend._fuse_block), and
 ``block_forward`` captures router and experts into one graph, under the same conditions: one host call and one
 replay a layer instead of two ops' host paths (about 190 and 230 µs a call at 8 tokens on the GPU hosts).
 
@@ -32,7 +32,7 @@ share it: those of one stream and one size capture into one private memory pool 
 gathered rows, the up projection, the activation; each capture reuses what the one before freed, since they allocate
 alike), and the graphs of a stream read and write one input buffer of each position and layout and one output buffer
 of each shape and dtype (made apart for inference_mode's calls, whose buffers are inference tensors). A model of 48
-layers thus holds about one layer's scratch (about 140 MB at 1024 tokens of Qwen3-30B-A3B's shape), not 48; a pool
+layers thus holds about one layer's scratch (70 MB measured at 1024 tokens of Qwen3-30B-A3B's shape), not 48; a pool
 goes with the last graph of its size (a pool shared by sizes would keep every size's segments). ``MAX_BYTES`` bounds
 the estimate of the pools and buffers held (a call whose own graph would exceed it takes none), and ``MAX_GRAPHS``
 the graphs; the least recently used go first. A failed capture may leave its allocations in its pool (PyTorch does
@@ -342,7 +342,7 @@ def _capture(key, activations, run, scratch, out_like):
                  "MB); calls of its shapes run their kernels one by one", own >> 20, MAX_BYTES >> 20)
         return None
     place = (device.index, current.stream_id)
-    size = place + (tuple(_meta(t) for t in activations), tuple(out_shape), out_dtype)
+    size = place + (tuple(_meta(t) for t in activations), tuple(out_shape), out_dtype, scratch)  # (alike captures)
     pool = _POOLS.get(size)
     if pool is None:
         pool = _POOLS[size] = _Pool(torch.cuda.graph_pool_handle(), size)
