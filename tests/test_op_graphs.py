@@ -470,7 +470,9 @@ def test_the_bytes_bound_holds_once_older_graphs_are_evicted(fake_cuda, monkeypa
     """A graph of large scratch, then one of larger buffers but small scratch: evicting the first takes its pool
     with it, so the bound holds with the second alone."""
     scratch = {8: 10_000, 64: 100}  # by hidden size
-    monkeypatch.setattr(op_graphs, "_scratch", lambda slots, tokens, hidden_size, *a, **k: scratch[hidden_size])
+    real = op_graphs._sizes
+    monkeypatch.setattr(op_graphs, "_sizes", lambda slots, hidden, *a, **k: (scratch[hidden.shape[1]],
+                                                                            real(slots, hidden, *a, **k)[1]))
     x, cfg = _case(0, H=8)
     monkeypatch.setattr(op_graphs, "MAX_BYTES", 10_000 + sum(t.numel() * t.element_size() for t in x[:3]) + 6 * 8 * 4)
     _serve(x, cfg), _serve(x, cfg)

@@ -341,9 +341,8 @@ def mark_inference(gm: torch.fx.GraphModule, nodes: set | None = None) -> int:
             continue
         node.args = node.args[:8] + (dataclasses.replace(spec, inference=True).encode(),) + node.args[9:]
         marked += 1
-        _note_in_report(gm, node, "moe_experts", spec.describe() + f"; on CUDA, calls of at most "
-                        f"{op_graphs.MAX_SLOTS} routed slots and {op_graphs.MAX_GRAPH_FLOP / 1e9:.0f} GFLOP replay "
-                        "the op's CUDA graph")
+        _note_in_report(gm, node, "moe_experts", spec.describe() + f"; on CUDA, {_graphed_calls()} replay the op's "
+                        "CUDA graph")
         ids = gu.tensor_meta(node.args[1])
         slots = ids.numel() if ids is not None else None
         if node.kwargs.get("plan_row_order") is not None and isinstance(slots, int) and slots <= op_graphs.MAX_SLOTS:
@@ -392,7 +391,6 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | N
     builds it and its experts take it) or by nothing; its logits (0) by nothing; the experts op takes no post
     operands; nothing between the two writes in place; both are among ``nodes`` (where given: the nodes run with
     grad mode off). Returns whether it fused them."""
-    from .kernels import op_graphs
     from .spec import decode_router_spec
 
     ids, weights = experts.args[1], experts.args[2]
@@ -441,13 +439,19 @@ def _fuse_block(gm: torch.fx.GraphModule, experts: torch.fx.Node, nodes: set | N
         if not rewrite.graph and (experts.name in rewrite.added or router.name in rewrite.added):
             rewrite.added.append(block.name)
     _drop_from_report(gm, names)
-    graphed = (f": on CUDA, calls of at most {op_graphs.MAX_SLOTS} routed slots and "
-               f"{op_graphs.MAX_GRAPH_FLOP / 1e9:.0f} GFLOP replay one CUDA graph of both")
+    graphed = f": on CUDA, {_graphed_calls()} replay one CUDA graph of both"
     _note_in_report(gm, block, "moe_router", rspec.describe() + "; one uniep.moe_block with the experts it routes to"
                     + graphed)
     _note_in_report(gm, block, "moe_experts", decode_spec(experts.args[8]).describe()
                     + "; one uniep.moe_block with the router" + graphed)
     return True
+
+
+def _graphed_calls() -> str:
+    """Which calls of a marked op take its CUDA graph (op_graphs.worth_a_graph), for the report."""
+    from .kernels import op_graphs
+
+    return f"calls of at most {op_graphs.MAX_SLOTS} routed slots and {op_graphs.MAX_GRAPH_FLOP / 1e9:.0f} GFLOP"
 
 
 def _no_backward_in_report(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:

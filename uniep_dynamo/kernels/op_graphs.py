@@ -173,8 +173,7 @@ def _from_graph(hidden, topk_ids, topk_weights, w_up, w_down, b_up, b_down, spec
         return megakernel.experts_forward(inputs[0], inputs[1], inputs[2], w_up, w_down, b_up, b_down, spec,
                                           plan=tuple(inputs[3:6]) if plan is not None else None, config=cfg)
 
-    scratch = _scratch(topk_ids.numel(), hidden.shape[0], hidden.shape[1], _inter(w_down, spec), hidden.element_size())
-    served = _serve(key, activations, run, scratch, ((hidden.shape[0], hidden.shape[1]), spec.out_dtype))
+    served = _serve(key, activations, run, lambda: _sizes(topk_ids.numel(), hidden, w_down, spec))
     if served is None:
         return None
     out, entry = served
@@ -238,9 +237,8 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
             and megakernel.unsupported_reason(hidden, ids, w_up, w_down, b_up, b_down, [], spec) is None
 
     tokens = router_hidden.shape[0]
-    scratch = _scratch(tokens * router_spec.top_k, tokens, hidden.shape[1], _inter(w_down, spec), hidden.element_size(),
-                       extra=tokens * router_spec.num_experts * 4)  # (the router's fp32 logits)
-    served = _serve(key, activations, run, scratch, ((hidden.shape[0], hidden.shape[1]), spec.out_dtype), fused)
+    served = _serve(key, activations, run, lambda: _sizes(tokens * router_spec.top_k, hidden, w_down, spec,
+                                                          extra=tokens * router_spec.num_experts * 4), fused)
     if served is not None:
         counters["uniep_kernels"]["triton_router"] += 1
         counters["uniep_kernels"]["triton_forward"] += 1
@@ -248,13 +246,13 @@ def _block_from_graph(router_hidden, router_weight, router_bias, score_bias, rou
     return eager(cfg)  # (a kind whose kernels are not the fused ones is refused at its capture: fused() above)
 
 
-def _serve(key, activations, run, scratch, out_like, ready=None):
+def _serve(key, activations, run, sizes, ready=None):
     """(a copy of the first output, the graph) of the call of ``key`` replayed from its CUDA graph, or None where none
     serves it (yet): the first call of a key is left to the caller; the second captures ``run(input buffers)``, which
     returns the op's outputs (the experts': their first, and the up and down rows at 4 and 5), where ``ready()`` (if
     given) says the call may be captured, else the key is refused. ``activations``: the tensors copied into the
-    graph's input buffers at each call; ``scratch``: the estimated bytes its kernels allocate (_scratch);
-    ``out_like``: (shape, dtype) of the first output."""
+    graph's input buffers at each call; ``sizes()``: (the estimated bytes its kernels allocate, (shape, dtype) of
+    the first output), asked at a capture only (_sizes)."""
     with _LOCK:  # another thread's copies into the same buffers would race with this call's
         entry = _GRAPHS.get(key)
         if entry is None:
@@ -268,7 +266,7 @@ def _serve(key, activations, run, scratch, out_like, ready=None):
             if ready is not None and not ready():
                 _refuse(key)
                 return None
-            entry = _capture(key, activations, run, scratch, out_like)
+            entry = _capture(key, activations, run, *sizes())
             if entry is None:
                 return None
         else:
@@ -288,12 +286,14 @@ def _refuse(key) -> None:
     _REFUSED.add(key)
 
 
-def _scratch(slots: int, tokens: int, hidden_size: int, inter: int, size: int, extra: int = 0) -> int:
-    """About what a call's kernels allocate in its graph's pool (bytes, as _pool_bytes counts segments): the output,
-    the gathered rows, the up projection (gate and up), the activation, the down rows, the routing's few bytes a slot,
-    and ``extra`` (the block's router logits)."""
-    return _pool_bytes([tokens * hidden_size * size, slots * hidden_size * size, slots * 2 * inter * size,
-                        slots * inter * size, slots * hidden_size * size, slots * 32, extra])
+def _sizes(slots: int, hidden, w_down, spec, extra: int = 0):
+    """(about what a call's kernels allocate in its graph's pool, in bytes as _pool_bytes counts segments: the
+    output, the gathered rows, the up projection (gate and up), the activation, the down rows, the routing's few
+    bytes a slot, and ``extra`` (the block's router logits); (shape, dtype) of its output)."""
+    (tokens, hidden_size), size, inter = hidden.shape, hidden.element_size(), _inter(w_down, spec)
+    scratch = _pool_bytes([tokens * hidden_size * size, slots * hidden_size * size, slots * 2 * inter * size,
+                           slots * inter * size, slots * hidden_size * size, slots * 32, extra])
+    return scratch, ((tokens, hidden_size), spec.out_dtype)
 
 
 def _buffer(place, slot, shape, stride, dtype, device, taken):
@@ -335,7 +335,8 @@ def _capture(key, activations, run, scratch, out_like):
     device = activations[0].device
     current = torch.cuda.current_stream(device)
     out_shape, out_dtype = out_like
-    own = scratch + _nbytes(activations) + _nbytes([torch.empty(out_shape, dtype=out_dtype, device="meta")])
+    out_meta = torch.empty(out_shape, dtype=out_dtype, device="meta")
+    own = scratch + _nbytes(activations) + _nbytes([out_meta])
     if own > MAX_BYTES:  # (alone over the bound: it would evict every other graph and still exceed it)
         _refuse(key)
         log.info("uniep: an experts call would hold about %d MB in a CUDA graph of its own (op_graphs.MAX_BYTES: %d "
@@ -364,8 +365,7 @@ def _capture(key, activations, run, scratch, out_like):
     try:
         entry.inputs = [_buffer(place, i, t.shape, t.stride(), t.dtype, device, entry.buffers)
                         for i, t in enumerate(activations)]
-        out = entry.out = _buffer(place, "out", out_shape, torch.empty(out_shape, device="meta").stride(), out_dtype,
-                                  device, entry.buffers)
+        out = entry.out = _buffer(place, "out", out_shape, out_meta.stride(), out_dtype, device, entry.buffers)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")

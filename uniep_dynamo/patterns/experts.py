@@ -226,9 +226,6 @@ _VIEW_OPS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", 
              "getitem", "detach", "to", "float", "type_as")
 
 
-_is_in_place = gu.is_in_place
-
-
 def _require_no_writes_to_inputs(nodes: list, inputs: list) -> None:
     """The op call replaces the region at its last node, so its inputs are read later than the region
     read them. Refuse if anything outside the region writes in place to an input (or a tensor it views)
@@ -245,7 +242,7 @@ def _require_no_writes_to_inputs(nodes: list, inputs: list) -> None:
     members = set(nodes)
     graph_nodes = list(nodes[0].graph.nodes)
     for node in graph_nodes[graph_nodes.index(nodes[0]):graph_nodes.index(nodes[-1])]:
-        if node not in members and _is_in_place(node) and node.args and node.args[0] in aliases:
+        if node not in members and gu.is_in_place(node) and node.args and node.args[0] in aliases:
             raise Mismatch(f"{node.name} writes in place to {node.args[0].name}, an input of the experts region, "
                            "while the region runs")
 
@@ -263,7 +260,7 @@ def region_nodes(root: Node, env: dict) -> list:
             region.add(node)
             stack.extend(a for a in node.all_input_nodes if a in env)
         writes = [u for n in region for u in n.users if u not in region and u in env
-                  and _is_in_place(u) and u.args[0] in region]
+                  and gu.is_in_place(u) and u.args[0] in region]
         if not writes:
             break
         stack.extend(writes)
