@@ -97,8 +97,11 @@ def build_experts(cls, implementation="grouped_mm", dtype=torch.float32, seed=0)
             try:
                 torch.manual_seed(seed)
                 extra = {}
-                if "intermediate_size" in inspect.signature(cls.__init__).parameters:
+                parameters = inspect.signature(cls.__init__).parameters
+                if "intermediate_size" in parameters:
                     extra["intermediate_size"] = SMALL_SIZES["moe_intermediate_size"]  # the parent passes it
+                if "layer_idx" in parameters:  # per-layer settings (BailingHybrid's and Step3p7's SwiGLU limits)
+                    extra["layer_idx"] = 0
                 experts = cls(config, **extra)
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"{cls.__name__}({type(config).__name__}): {exc!r}"[:200])

@@ -107,6 +107,63 @@ def test_block_under_checkpoint_or_nested_region(wrap):
         assert torch.equal(first[2][name], second[2][name]), name
 
 
+class _Switch:
+    """A context variable's stand-in that compiles as a plain attribute (kernels' and transformers'
+    CompileableContextVar): set before the call, reset after it."""
+    value = None
+
+
+_SWITCH = _Switch()
+
+
+@pytest.mark.parametrize("backend,options,fused", [
+    ("uniep", {"inner_backend": "aot_eager"}, True),  # traced: the side effect applied once, in the forward
+    ("uniep", {"inner_backend": "aot_eager", "trace_checkpoint_side_effects": False}, False),  # Dynamo's break
+    ("aot_eager", None, False),  # another backend's compile sees Dynamo's setting as it is: the break stays
+])
+def test_side_effects_in_a_checkpoint_body(backend, options, fused):
+    """A checkpointed layer that writes an object from outside its body (every HF decoder layer since transformers
+    5.25: the kernels package's context variable around the attention; the router logits appended to the step's
+    list) breaks Dynamo's graph, and the checkpoint runs eagerly, unfused. In uniep's compiles it is traced with
+    the write applied once: the rewrite fires inside the body, the write is seen after the step, and loss and
+    gradients equal eager's. Other compiles, and uniep's with the option off, keep the break."""
+    model = build_model("qwen3_moe")
+    block = model.model.layers[0].mlp
+    seen = []
+
+    def layer(x):
+        _SWITCH.value = "fused kernels"
+        try:
+            out = block(x)
+            seen.append(out.shape[-1])  # the output capture's append
+            return out
+        finally:
+            _SWITCH.value = None
+
+    def run(x):
+        return checkpoint(layer, x, use_reentrant=False)
+
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(3))
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = run(eager_x)
+    eager.square().sum().backward()
+    eager_grads = {n: p.grad for n, p in block.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    seen.clear()
+    breaks_before = sum(counters["graph_break"].values())
+    compiled = torch.compile(run, backend=backend, options=options)
+    out = compiled(compiled_x)
+    out.square().sum().backward()
+    assert counters["uniep"]["moe_experts"] == int(fused) and counters["uniep"]["moe_router"] == int(fused)
+    assert (sum(counters["graph_break"].values()) == breaks_before) == fused, dict(counters["graph_break"])
+    assert _SWITCH.value is None and seen and seen[0] == 32
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
+    assert max_rel_err(out, eager) <= TOLERANCE[torch.float32]
+    assert max_rel_err(compiled_x.grad, eager_x.grad) <= 1e-4
+    for name, p in block.named_parameters():
+        assert max_rel_err(p.grad, eager_grads[name]) <= 1e-4, name
+
+
 def test_weights_passed_into_a_body_as_plain_tensors_rewrite():
     """Inside a checkpoint's body every input is a placeholder. Expert weights passed in as plain tensors (no
     parameters: a functional call's) are rewritten as parameters are, and their gradients flow out of the body."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch._dynamo.utils import counters
 
-from . import capture, ddp, hf_ep, report
+from . import capture, checkpoint_effects, ddp, hf_ep, report
 from .spec import decode_spec
 from .lowering import (lower_combine, lower_dispatch, lower_exchange, lower_experts, lower_layer, lower_router,
                        share_routing_plan)
@@ -30,6 +30,8 @@ from .patterns.graph_utils import IN_PLACE_OPERATORS, module_path, op_name
 log = logging.getLogger("uniep")
 
 INNER_BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
+
+checkpoint_effects.install()  # a no-op for other backends' compiles (checkpoint_effects.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,11 @@ class UniepOptions:
     # site only, in uniep's compiles: capture.py), so that the layer is one graph and one uniep.ep_layer. False: the
     # two graphs as Dynamo made them
     capture_ep_sizes: bool = True
+    # Python side effects inside an activation-checkpoint body (every HF decoder layer since transformers 5.25: the
+    # kernels package's context variable around the attention; HF's output capture hooks) traced and applied once,
+    # in the forward, as torch's skip_fwd_side_effects_in_bwd_under_checkpoint does, in uniep's compiles only
+    # (checkpoint_effects.py). False: Dynamo's graph break there, and the checkpointed layer runs eagerly, unfused
+    trace_checkpoint_side_effects: bool = True
 
     @classmethod
     def from_options(cls, options: dict | None) -> "UniepOptions":

@@ -1,0 +1,82 @@
+"""Activation-checkpoint bodies with Python side effects, traced in uniep's compiles.
+
+Dynamo refuses a write to an object from outside a ``torch.utils.checkpoint`` body (eager checkpointing runs the
+body again in the backward's recompute, side effects and all, which a graph cannot): it breaks the graph there, and
+the checkpoint then runs eagerly, out of every backend's reach (``torch.utils.checkpoint`` is excluded from
+Dynamo). Since transformers 5.25 every HF decoder layer writes so: the ``kernels`` package's hub wrapper around the
+attention's forward sets and resets a context variable (``CompileableContextVar``, a plain attribute while
+compiling); HF's output capture hooks append to the step's list (``output_router_logits=True``,
+``output_hidden_states=True``) in every version. A model trained with gradient checkpointing then has no MoE layer
+in any graph: uniep, and inductor, compile nothing inside its layers, and no graph says so.
+
+torch's own setting for it, ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``, traces such a
+body with its side effects applied once, in the forward, and not again in the backward's recompute (accelerate turns
+it on for compiled FSDP2 with activation checkpointing, as torchtitan does). The setting is process-wide. uniep turns
+it on for its own compiles only: Dynamo's checkpoint handler (``CheckpointHigherOrderVariable._call_function``) is
+wrapped once, at import, so that a checkpoint traced in a uniep compile with ``trace_checkpoint_side_effects`` on
+(the default) takes side effects; every other compile, another backend's, sees the setting as it is.
+
+What differs from eager checkpointing: a side effect of the body runs once a step instead of twice (the forward and
+the recompute). HF's are of the kind for which once is right: a context variable set and reset around one call, a
+list the step's outputs are read from (eager's recompute appends the router logits a second time, after the step
+read them). ``trace_checkpoint_side_effects=False`` keeps Dynamo's graph break for a body whose side effect must run
+again in the backward.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger("uniep")
+
+_INSTALLED: list = []
+_LOGGED: set = set()
+
+
+def _takes_side_effects(tx) -> bool:
+    """Whether the trace ``tx`` is a uniep compile with trace_checkpoint_side_effects on."""
+    try:
+        from .backend import UniepOptions
+        from .hf_ep import _uniep_options
+
+        call = _uniep_options(tx.output.compiler_fn)
+        return call is not None and UniepOptions.from_options(call[1]).trace_checkpoint_side_effects
+    except Exception:  # noqa: BLE001  (torch internals other than expected, or bad options: trace as Dynamo would)
+        return False
+
+
+def _site(tx) -> str:
+    code = getattr(tx, "f_code", None)
+    return f"{getattr(code, 'co_filename', '?')}:{getattr(tx, 'lineno', '?')}"
+
+
+def install() -> bool:
+    """Wrap Dynamo's checkpoint handler once (the module docstring). Returns whether it is wrapped: False where this
+    torch has no such handler, and checkpoint bodies with side effects then break the graph as Dynamo makes them."""
+    if _INSTALLED:
+        return True
+    try:
+        from torch._dynamo.variables.higher_order_ops import CheckpointHigherOrderVariable
+
+        original = CheckpointHigherOrderVariable._call_function
+    except (ImportError, AttributeError):
+        return False
+
+    @functools.wraps(original)
+    def _call_function(self, tx, *args, **kwargs):
+        if getattr(self, "allow_side_effects", True) or not _takes_side_effects(tx):
+            return original(self, tx, *args, **kwargs)
+        self.allow_side_effects = True  # this handler is made for this one call of the checkpoint
+        site = _site(tx)
+        if site not in _LOGGED:
+            _LOGGED.add(site)
+            log.info("uniep: the activation checkpoint at %s is traced with its side effects applied once, in the "
+                     "forward, not again in the backward's recompute (trace_checkpoint_side_effects=False keeps "
+                     "Dynamo's graph break there)", site)
+        return original(self, tx, *args, **kwargs)
+
+    CheckpointHigherOrderVariable._call_function = _call_function
+    _INSTALLED.append(original)
+    return True
