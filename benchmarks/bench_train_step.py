@@ -7,6 +7,7 @@ same model (dynamo is reset between backends). Prints a table and writes JSON.
 
     python benchmarks/bench_train_step.py --out train_step.json
     python benchmarks/bench_train_step.py --model qwen3-30b-a3b --checkpointing   # HF gradient checkpointing on
+    python benchmarks/bench_train_step.py --checkpointing --backends inductor,inductor_traced_checkpoint,uniep
 
 --time-experts: after timing uniep, one more step with CUDA events around the experts ops' work: their GPU time
 against the whole step's (what a faster experts layer could take off the step).
@@ -118,9 +119,21 @@ def breakdown(forward, backward, optimizer, top: int = 12) -> dict:
             "top_kernels": [[name, round(ms, 3)] for name, ms in ranked[:top]]}
 
 
-def time_backend(model, backend, input_ids, iters, warmup, time_experts=False, phases=False):
+# "inductor_traced_checkpoint": inductor with torch's own skip_fwd_side_effects_in_bwd_under_checkpoint on (process-wide,
+# for that row only), as accelerate's regional compile sets it: the checkpointed layers' side effects (transformers 5.25's
+# kernels context variable) traced, as uniep traces them in its own compiles (uniep_dynamo/checkpoint_effects.py)
+BACKENDS = {"inductor": ("inductor", False), "uniep": ("uniep", False), "inductor_traced_checkpoint": ("inductor", True)}
+
+
+def time_backend(model, name, input_ids, iters, warmup, time_experts=False, phases=False):
     from torch._dynamo.utils import counters
 
+    backend, traced_checkpoint = BACKENDS[name]
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=traced_checkpoint):
+        return _time_backend(model, backend, input_ids, iters, warmup, time_experts, phases, counters)
+
+
+def _time_backend(model, backend, input_ids, iters, warmup, time_experts, phases, counters):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend=backend)
@@ -147,7 +160,8 @@ def time_backend(model, backend, input_ids, iters, warmup, time_experts=False, p
     ms = time_cuda(step, iters, warmup)
     row = {"ms": round(ms, 2), "first_step_s": round(compile_s, 1), "first_loss": round(first_loss, 4),
            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "uniep_rewrites": counters["uniep"]["moe_experts"], "uniep_router_rewrites": counters["uniep"]["moe_router"]}
+           "uniep_rewrites": counters["uniep"]["moe_experts"], "uniep_router_rewrites": counters["uniep"]["moe_router"],
+           "graph_breaks": sum(counters["graph_break"].values())}
     if time_experts and backend == "uniep":
         row.update(experts_share(step))
     if phases:
@@ -165,7 +179,7 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--backends", default="inductor,uniep")
+    parser.add_argument("--backends", default="inductor,uniep", help=f"comma-separated, of {sorted(BACKENDS)}")
     parser.add_argument("--time-experts", action="store_true",
                         help="one more uniep step: GPU time of the experts ops' work against the whole step's")
     parser.add_argument("--breakdown", action="store_true",
@@ -182,7 +196,10 @@ def main():
         model.config.use_cache = False
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda",
                               generator=torch.Generator(device="cuda").manual_seed(0))
-    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": args.model,
+    import transformers
+
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": args.model,
             "checkpointing": args.checkpointing, "layers": args.layers,
             "batch": args.batch, "seq": args.seq}
     rows = {}

@@ -54,7 +54,7 @@ _HF_MODULE = "transformers.distributed.expert_parallel"
 # distributed/expert_parallel.py, distributed/configuration_utils.py (DistributedConfig) and integrations/moe.py (the
 # experts classes' attributes _signature reads) are byte for byte the same; tests/test_ep_compile.py passes on both.
 KNOWN_SOURCES = {
-    "b4c1844cdd90": "transformers 5.23 and 5.24",
+    "b4c1844cdd90": "transformers 5.23 to 5.25",
 }
 _installed = False
 _PROBES: dict = {}  # experts signature -> (spec text, parameter names) or a decline reason (str)
