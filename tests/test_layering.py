@@ -2,7 +2,8 @@
 
 Layers, top to bottom; a module imports modules of its own layer and the layers below, never above:
 
-    front       the package, backend, capture, cli, ddp, explain, report: what users and torch.compile call
+    front       the package, backend, capture, checkpoint_effects, cli, ddp, explain, report: what users and
+                torch.compile call
     tuner       the parameter search (it runs the ops and writes the tuning cache)
     lowering    region -> op call (it consumes the patterns' matches, so it sits above them)
     patterns    the MoE region matchers
@@ -25,8 +26,8 @@ PACKAGE = "uniep_dynamo"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 
 LAYERS = [  # (layer, module prefixes): a prefix names a module and, for a package, everything under it
-    ("front", ("uniep_dynamo.__init__", "uniep_dynamo.backend", "uniep_dynamo.capture", "uniep_dynamo.cli",
-               "uniep_dynamo.ddp",
+    ("front", ("uniep_dynamo.__init__", "uniep_dynamo.backend", "uniep_dynamo.capture",
+               "uniep_dynamo.checkpoint_effects", "uniep_dynamo.cli", "uniep_dynamo.ddp",
                "uniep_dynamo.explain", "uniep_dynamo.hf_ep", "uniep_dynamo.report")),
     ("tuner", ("uniep_dynamo.tuner",)),
     ("lowering", ("uniep_dynamo.lowering",)),
