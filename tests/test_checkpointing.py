@@ -3,6 +3,7 @@ or not, selective policies) and nested compile regions. Each case asserts that t
 that the op is recomputed in the backward rather than its outputs saved, and that loss and every gradient
 match eager with the same checkpointing."""
 import functools
+import logging
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import uniep_dynamo  # noqa: F401
 from conftest import TOLERANCE, max_rel_err
 from hf_models import build_model
 from test_models import loss_and_grads
-from uniep_dynamo import report
+from uniep_dynamo import checkpoint_effects, report
 
 
 def _compare(model, ids, compiled):
@@ -126,7 +127,7 @@ _SWITCH = _Switch()
     ("uniep", {"inner_backend": "aot_eager", "trace_checkpoint_side_effects": False}, False),  # Dynamo's break
     ("aot_eager", None, False),  # another backend's compile sees Dynamo's setting as it is: the break stays
 ])
-def test_side_effects_in_a_checkpoint_body(backend, options, fused):
+def test_side_effects_in_a_checkpoint_body(backend, options, fused, caplog):
     """A checkpointed layer that writes an object from outside its body (every HF decoder layer since transformers
     5.25: the kernels package's context variable around the attention; the router logits appended to the step's
     list) breaks Dynamo's graph, and the checkpoint runs eagerly, unfused. In uniep's compiles it is traced with
@@ -157,9 +158,16 @@ def test_side_effects_in_a_checkpoint_body(backend, options, fused):
     seen.clear()
     breaks_before = sum(counters["graph_break"].values())
     compiled = torch.compile(run, backend=backend, options=options)
-    out = compiled(compiled_x)
+    checkpoint_effects._LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="uniep"):
+        out = compiled(compiled_x)
     out.square().sum().backward()
     assert counters["uniep"]["moe_experts"] == int(fused) and counters["uniep"]["moe_router"] == int(fused)
+    # a uniep compile that leaves the checkpoint to eager says so (its layers are in no graph the report sees)
+    eager_warnings = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(eager_warnings) == (backend == "uniep" and not fused), eager_warnings
+    if eager_warnings:
+        assert "Unsafe side effect" in eager_warnings[0] and "no MoE layer inside it is fused" in eager_warnings[0]
     assert (sum(counters["graph_break"].values()) == breaks_before) == fused, dict(counters["graph_break"])
     assert _SWITCH.value is None and seen and seen[0] == 32
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False

@@ -21,6 +21,10 @@ the recompute). HF's are of the kind for which once is right: a context variable
 list the step's outputs are read from (eager's recompute appends the router logits a second time, after the step
 read them). ``trace_checkpoint_side_effects=False`` keeps Dynamo's graph break for a body whose side effect must run
 again in the backward.
+
+Where Dynamo cannot trace a checkpoint in a uniep compile (that option off, a host read inside the body, a hook that
+breaks the graph), uniep warns once per call site that the checkpoint runs eagerly and nothing inside it is fused:
+without it the missing rewrites would be silent, since the layers are in no graph the report sees.
 """
 from __future__ import annotations
 
@@ -35,16 +39,36 @@ _INSTALLED: list = []
 _LOGGED: set = set()
 
 
-def _takes_side_effects(tx) -> bool:
-    """Whether the trace ``tx`` is a uniep compile with trace_checkpoint_side_effects on."""
+def _uniep_call(tx):
+    """(mode, options) of the uniep compile the trace ``tx`` is, or None (another backend's, or torch internals
+    other than expected)."""
     try:
-        from .backend import UniepOptions
         from .hf_ep import _uniep_options
 
-        call = _uniep_options(tx.output.compiler_fn)
+        return _uniep_options(tx.output.compiler_fn)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _is_uniep(tx) -> bool:
+    return _uniep_call(tx) is not None
+
+
+def _takes_side_effects(tx) -> bool:
+    """Whether the trace ``tx`` is a uniep compile with trace_checkpoint_side_effects on."""
+    call = _uniep_call(tx)
+    try:
+        from .backend import UniepOptions
+
         return call is not None and UniepOptions.from_options(call[1]).trace_checkpoint_side_effects
-    except Exception:  # noqa: BLE001  (torch internals other than expected, or bad options: trace as Dynamo would)
+    except Exception:  # noqa: BLE001  (bad options: the backend says so when it is called; trace as Dynamo would)
         return False
+
+
+def _say_once(key, level: int, message: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.log(level, message, *args)
 
 
 def _site(tx) -> str:
@@ -66,16 +90,23 @@ def install() -> bool:
 
     @functools.wraps(original)
     def _call_function(self, tx, *args, **kwargs):
-        if getattr(self, "allow_side_effects", True) or not _takes_side_effects(tx):
+        if not _is_uniep(tx):
             return original(self, tx, *args, **kwargs)
-        self.allow_side_effects = True  # this handler is made for this one call of the checkpoint
         site = _site(tx)
-        if site not in _LOGGED:
-            _LOGGED.add(site)
-            log.info("uniep: the activation checkpoint at %s is traced with its side effects applied once, in the "
-                     "forward, not again in the backward's recompute (trace_checkpoint_side_effects=False keeps "
-                     "Dynamo's graph break there)", site)
-        return original(self, tx, *args, **kwargs)
+        if not getattr(self, "allow_side_effects", True) and _takes_side_effects(tx):
+            self.allow_side_effects = True  # a handler of this trace, a uniep compile's
+            _say_once(("traced", site), logging.INFO,
+                      "uniep: the activation checkpoint at %s is traced with its side effects applied once, in the "
+                      "forward, not again in the backward's recompute (trace_checkpoint_side_effects=False keeps "
+                      "Dynamo's graph break there)", site)
+        try:
+            return original(self, tx, *args, **kwargs)
+        except torch._dynamo.exc.Unsupported as exc:  # Dynamo breaks the graph here: the checkpoint runs eagerly
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _say_once(("eager", site), logging.WARNING,
+                      "uniep: Dynamo cannot trace the activation checkpoint at %s (%s): it runs eagerly, and no MoE "
+                      "layer inside it is fused", site, reason)
+            raise
 
     CheckpointHigherOrderVariable._call_function = _call_function
     _INSTALLED.append(original)
