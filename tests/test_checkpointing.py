@@ -177,6 +177,33 @@ def test_side_effects_in_a_checkpoint_body(backend, options, fused, caplog):
         assert max_rel_err(p.grad, eager_grads[name]) <= 1e-4, name
 
 
+def test_side_effects_in_a_checkpoint_inside_a_nested_region_keep_the_graph_break():
+    """A checkpoint whose body writes outside it, inside a nested_compile_region's body (traced once, called three
+    times a forward): torch traces such a side effect fewer times than eager runs it (or its compile fails, with a
+    tensor appended), so uniep leaves Dynamo's graph break there; the writes are eager's, three a forward."""
+    layer = torch.nn.Linear(8, 8)
+    log = []
+
+    def body(h):
+        log.append("layer")
+        return torch.tanh(layer(h))
+
+    @torch.compiler.nested_compile_region
+    def block(h):
+        return checkpoint(body, h, use_reentrant=False)
+
+    def run(x):
+        return block(block(block(x))).sum()
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    compiled = torch.compile(run, backend="uniep", options={"inner_backend": "aot_eager"})
+    for _ in range(2):  # the first call compiles, the second runs what it made
+        log.clear()
+        out = compiled(x)
+        assert len(log) == 3, log
+    assert torch.equal(out, run(x))
+
+
 def test_weights_passed_into_a_body_as_plain_tensors_rewrite():
     """Inside a checkpoint's body every input is a placeholder. Expert weights passed in as plain tensors (no
     parameters: a functional call's) are rewritten as parameters are, and their gradients flow out of the body."""

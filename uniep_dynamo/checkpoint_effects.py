@@ -20,7 +20,10 @@ What differs from eager checkpointing: a side effect of the body runs once a ste
 the recompute). HF's are of the kind for which once is right: a context variable set and reset around one call, a
 list the step's outputs are read from (eager's recompute appends the router logits a second time, after the step
 read them). ``trace_checkpoint_side_effects=False`` keeps Dynamo's graph break for a body whose side effect must run
-again in the backward.
+again in the backward (unless torch's own setting is on, which then decides). A checkpoint inside the body of another
+higher-order op (a nested_compile_region, a torch.cond branch) keeps the break too: torch mishandles side effects
+there (``_takes_side_effects``). A side effect Dynamo guards on (an int counter the body increments) recompiles the
+frame each step, as it would outside a checkpoint.
 
 Where Dynamo cannot trace a checkpoint in a uniep compile (that option off, a host read inside the body, a hook that
 breaks the graph), uniep warns once per call site that the checkpoint runs eagerly and nothing inside it is fused:
@@ -54,15 +57,34 @@ def _is_uniep(tx) -> bool:
     return _uniep_call(tx) is not None
 
 
-def _takes_side_effects(tx) -> bool:
-    """Whether the trace ``tx`` is a uniep compile with trace_checkpoint_side_effects on."""
+def _takes_side_effects(tx, checkpoint_op) -> bool:
+    """Whether the checkpoint ``checkpoint_op`` that the trace ``tx`` is at takes side effects: a uniep compile with
+    trace_checkpoint_side_effects on, and the checkpoint in no body of another higher-order op (at the top of the
+    frame, or in checkpoints only). Inside a nested_compile_region's body (traced once, called many times) or a
+    torch.cond branch, torch's handling of such a checkpoint applies the side effect fewer times than eager, or its
+    compile fails (measured on torch 2.13 with torch's own setting alike), so there Dynamo's graph break stays."""
     call = _uniep_call(tx)
-    try:
-        from .backend import UniepOptions
-
-        return call is not None and UniepOptions.from_options(call[1]).trace_checkpoint_side_effects
-    except Exception:  # noqa: BLE001  (bad options: the backend says so when it is called; trace as Dynamo would)
+    if call is None:
         return False
+    from .backend import UniepOptions
+
+    try:
+        if not UniepOptions.from_options(call[1]).trace_checkpoint_side_effects:
+            return False
+    except ValueError as exc:  # the backend raises it for the first graph; a frame with no other graph would not
+        _say_once(("options", str(exc)), logging.WARNING, "%s", exc)
+        return False
+    tracer = getattr(getattr(tx, "output", None), "current_tracer", None)
+    while getattr(tracer, "parent", None) is not None:  # a subgraph's tracer: inside a higher-order op's body
+        if getattr(tracer, "source_target", None) is not checkpoint_op:
+            return False
+        tracer = tracer.parent
+    return True
+
+
+# what Dynamo raises where it cannot trace a checkpoint's body and breaks the graph before it
+_BREAKS = tuple(cls for cls in (getattr(torch._dynamo.exc, "Unsupported", None),
+                                getattr(torch._dynamo.exc, "UncapturedHigherOrderOpError", None)) if cls is not None)
 
 
 def _say_once(key, level: int, message: str, *args) -> None:
@@ -93,7 +115,7 @@ def install() -> bool:
         if not _is_uniep(tx):
             return original(self, tx, *args, **kwargs)
         site = _site(tx)
-        if not getattr(self, "allow_side_effects", True) and _takes_side_effects(tx):
+        if not getattr(self, "allow_side_effects", True) and _takes_side_effects(tx, getattr(self, "value", None)):
             self.allow_side_effects = True  # a handler of this trace, a uniep compile's
             _say_once(("traced", site), logging.INFO,
                       "uniep: the activation checkpoint at %s is traced with its side effects applied once, in the "
@@ -101,11 +123,12 @@ def install() -> bool:
                       "Dynamo's graph break there)", site)
         try:
             return original(self, tx, *args, **kwargs)
-        except torch._dynamo.exc.Unsupported as exc:  # Dynamo breaks the graph here: the checkpoint runs eagerly
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _say_once(("eager", site), logging.WARNING,
-                      "uniep: Dynamo cannot trace the activation checkpoint at %s (%s): it runs eagerly, and no MoE "
-                      "layer inside it is fused", site, reason)
+        except _BREAKS as exc:  # Dynamo breaks the graph here: the checkpoint runs eagerly
+            if not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False)):  # else it raises
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                _say_once(("eager", site), logging.WARNING,
+                          "uniep: Dynamo cannot trace the activation checkpoint at %s (%s): it runs eagerly, and no "
+                          "MoE layer inside it is fused", site, reason)
             raise
 
     CheckpointHigherOrderVariable._call_function = _call_function
