@@ -53,19 +53,13 @@ def _uniep_call(tx):
         return None
 
 
-def _is_uniep(tx) -> bool:
-    return _uniep_call(tx) is not None
-
-
-def _takes_side_effects(tx, checkpoint_op) -> bool:
-    """Whether the checkpoint ``checkpoint_op`` that the trace ``tx`` is at takes side effects: a uniep compile with
-    trace_checkpoint_side_effects on, and the checkpoint in no body of another higher-order op (at the top of the
-    frame, or in checkpoints only). Inside a nested_compile_region's body (traced once, called many times) or a
-    torch.cond branch, torch's handling of such a checkpoint applies the side effect fewer times than eager, or its
-    compile fails (measured on torch 2.13 with torch's own setting alike), so there Dynamo's graph break stays."""
-    call = _uniep_call(tx)
-    if call is None:
-        return False
+def _takes_side_effects(tx, call, checkpoint_op) -> bool:
+    """Whether the checkpoint ``checkpoint_op`` that the trace ``tx`` of the uniep compile ``call`` (mode, options) is
+    at takes side effects: trace_checkpoint_side_effects on, and the checkpoint in no body of another higher-order op
+    (at the top of the frame, or in checkpoints only). Inside a nested_compile_region's body (traced once, called many
+    times) or a torch.cond branch, torch's handling of such a checkpoint applies the side effect fewer times than
+    eager, or its compile fails (measured on torch 2.13 with torch's own setting alike), so there Dynamo's graph break
+    stays."""
     from .backend import UniepOptions
 
     try:
@@ -112,10 +106,12 @@ def install() -> bool:
 
     @functools.wraps(original)
     def _call_function(self, tx, *args, **kwargs):
-        if not _is_uniep(tx):
+        call = _uniep_call(tx)
+        if call is None:  # another backend's compile
             return original(self, tx, *args, **kwargs)
         site = _site(tx)
-        if not getattr(self, "allow_side_effects", True) and _takes_side_effects(tx, getattr(self, "value", None)):
+        checkpoint_op = getattr(self, "value", None)
+        if not getattr(self, "allow_side_effects", True) and _takes_side_effects(tx, call, checkpoint_op):
             self.allow_side_effects = True  # a handler of this trace, a uniep compile's
             _say_once(("traced", site), logging.INFO,
                       "uniep: the activation checkpoint at %s is traced with its side effects applied once, in the "
